@@ -1,0 +1,42 @@
+"""What every stage script shares: params loading, atomic JSON writes, the console."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run from a checkout without install
+
+from kvpop.config import Params, ParamsError, load_params  # noqa: E402
+
+console = Console(stderr=True)
+
+
+def params(path: str = "params.yaml") -> Params:
+    """Validated params, or exit with the error naming the key (before any work)."""
+    try:
+        return load_params(path)
+    except ParamsError as err:
+        console.print(f"[bold red]{err}")
+        raise SystemExit(2) from None
+
+
+def write_json(path: str | Path, obj) -> None:
+    """Write JSON atomically: a reader never sees a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def fail(msg: str, code: int = 1):
+    console.print(f"[bold red]error:[/] {msg}")
+    raise SystemExit(code)

@@ -1,0 +1,185 @@
+"""Sparse attention inside a Hugging Face model: the executors and the per-forward context.
+
+The model runs with ``attn_implementation="kvpop"``; every attention layer then calls
+:meth:`SparseContext.attend`, handed in as the ``kvpop_ctx`` keyword of the model's forward:
+
+1. the policy scores the layer's keys and values (one hook, :meth:`Policy.scores`);
+2. :func:`kvpop.selection.eviction_times` turns priorities into one eviction time per token;
+3. an executor runs attention under :func:`kvpop.masks.make_eviction_mask_mod`:
+   ``"flex"`` (CUDA: FlexAttention with a BlockMask from per-block bounds) or ``"sdpa"``
+   (CPU, where FlexAttention has no backward: SDPA with the dense boolean mask);
+4. for a learned policy in training, the target pass (:func:`kvpop.target.future_attention_target`)
+   and the boundary loss (:func:`kvpop.boundary.boundary_loss`) run right there, per layer, so
+   no per-layer query/key tensors outlive the layer.
+
+Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, S sequence, D head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from kvpop.boundary import boundary_loss
+from kvpop.masks import block_mask_from_eviction_times, dense_mask, make_eviction_mask_mod
+from kvpop.policies import Policy
+from kvpop.selection import NEVER, eviction_times
+from kvpop.target import future_attention_target
+
+ATTN_IMPLEMENTATION = "kvpop"
+Executor = Literal["sdpa", "flex"]
+
+
+@torch.no_grad()
+def masked_lse(q: Tensor, k: Tensor, allowed: Tensor, scale: float, chunk: int = 512) -> Tensor:
+    """Log-normalizers of masked attention: q (B, H, S, D), k (B, Hk, S, D), allowed (B, H, S, S) -> (B, H, S)."""
+    B, H, S, _ = q.shape
+    kk = k.repeat_interleave(H // k.shape[1], dim=1).float()
+    out = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+    for s in range(0, S, chunk):
+        sc = torch.einsum("bhqd,bhkd->bhqk", q[:, :, s : s + chunk].float(), kk) * scale
+        out[:, :, s : s + chunk] = sc.masked_fill(~allowed[:, :, s : s + chunk], float("-inf")).logsumexp(-1)
+    return out
+
+
+def sdpa_execute(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, need_lse: bool) -> tuple[Tensor, Tensor | None]:
+    """CPU executor: SDPA with a boolean mask (B, H, S, S). Returns (out (B, H, S, D), lse or None)."""
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
+    return out, (masked_lse(q, k, allowed, scale) if need_lse else None)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_execute(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float, need_lse: bool) -> tuple[Tensor, Tensor | None]:
+    """CUDA executor: FlexAttention (compiled) under a BlockMask; eager on CPU (forward only)."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    fn = _compiled_flex() if q.is_cuda else flex_attention
+    if need_lse:
+        out, aux = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True), None
+
+
+@dataclass
+class ScorerTraining:
+    """Settings of the boundary loss, when a learned policy is being trained."""
+
+    tau: float = 1.0
+    tie_margin: float = 0.5
+    query_samples: int = 0
+    target_normalizer: Literal["sparse", "dense"] = "sparse"
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class SparseContext:
+    """Everything one forward pass needs to run the eviction pattern in every layer."""
+
+    policy: Policy
+    doc_ids: Tensor  # (B, S) int, -1 on padding
+    pos: Tensor  # (B, S) int, position inside the document
+    sinks: int
+    window: int
+    k: int  # long-range slots: budget - sinks - window
+    executor: Executor = "sdpa"
+    scorer_training: ScorerTraining | None = None
+    losses: list[Tensor] = field(default_factory=list)  # boundary loss per layer
+    stats: list[dict[str, Tensor]] = field(default_factory=list)
+    _cache: dict = field(default_factory=dict)
+
+    @classmethod
+    def for_rows(cls, policy: Policy, doc_ids: Tensor, pos: Tensor, *, sinks: int, window: int, k: int, **kw) -> SparseContext:
+        return cls(policy=policy, doc_ids=doc_ids, pos=pos, sinks=sinks, window=window, k=k, **kw)
+
+    def evictions(self, layer: int, k: Tensor, v: Tensor):
+        """(eviction times (B, Hk, S), Scores or None) for one layer."""
+        B, Hk, S, _ = k.shape
+        if self.policy.layer_independent and "evict" in self._cache:
+            return self._cache["evict"], None
+        scores = self.policy.scores(layer, k, v, self.pos)
+        if scores is None:
+            evict = torch.full((B, Hk, S), NEVER, dtype=torch.int64, device=k.device)
+        else:
+            evict = eviction_times(scores.prio, self.doc_ids, self.pos, sinks=self.sinks, window=self.window, k=self.k)
+        if self.policy.layer_independent:
+            self._cache["evict"] = evict
+        return evict, scores
+
+    def _pattern(self, evict: Tensor, H: int, layer_key: object):
+        key = ("pattern", layer_key)
+        if key in self._cache:
+            return self._cache[key]
+        B, Hk, S = evict.shape
+        if self.executor == "flex":
+            pat = block_mask_from_eviction_times(self.doc_ids, self.pos, evict, sinks=self.sinks, num_heads=H)
+        else:
+            mm = make_eviction_mask_mod(self.doc_ids, self.pos, evict, sinks=self.sinks, group=H // Hk)
+            pat = dense_mask(mm, B, H, S, evict.device)
+        if self.policy.layer_independent:
+            self._cache[key] = pat
+        return pat
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor, evict: Tensor, scale: float, need_lse: bool, layer_key: object):
+        pat = self._pattern(evict, q.shape[1], layer_key)
+        if self.executor == "flex":
+            return flex_execute(q, k, v, pat, scale, need_lse)
+        return sdpa_execute(q, k, v, pat, scale, need_lse)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """q (B, H, S, D), k, v (B, Hk, S, D) -> attention output (B, S, H, D)."""
+        evict, scores = self.evictions(layer, k, v)
+        train = self.scorer_training is not None and scores is not None and scores.r_hat is not None
+        key = "static" if self.policy.layer_independent else layer
+        out, lse = self.run(q, k, v, evict, scale, need_lse=train, layer_key=key)
+        if train:
+            st = self.scorer_training
+            with torch.no_grad():
+                if st.target_normalizer == "dense":
+                    never = torch.full_like(evict, NEVER)
+                    _, lse = self.run(q.detach(), k.detach(), v.detach(), never, scale, True, ("dense", layer))
+                impl = "flex" if self.executor == "flex" else "chunked"
+                r_tgt = future_attention_target(q.detach(), k.detach(), lse.detach(), self.doc_ids, window=self.window, scale=scale, impl=impl)
+            loss, stats = boundary_loss(
+                scores.r_hat, r_tgt, scores.log_gamma, self.doc_ids, self.pos,
+                sinks=self.sinks, window=self.window, k=self.k, tau=st.tau, tie_margin=st.tie_margin,
+                query_samples=st.query_samples, generator=st.generator,
+            )
+            self.losses.append(loss)
+            self.stats.append(stats)
+        return out.transpose(1, 2).contiguous()
+
+
+def kvpop_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kvpop_ctx: SparseContext | None = None, **kwargs):
+    """The ``attn_implementation="kvpop"`` entry point that transformers calls in every layer."""
+    if kvpop_ctx is None:
+        raise RuntimeError(
+            "a model with attn_implementation='kvpop' needs `kvpop_ctx=SparseContext(...)` in its forward call"
+        )
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return kvpop_ctx.attend(module.layer_idx, query, key, value, scale), None
+
+
+def _no_mask(*args, **kwargs):
+    """The pattern comes from the context; transformers need not build a mask."""
+    return None
+
+
+def register() -> str:
+    """Register the ``kvpop`` attention (idempotent); returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, kvpop_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+    return ATTN_IMPLEMENTATION

@@ -1,0 +1,151 @@
+"""The scorer's training signal: a logistic loss at the eviction boundary.
+
+At query q exactly one token, t_new = q - window, leaves the protected window and joins the
+eligible set E(q) = {t : pos_t >= sinks, t <= q - window} of its document. The *teacher* policy
+ranks E(q) by the target r_tgt plus the age decay; it keeps t_new iff t_new outranks t_bnd, the
+k-th best token of E(q) without t_new (the one t_new competes with for the last slot). The label
+is y = +1 (keep) or -1 (drop), and the student's margin Delta = r_eff(t_new) - r_eff(t_bnd) is
+pushed to the label's side by ``softplus(-y * Delta / tau)``. Queries whose E(q) holds at most k
+tokens decide nothing and are skipped.
+
+t_bnd for every q at once is a prefix order statistic: in token order, the prefix before t_new
+holds exactly E(q) without t_new (plus earlier documents, which all rank better because ranks
+sort by document first), so t_bnd has the (c0 + k)-th smallest teacher rank in that prefix, c0
+being the number of eligible tokens of earlier documents (:func:`kvpop.order.prefix_kth_smallest`).
+
+Shapes: B batch, Hk KV heads, S sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from kvpop.order import prefix_kth_smallest
+from kvpop.scorer import static_priority
+
+
+@dataclass
+class BoundaryLabels:
+    """Teacher decisions at every decided query, flattened over (B, Hk, candidates)."""
+
+    row: Tensor  # (M,) flat (b * Hk + h) index
+    t_new: Tensor  # (M,) token leaving the window
+    t_bnd: Tensor  # (M,) its competitor, the k-th best of E(q) without t_new
+    y: Tensor  # (M,) +1 keep, -1 drop
+
+
+def eligible(doc_ids: Tensor, pos: Tensor, sinks: int) -> Tensor:
+    """(B, S) bool: tokens that ever compete for long-range slots (not sinks, not padding)."""
+    return (doc_ids >= 0) & (pos >= sinks)
+
+
+def teacher_ranks(prio: Tensor, doc_ids: Tensor, pos: Tensor, sinks: int) -> Tensor:
+    """Rank of every token in (document asc, priority desc, index desc) order; (B, Hk, S) int64.
+
+    Ineligible tokens rank after all eligible ones. Ties in priority go to the newer token, the
+    same rule as :func:`kvpop.selection.eviction_times`.
+    """
+    B, Hk, S = prio.shape
+    ok = eligible(doc_ids, pos, sinks)[:, None].expand(B, Hk, S)
+    doc = torch.where(ok, doc_ids[:, None].expand(B, Hk, S).to(torch.int64), 1 << 40)
+    order = torch.arange(S - 1, -1, -1, device=prio.device).expand(B, Hk, S)  # index desc
+    order = order.gather(-1, torch.sort(prio.gather(-1, order), dim=-1, descending=True, stable=True).indices)
+    order = order.gather(-1, torch.sort(doc.gather(-1, order), dim=-1, stable=True).indices)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(S, device=prio.device).expand(B, Hk, S))
+    return ranks
+
+
+@torch.no_grad()
+def boundary_labels(
+    r_tgt: Tensor,  # (B, Hk, S) teacher scores (detached)
+    log_gamma: Tensor,  # (Hk,)
+    doc_ids: Tensor,  # (B, S)
+    pos: Tensor,  # (B, S)
+    *,
+    sinks: int,
+    window: int,
+    k: int,
+) -> BoundaryLabels:
+    """The teacher's keep/drop decision for t_new at every decided query, and its competitor."""
+    B, Hk, S = r_tgt.shape
+    dev = r_tgt.device
+    ok = eligible(doc_ids, pos, sinks)  # (B, S)
+    prio = static_priority(r_tgt, pos, log_gamma.detach())
+    ranks = teacher_ranks(prio, doc_ids, pos, sinks)  # (B, Hk, S)
+    t = torch.arange(S, device=dev)
+    q = t + window
+    q_c = q.clamp(max=S - 1)
+    same_doc = (q < S)[None] & (doc_ids.gather(1, q_c.expand(B, S)) == doc_ids)
+    before = F.pad(ok.long().cumsum(-1), (1, 0))[:, :-1]  # eligible tokens in [0, t)
+    in_doc_before = (pos - sinks).clamp(min=0)  # eligible tokens of t's document before t
+    decided = ok & same_doc & (in_doc_before >= k) & (k > 0)  # |E(q)| - 1 >= k
+    c0 = before - in_doc_before
+    kth = (c0 + k)[:, None].expand(B, Hk, S).reshape(B * Hk, S)
+    prefix = t.expand(B * Hk, S)
+    bnd_rank = prefix_kth_smallest(ranks.reshape(B * Hk, S), prefix, kth, bits=max(1, S.bit_length()))
+    inv = torch.empty_like(ranks).reshape(B * Hk, S)
+    inv.scatter_(-1, ranks.reshape(B * Hk, S), t.expand(B * Hk, S))  # rank -> token
+    dec = decided[:, None].expand(B, Hk, S).reshape(B * Hk, S) & (bnd_rank >= 0)
+    row, t_new = dec.nonzero(as_tuple=True)
+    br = bnd_rank[row, t_new]
+    t_bnd = inv[row, br]
+    y = torch.where(ranks.reshape(B * Hk, S)[row, t_new] < br, 1.0, -1.0)
+    return BoundaryLabels(row=row, t_new=t_new, t_bnd=t_bnd, y=y)
+
+
+def boundary_loss(
+    r_hat: Tensor,  # (B, Hk, S) student raw scores (carries the scorer's graph)
+    r_tgt: Tensor,  # (B, Hk, S) targets (detached)
+    log_gamma: Tensor,  # (Hk,) carries the decay's graph
+    doc_ids: Tensor,
+    pos: Tensor,
+    *,
+    sinks: int,
+    window: int,
+    k: int,
+    tau: float = 1.0,
+    tie_margin: float = 0.5,
+    query_samples: int = 0,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Weighted logistic loss at the eviction boundary; returns (loss, detached stats).
+
+    The weight omega = (near-tie discount) x (per-head class balance): a decision whose teacher
+    margin |Delta_tgt| is small says little and gets weight 1 - exp(-|Delta_tgt| / tie_margin);
+    keep and drop labels each carry half the weight of their head.
+    """
+    B, Hk, S = r_hat.shape
+    lab = boundary_labels(r_tgt, log_gamma, doc_ids, pos, sinks=sinks, window=window, k=k)
+    if query_samples > 0 and lab.row.numel() > query_samples * B * Hk:
+        keep = torch.randperm(lab.row.numel(), generator=generator, device="cpu")[: query_samples * B * Hk]
+        keep = keep.to(lab.row.device)
+        lab = BoundaryLabels(lab.row[keep], lab.t_new[keep], lab.t_bnd[keep], lab.y[keep])
+    if lab.row.numel() == 0:
+        zero = r_hat.sum() * 0.0 + log_gamma.sum() * 0.0
+        return zero, {"decisions": torch.tensor(0.0), "keep_rate": torch.tensor(0.0), "agreement": torch.tensor(0.0)}
+    h = lab.row % Hk
+    gap = (lab.t_bnd - lab.t_new).to(torch.float64)  # < 0: t_bnd is older
+    flat_hat = r_hat.reshape(B * Hk, S)
+    flat_tgt = r_tgt.reshape(B * Hk, S)
+    delta = (flat_hat[lab.row, lab.t_new] - flat_hat[lab.row, lab.t_bnd]).double() + gap * log_gamma[h]
+    with torch.no_grad():
+        delta_tgt = (flat_tgt[lab.row, lab.t_new] - flat_tgt[lab.row, lab.t_bnd]).double() + gap * log_gamma[h].detach()
+        w_tie = 1.0 - torch.exp(-delta_tgt.abs() / tie_margin) if tie_margin > 0 else torch.ones_like(delta_tgt)
+        pos_lab = (lab.y > 0).double()
+        n_pos = torch.zeros(Hk, dtype=torch.float64, device=h.device).index_add_(0, h, pos_lab)
+        n_all = torch.zeros(Hk, dtype=torch.float64, device=h.device).index_add_(0, h, torch.ones_like(pos_lab))
+        n_cls = torch.where(lab.y > 0, n_pos[h], n_all[h] - n_pos[h])
+        w_bal = 0.5 * n_all[h] / n_cls
+        omega = w_tie * w_bal
+    loss = (omega * F.softplus(-lab.y.double() * delta / tau)).mean().float()
+    stats = {
+        "decisions": torch.tensor(float(lab.row.numel())),
+        "keep_rate": pos_lab.mean().float(),
+        "agreement": ((delta.detach() > 0) == (lab.y > 0)).float().mean(),
+    }
+    return loss, stats

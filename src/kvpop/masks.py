@@ -1,0 +1,142 @@
+"""The attention pattern, defined once, and its two materializations.
+
+Every policy (dense, StreamingLLM, learned top-k) is described by one integer per KV head and
+token: its *eviction time* ``evict[b, h, t]``, the first query index at which token ``t`` is no
+longer attended (``selection.NEVER`` for tokens that are never evicted). With packed rows, the
+pattern is
+
+    allowed(b, h, q, kv) = (kv <= q  &  doc[q] == doc[kv] >= 0  &  (pos[kv] < sinks  |  q < evict[kv]))
+                           | (q == kv)
+
+(the diagonal keeps padding queries well defined; for real tokens it is already allowed because a
+token is always inside its own window). :func:`make_eviction_mask_mod` is that predicate as a
+FlexAttention ``mask_mod``. Two executors consume it:
+
+* :func:`dense_mask` evaluates it on the full (S x S) grid: the boolean mask for SDPA on CPU
+  and the reference in tests;
+* :func:`block_mask_from_eviction_times` builds a FlexAttention ``BlockMask`` from per-block bounds
+  of ``evict`` in O((S/128)^2) per head, never materializing S x S, and keeps the same ``mask_mod``
+  for the partial blocks.
+
+Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, S sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def make_eviction_mask_mod(
+    doc_ids: Tensor,  # (B, S) int, -1 on padding
+    pos: Tensor,  # (B, S) int, position inside the document
+    evict: Tensor,  # (B, Hk, S) int, eviction time per KV head and token
+    *,
+    sinks: int,
+    group: int,  # G = H / Hk
+) -> MaskMod:
+    """The pattern as a ``mask_mod(b, h, q_idx, kv_idx) -> bool`` over query heads ``h``."""
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        doc_kv = doc_ids[b, kv_idx]
+        same_doc = (doc_ids[b, q_idx] == doc_kv) & (doc_kv >= 0)
+        kept = (pos[b, kv_idx] < sinks) | (q_idx < evict[b, h // group, kv_idx])
+        return ((kv_idx <= q_idx) & same_doc & kept) | (q_idx == kv_idx)
+
+    return mask_mod
+
+
+def dense_mask(mask_mod: MaskMod, B: int, H: int, S: int, device: torch.device | str) -> Tensor:
+    """Evaluate ``mask_mod`` on the full grid: (B, H, S, S) bool (True = attend)."""
+    b = torch.arange(B, device=device).view(B, 1, 1, 1)
+    h = torch.arange(H, device=device).view(1, H, 1, 1)
+    q = torch.arange(S, device=device).view(1, 1, S, 1)
+    kv = torch.arange(S, device=device).view(1, 1, 1, S)
+    return mask_mod(b, h, q, kv).expand(B, H, S, S)
+
+
+def block_mask_from_eviction_times(
+    doc_ids: Tensor,  # (B, S)
+    pos: Tensor,  # (B, S)
+    evict: Tensor,  # (B, Hk, S)
+    *,
+    sinks: int,
+    num_heads: int,  # H
+    block_size: int = 128,
+):
+    """A FlexAttention ``BlockMask`` for the eviction pattern, from per-block bounds.
+
+    For query block i and KV block j <= i (per batch row and KV head):
+
+    * *empty* when the blocks share no document, or when no token of block j is a sink and its
+      latest eviction time is at most the first query of block i;
+    * *full* when j < i, both blocks lie inside one document (no padding), and the earliest
+      eviction time in block j exceeds the last query of block i (sinks count as never evicted);
+    * *partial* otherwise; the diagonal block is always partial.
+
+    Cost: O(B * Hk * (S / block)^2); nothing of size S x S is built.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, Hk, S = evict.shape
+    G = num_heads // Hk
+    nb = (S + block_size - 1) // block_size
+    pad = nb * block_size - S
+    big = torch.iinfo(torch.int32).max
+    doc = doc_ids.to(torch.int64)
+    doc = torch.where(doc < 0, torch.full_like(doc, 1 << 40), doc)  # padding: its own, last "document"
+    e = evict.to(torch.int64)
+    is_sink = (pos < sinks) & (doc_ids >= 0)  # (B, S)
+    e_hi = torch.where(is_sink[:, None], torch.full_like(e, big), e)  # (B, Hk, S)
+    e_hi = torch.where((doc_ids < 0)[:, None], torch.full_like(e, -1), e_hi)  # padding: never kept
+    if pad:
+        doc = torch.nn.functional.pad(doc, (0, pad), value=1 << 41)
+        e_hi = torch.nn.functional.pad(e_hi, (0, pad), value=-1)
+    doc_blk = doc.view(B, nb, block_size)
+    d_min, d_max = doc_blk.amin(-1), doc_blk.amax(-1)  # (B, nb)
+    e_blk = e_hi.view(B, Hk, nb, block_size)
+    e_min, e_max = e_blk.amin(-1), e_blk.amax(-1)  # (B, Hk, nb)
+
+    i = torch.arange(nb, device=evict.device).view(nb, 1)  # query block
+    j = torch.arange(nb, device=evict.device).view(1, nb)  # kv block
+    q_first = (i * block_size).view(1, 1, nb, 1)
+    q_last = ((i + 1) * block_size - 1).clamp(max=S - 1).view(1, 1, nb, 1)
+    below = (j <= i).view(1, 1, nb, nb)
+    # documents are contiguous and increasing along a row, so blocks j <= i overlap iff
+    # the last document of block j reaches the first document of block i
+    overlap = (d_max[:, None, None, :] >= d_min[:, None, :, None]) & below  # (B, 1, nb, nb)
+    any_kept = e_max[:, :, None, :] > q_first  # (B, Hk, nb, nb)
+    diagonal = (i == j).view(1, 1, nb, nb)
+    nonempty = (overlap & any_kept) | diagonal
+    one_doc = (d_min == d_max)  # (B, nb)
+    same_single_doc = (
+        one_doc[:, None, :] & one_doc[:, :, None] & (d_min[:, None, :] == d_min[:, :, None])
+    )[:, None]  # (B, 1, nb, nb)
+    full = (j < i).view(1, 1, nb, nb) & same_single_doc & (e_min[:, :, None, :] > q_last)
+    partial = nonempty & ~full
+    # expand KV heads to query heads (the mask_mod indexes evict by h // G)
+    full = full.expand(B, Hk, nb, nb).repeat_interleave(G, dim=1)
+    partial = partial.expand(B, Hk, nb, nb).repeat_interleave(G, dim=1)
+
+    def ordered(m: Tensor) -> tuple[Tensor, Tensor]:
+        m = m.to(torch.int32)
+        return m.sum(-1).to(torch.int32), torch.argsort(m, dim=-1, descending=True, stable=True).to(
+            torch.int32
+        )
+
+    kv_num, kv_idx = ordered(partial)
+    full_num, full_idx = ordered(full)
+    mask_mod = make_eviction_mask_mod(doc_ids, pos, evict, sinks=sinks, group=G)
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=block_size,
+        mask_mod=mask_mod,
+        seq_lengths=(S, S),
+    )

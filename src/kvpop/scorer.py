@@ -1,0 +1,75 @@
+"""Learned eviction scorers: one small network per (layer, KV head), plus a learned age decay.
+
+The effective score of token t at query q is ``r_hat_t + (q - t) * log(gamma_h)``. With gamma fixed
+during a forward pass, ranking by it at every q equals ranking by one *static priority*
+``r_hat_t - t * log(gamma_h)`` (the ``q * log(gamma_h)`` term is common to all candidates), which is
+what the selection consumes.
+
+Shapes: B batch, Hk KV heads, S sequence, D head dim, L layers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+GAMMA_MIN = 0.999
+GAMMA_MAX = 0.999999
+
+
+class HeadwiseMLP(nn.Module):
+    """Per KV head, a two-layer MLP with SiLU on the concatenated key and value: (2D) -> F -> 1."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, hidden: int):
+        super().__init__()
+        fan_in = 2 * head_dim
+        self.w1 = nn.Parameter(torch.randn(num_kv_heads, fan_in, hidden) / math.sqrt(fan_in))
+        self.b1 = nn.Parameter(torch.zeros(num_kv_heads, hidden))
+        self.w2 = nn.Parameter(torch.randn(num_kv_heads, hidden) / math.sqrt(hidden))
+        self.b2 = nn.Parameter(torch.zeros(num_kv_heads))
+
+    def forward(self, k: Tensor, v: Tensor) -> Tensor:
+        """k, v: (B, Hk, S, D) -> raw scores r_hat (B, Hk, S). Inputs are detached here."""
+        x = torch.cat([k.detach(), v.detach()], dim=-1).to(self.w1.dtype)  # (B, Hk, S, 2D)
+        h = torch.nn.functional.silu(torch.einsum("bhsi,hif->bhsf", x, self.w1) + self.b1[:, None])
+        return torch.einsum("bhsf,hf->bhs", h, self.w2) + self.b2[:, None]  # (B, Hk, S)
+
+
+class LearnedDecay(nn.Module):
+    """gamma per (layer, KV head), constrained to [GAMMA_MIN, GAMMA_MAX] by a sigmoid."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, init: float = 0.9999):
+        super().__init__()
+        frac = (init - GAMMA_MIN) / (GAMMA_MAX - GAMMA_MIN)
+        self.logit = nn.Parameter(torch.full((num_layers, num_kv_heads), math.log(frac / (1 - frac))))
+
+    def log_gamma(self, layer: int) -> Tensor:
+        """(Hk,) log(gamma_h) < 0, in float64 for a precise age term at long positions."""
+        gamma = GAMMA_MIN + (GAMMA_MAX - GAMMA_MIN) * torch.sigmoid(self.logit[layer].double())
+        return torch.log(gamma)
+
+
+class MLPScorer(nn.Module):
+    """KVpop_mlp: the scorer networks of every layer and the decay."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, hidden: int = 64):
+        super().__init__()
+        self.config = dict(
+            kind="mlp", num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, hidden=hidden
+        )
+        self.layers = nn.ModuleList(HeadwiseMLP(num_kv_heads, head_dim, hidden) for _ in range(num_layers))
+        self.decay = LearnedDecay(num_layers, num_kv_heads)
+
+    def raw_scores(self, layer: int, k: Tensor, v: Tensor) -> Tensor:
+        """(B, Hk, S, D) keys and values -> r_hat (B, Hk, S)."""
+        return self.layers[layer](k, v)
+
+
+def static_priority(r_hat: Tensor, pos: Tensor, log_gamma: Tensor) -> Tensor:
+    """r_hat (B, Hk, S), pos (B, S), log_gamma (Hk,) -> priority (B, Hk, S) float64.
+
+    ``r_hat_t - pos_t * log(gamma_h)``: ranking by it at query q equals ranking by the effective score.
+    """
+    return r_hat.double() - pos[:, None, :].double() * log_gamma.view(1, -1, 1)

@@ -1,0 +1,183 @@
+"""Exact eviction times of a static-priority top-k KV-cache policy.
+
+Setting (independently per KV head and per document of a packed row): at query
+``q`` the cache keeps
+
+* the *sinks*: tokens whose in-document position is ``< sinks`` (forever),
+* the *window*: tokens ``t`` with ``q - t < window``,
+* the *long-range slots*: the top-``k`` tokens of the eligible set
+  ``E(q) = {t : pos_t >= sinks, t <= q - window}`` ranked by a static
+  per-token priority.
+
+Ties are broken by recency: among equal priorities the token with the larger
+index (newer) outranks the older one.  Because priorities are static and
+``E(q)`` only grows with ``q``, an evicted token never comes back, so every
+token has a single *eviction time* ``e_t``: the first query index at which it is
+no longer kept.  Writing ``O_t`` for the eligible tokens of ``t``'s document
+that outrank ``t``::
+
+    e_t = NEVER                                   if |O_t| < k
+    e_t = max(t + window, window + s_k(O_t))      otherwise,
+
+where ``s_k`` is the ``k``-th smallest index of ``O_t`` (for ``k = 0``,
+``e_t = t + window``).  Sinks and padding get ``e_t = NEVER``.  The attention
+mask of the policy for KV head ``h`` is then::
+
+    kv <= q  &  doc[q] == doc[kv]  &  doc[kv] >= 0
+             &  (pos[kv] < sinks  |  q < e[h, kv])
+
+Shapes: ``B`` batch, ``Hk`` KV heads, ``S`` sequence length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["NEVER", "document_spans", "eviction_times", "recency_priority"]
+
+#: Eviction time of tokens that are never evicted (sinks, padding, tokens with
+#: fewer than ``k`` outrankers).
+NEVER: int = torch.iinfo(torch.int32).max
+
+
+def document_spans(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Start (inclusive) and end (exclusive) index of every token's document.
+
+    Documents are maximal contiguous runs of equal ``doc_ids``; padding runs
+    (``-1``) are treated like any other run here.
+
+    Args:
+        doc_ids: ``(B, S)`` integer document ids.
+
+    Returns:
+        ``(start, end)``, both ``(B, S)`` int64.
+    """
+    B, S = doc_ids.shape
+    idx = torch.arange(S, device=doc_ids.device).expand(B, S)
+    first = torch.ones_like(doc_ids, dtype=torch.bool)
+    first[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    last = torch.ones_like(first)
+    last[:, :-1] = first[:, 1:]
+    start = torch.where(first, idx, 0).cummax(dim=-1).values
+    end = torch.where(last, idx + 1, S).flip(-1).cummin(dim=-1).values.flip(-1)
+    return start, end
+
+
+def recency_priority(B: int, Hk: int, S: int, device=None) -> torch.Tensor:
+    """StreamingLLM-like priority (newer tokens win): ``(B, Hk, S)`` float32 index."""
+    return torch.arange(S, device=device, dtype=torch.float32).expand(B, Hk, S)
+
+
+def _prefix_kth_smallest(values: torch.Tensor, length: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+    """``rank``-th smallest (0-based) element of ``values[..., :length]``, for all rows at once.
+
+    A wavelet matrix over ``values`` (a permutation of ``0 .. S-1`` along the
+    last dim): ``L = ceil(log2 S)`` levels, each a stable partition of the
+    sequence by one bit (most significant first).  A query descends the levels
+    keeping its range ``[lo, hi)`` in the current level's order and its rank.
+
+    Args:
+        values: ``(N, S)`` int64, each row a permutation of ``0 .. S-1``.
+        length: ``(N, Q)`` int64 prefix lengths in ``[0, S]``.
+        rank: ``(N, Q)`` int64 ranks; the answer is only meaningful where
+            ``rank < length`` (other queries return garbage but stay in bounds).
+
+    Returns:
+        ``(N, Q)`` int64.
+    """
+    N, S = values.shape
+    levels = max(1, (S - 1).bit_length())
+    lo = torch.zeros_like(length)
+    hi = length
+    answer = torch.zeros_like(length)
+    cur = values
+    for level in reversed(range(levels)):
+        bit = (cur >> level) & 1
+        # zeros_before[i] = number of zero bits in cur[:i], i in [0, S].
+        zeros_before = torch.nn.functional.pad((1 - bit).cumsum(-1), (1, 0))
+        n_zeros = zeros_before[:, -1:]
+        z_lo = zeros_before.gather(1, lo)
+        z_hi = zeros_before.gather(1, hi)
+        zeros_in_range = z_hi - z_lo
+        go_right = rank >= zeros_in_range
+        answer = answer | (go_right.long() << level)
+        rank = torch.where(go_right, rank - zeros_in_range, rank)
+        lo, hi = (
+            torch.where(go_right, n_zeros + lo - z_lo, z_lo),
+            torch.where(go_right, n_zeros + hi - z_hi, z_hi),
+        )
+        # Stable partition of cur by this bit (zeros first) for the next level.
+        i = torch.arange(S, device=values.device)
+        dest = torch.where(bit == 0, zeros_before[:, :-1], n_zeros + i - zeros_before[:, :-1])
+        cur = torch.empty_like(cur).scatter_(1, dest, cur)
+    return answer
+
+
+@torch.no_grad()
+def eviction_times(
+    prio: torch.Tensor,
+    doc_ids: torch.Tensor,
+    pos: torch.Tensor,
+    *,
+    sinks: int,
+    window: int,
+    k: int,
+) -> torch.Tensor:
+    """Exact eviction time of every token under the static top-k policy.
+
+    Fully vectorized over ``B``, ``Hk`` and ``S`` with ``O(S log S)`` work per
+    head: tokens are ordered by (document, priority desc, index desc) with the
+    ineligible ones (sinks, padding) last; in that order the prefix before a
+    token of document ``d`` is ``c0_d`` eligible tokens of earlier documents
+    (all with smaller indices) followed by exactly its outrankers ``O_t``, so the
+    ``k``-th smallest index of ``O_t`` is the ``(c0_d + k)``-th smallest index of
+    the prefix, answered for all prefixes at once by a wavelet matrix.
+
+    Args:
+        prio: ``(B, Hk, S)`` float priorities (higher is kept first).
+        doc_ids: ``(B, S)`` int document ids, contiguous runs, ``-1`` = padding.
+        pos: ``(B, S)`` int position inside the document (0 at its start).
+        sinks: number of always-kept tokens at the start of each document.
+        window: size ``w`` of the recent window (token ``t`` protected while ``q - t < w``).
+        k: number of long-range slots.
+
+    Returns:
+        ``(B, Hk, S)`` int32 eviction times (``NEVER`` if never evicted).
+    """
+    B, Hk, S = prio.shape
+    device = prio.device
+    idx = torch.arange(S, device=device)
+    eligible = (doc_ids >= 0) & (pos >= sinks)  # (B, S)
+    never = torch.full((B, Hk, S), NEVER, dtype=torch.int64, device=device)
+    if k == 0:
+        e = torch.where(eligible[:, None, :], idx + window, never)
+        return e.clamp(max=NEVER).to(torch.int32)
+
+    # Document key = start index of the document (monotone in the token index,
+    # independent of how the ids are labelled); ineligible tokens go last.
+    start, _ = document_spans(doc_ids)
+    doc_key = torch.where(eligible, start, S).unsqueeze(1).expand(B, Hk, S)
+
+    # Order: index desc, then (stable) priority desc, then (stable) document asc.
+    order = idx.flip(0).expand(B, Hk, S)
+    order = order.gather(-1, prio.flip(-1).sort(dim=-1, descending=True, stable=True).indices)
+    order = order.gather(-1, doc_key.gather(-1, order).sort(dim=-1, stable=True).indices)
+
+    # c0[r] = order position of the first token of r's document (= eligible
+    # tokens of earlier documents).
+    key_sorted = doc_key.gather(-1, order)
+    first = torch.ones_like(key_sorted, dtype=torch.bool)
+    first[..., 1:] = key_sorted[..., 1:] != key_sorted[..., :-1]
+    c0 = torch.where(first, idx, 0).cummax(dim=-1).values
+
+    r = idx.expand(B, Hk, S)
+    n_outrank = r - c0  # |O_t| for the token at order position r
+    kth = _prefix_kth_smallest(
+        order.reshape(B * Hk, S), r.reshape(B * Hk, S), (c0 + k - 1).reshape(B * Hk, S)
+    ).reshape(B, Hk, S)
+
+    e_sorted = torch.maximum(order + window, kth + window)
+    e_sorted = torch.where(n_outrank >= k, e_sorted, NEVER)
+    e = torch.empty_like(e_sorted).scatter_(-1, order, e_sorted)
+    e = torch.where(eligible[:, None, :], e, never)
+    return e.clamp(max=NEVER).to(torch.int32)

@@ -1,0 +1,95 @@
+"""The one module that talks to MLflow.
+
+Every stage logs one run (named after the stage) into a single tracking store at a fixed
+absolute location: ``<repo>/mlflow.db`` (SQLite), unless ``MLFLOW_TRACKING_URI`` says otherwise.
+Runs carry the DVC experiment name (``DVC_EXP_NAME``, set by ``dvc exp run``; ``workspace``
+for a plain ``dvc repro``) as the tag ``dvc_exp`` so the MLflow UI can compare experiments.
+Launch the UI with ``mlflow ui --backend-store-uri sqlite:///$PWD/mlflow.db``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+EXPERIMENT = "kvpop"
+
+
+def repo_root() -> Path:
+    """The repository root: the nearest parent holding dvc.yaml (else the working directory)."""
+    here = Path.cwd().resolve()
+    for p in (here, *here.parents):
+        if (p / "dvc.yaml").is_file():
+            return p
+    return here
+
+
+def tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{repo_root() / 'mlflow.db'}"
+
+
+def experiment_tag() -> str:
+    return os.environ.get("DVC_EXP_NAME") or "workspace"
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = json.dumps(v) if isinstance(v, (list, tuple)) else v
+    return out
+
+
+def _quiet() -> None:
+    for name in ("alembic", "mlflow", "mlflow.store", "sqlalchemy"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+@contextlib.contextmanager
+def stage_run(stage: str, params: Mapping[str, Any], run_name: str | None = None) -> Iterator["StageRun"]:
+    """One MLflow run for one stage execution; params flattened with dotted keys."""
+    import mlflow
+
+    _quiet()
+    mlflow.set_tracking_uri(tracking_uri())
+    mlflow.set_experiment(EXPERIMENT)
+    with mlflow.start_run(run_name=run_name or stage, tags={"stage": stage, "dvc_exp": experiment_tag()}) as run:
+        mlflow.log_params(_flatten(params))
+        yield StageRun(run.info.run_id)
+
+
+class StageRun:
+    """Handle of the active stage run."""
+
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+
+    def metrics(self, metrics: Mapping[str, Any], step: int | None = None, prefix: str = "") -> None:
+        import mlflow
+
+        flat = {k: float(v) for k, v in _flatten(metrics, prefix).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if flat:
+            mlflow.log_metrics(flat, step=step)
+
+    def artifact(self, path: str | Path) -> None:
+        import mlflow
+
+        path = Path(path)
+        if path.is_dir():
+            mlflow.log_artifacts(str(path), artifact_path=path.name)
+        elif path.is_file():
+            mlflow.log_artifact(str(path))
+
+    def lightning_logger(self):
+        """A Lightning MLFlowLogger writing into this same run."""
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        return MLFlowLogger(experiment_name=EXPERIMENT, tracking_uri=tracking_uri(), run_id=self.run_id, log_model=False)

@@ -1,0 +1,83 @@
+"""Shared fixtures: a tiny byte-level tokenizer with a chat template and tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def build_tiny_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    corpus = [
+        "Let v1 = 381. Recall v1 = 381. So 381 + 42 = 423. The answer is \\boxed{423}.",
+        "Compute the sum of the values. Step 3: 17 * 4 = 68. Therefore the result follows.",
+    ] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token="<|im_start|>"
+    )
+    fast.chat_template = CHATML
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return build_tiny_tokenizer()
+
+
+def _save_tiny(path, model_type, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from kvpop.modeling import tiny_config
+
+    torch.manual_seed(0)
+    cfg = tiny_config(model_type, vocab_size=len(tokenizer))
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tiny_tokenizer):
+    """A 2-layer random Llama (4 query / 2 KV heads) saved with the tiny tokenizer."""
+    return _save_tiny(tmp_path_factory.mktemp("tiny_llama"), "llama", tiny_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory, tiny_tokenizer):
+    """A 2-layer random Qwen3 saved locally: stands in for a hub id, offline."""
+    return _save_tiny(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", tiny_tokenizer)
+
+
+def packed_toy(B: int = 2, S: int = 48, seed: int = 0):
+    """Random packed rows with several documents and trailing padding: (ids, doc_ids, pos)."""
+    g = torch.Generator().manual_seed(seed)
+    doc = torch.full((B, S), -1, dtype=torch.long)
+    pos = torch.zeros((B, S), dtype=torch.long)
+    for b in range(B):
+        t, d = 0, 0
+        while t < S - 3:
+            n = int(torch.randint(3, S // 2, (1,), generator=g))
+            n = min(n, S - 3 - t) if b == 1 else min(n, S - t)
+            doc[b, t : t + n] = d
+            pos[b, t : t + n] = torch.arange(n)
+            t, d = t + n, d + 1
+    ids = torch.randint(0, 96, (B, S), generator=g)
+    return ids, doc, pos

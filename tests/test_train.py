@@ -1,0 +1,80 @@
+"""KL distillation and the scorer loss: values, gradient isolation, one Lightning step."""
+
+import copy
+
+import pytest
+import torch
+from conftest import packed_toy
+
+from kvpop.attention import ScorerTraining, SparseContext, register
+from kvpop.modeling import tiny_config
+from kvpop.policies import make_policy
+from kvpop.train import DistillModule, PackedDataset, TrainSettings, make_loader, prediction_mask, topk_kl
+
+
+def tiny_pair():
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = tiny_config("llama")
+    cfg._attn_implementation = register()
+    teacher = AutoModelForCausalLM.from_config(cfg)
+    return teacher, copy.deepcopy(teacher)
+
+
+def test_topk_kl_equals_full_kl_when_k_is_vocab():
+    g = torch.Generator().manual_seed(0)
+    t, s = torch.randn(2, 5, 11, generator=g), torch.randn(2, 5, 11, generator=g)
+    vals, idx = t.topk(11, -1)
+    mask = torch.ones(2, 5)
+    full = torch.nn.functional.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="none").sum(-1).mean()
+    assert torch.allclose(topk_kl(s, vals, idx, mask), full, atol=1e-6)
+    assert topk_kl(t, vals, idx, mask).abs() < 1e-6
+
+
+def test_prediction_mask_stops_at_document_ends():
+    doc = torch.tensor([[0, 0, 0, 1, 1, -1]])
+    lm = torch.tensor([[0, 1, 1, 0, 1, 0]])
+    assert prediction_mask(lm, doc).tolist() == [[True, True, False, True, False, False]]
+
+
+def test_gradients_are_isolated():
+    """L_score leaves every model parameter without gradient; KL leaves every scorer parameter without."""
+    teacher, student = tiny_pair()
+    ids, doc, pos = packed_toy(2, 64)
+    policy = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
+    ctx = SparseContext.for_rows(policy, doc, pos, sinks=2, window=6, k=5, scorer_training=ScorerTraining())
+    logits = student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits
+    assert len(ctx.losses) == 2  # one boundary loss per layer
+    torch.stack(ctx.losses).mean().backward(retain_graph=True)
+    assert all(p.grad is None for p in student.parameters())
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())
+    policy.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        vals, idx = teacher(input_ids=ids, position_ids=pos, kvpop_ctx=SparseContext.for_rows(make_policy("dense", num_layers=2, num_kv_heads=2, head_dim=16), doc, pos, sinks=2, window=6, k=5)).logits.topk(16, -1)
+    topk_kl(logits, vals, idx, torch.ones(2, 64)).backward()
+    assert all(p.grad is None for p in policy.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in student.parameters())
+
+
+@pytest.mark.parametrize("policy_name", ["streaming_llm_plus", "kvpop_mlp"])
+def test_lightning_fit_updates_the_right_parameters(policy_name, tmp_path):
+    import lightning as L
+
+    teacher, student = tiny_pair()
+    before = copy.deepcopy(student.state_dict())
+    t_before = copy.deepcopy(teacher.state_dict())
+    policy = make_policy(policy_name, num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
+    p_before = copy.deepcopy(policy.state_dict())
+    ids, doc, pos = packed_toy(4, 64)
+    ds = PackedDataset(ids, doc, pos, (doc >= 0).long())
+    s = TrainSettings(sinks=2, window=6, k=5, steps=2, model_lr=1e-3, scorer_lr=1e-2, top_logits=16, scorer_training=ScorerTraining())
+    module = DistillModule(student, teacher, policy, s)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(module, make_loader(ds, 2, 0))
+    assert trainer.global_step == 2
+    assert any(not torch.equal(before[k], v) for k, v in student.state_dict().items())
+    if policy.learned:
+        assert any(not torch.equal(p_before[k], v) for k, v in policy.state_dict().items())
+        assert "train/score_loss" in trainer.callback_metrics
+    assert all(torch.equal(t_before[k], v) for k, v in teacher.state_dict().items())  # the teacher stays frozen
