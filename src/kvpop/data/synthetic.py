@@ -173,7 +173,7 @@ def _generate_one(
     metadata = {
         "generator": "kvpop.data.synthetic",
         "target_chars": target_chars,
-        "values": values,
+        "values": [{"name": n, "value": values[n]} for n in names],  # Arrow-friendly
         "quotes": quotes,
         "quote_names": quote_names,
         "quote_sources": sources,

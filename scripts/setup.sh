@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Creates .venv (Python >= 3.11) and installs kvpop with its pinned dependencies (CPU torch 2.13.0).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.kvpop-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e ".[test]"
+  touch "$stamp"
+fi

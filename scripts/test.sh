@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# The test suite: set up, then pytest (offline, CPU; GPU-marked tests skip without CUDA).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/python -m pytest -q "$@"

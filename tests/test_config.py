@@ -1,0 +1,49 @@
+"""params.yaml validation: impossible settings stop before any work, naming the key."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvpop.config import ParamsError, load_params, parse_params
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def raw():
+    return yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+def test_repo_params_are_valid():
+    p = load_params(ROOT / "params.yaml")
+    assert p.k == p.budget - p.sinks - p.window > 0
+
+
+@pytest.mark.parametrize(
+    "edit, key",
+    [
+        (lambda r: r.update(budget=r["sinks"] + r["window"]), "budget"),
+        (lambda r: r.update(window=0), "window"),
+        (lambda r: r.update(window=-3), "window"),
+        (lambda r: r["train"].update(stepz=3), "train.stepz"),
+        (lambda r: r.update(extra_key=1), "extra_key"),
+        (lambda r: r["base_model"].update(source="not a model id!"), "base_model.source"),
+        (lambda r: r["train"].update(policies=["kvpop_transformer"]), "train.policies"),
+        (lambda r: r["evaluate"].update(policies=["oracle"]), "evaluate.policies"),
+        (lambda r: r["filter"].update(max_tokens=0), "filter.max_tokens"),
+    ],
+)
+def test_bad_params_name_the_key(edit, key):
+    r = raw()
+    edit(r)
+    with pytest.raises(ParamsError, match=key.replace(".", r"\.")):
+        parse_params(r)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ParamsError, match="not found"):
+        load_params(tmp_path / "nope.yaml")
+    f = tmp_path / "p.yaml"
+    f.write_text("budget: [unclosed")
+    with pytest.raises(ParamsError, match="not valid YAML"):
+        load_params(f)
