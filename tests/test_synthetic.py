@@ -37,7 +37,7 @@ def test_arithmetic_is_correct():
     for row in ROWS:
         text = _content(row)
         statements = _ARITH.findall(text)
-        assert len(statements) >= 10
+        assert len(statements) >= 6
         for a, op, b, result in statements:
             assert _OPS[op](int(a), int(b)) == int(result), f"{a} {op} {b} = {result}"
         # The final line sums two recalled values: "So x + y = X + Y = Z."
@@ -71,7 +71,7 @@ def test_quotes_point_at_earlier_definitions():
             assert text[:ds].endswith(f"Let {name} = ")
             assert dist == qs - ds and dist > 0
             # The definition is the only earlier mention of the name.
-            assert text.find(f" {name} ") == ds - len(f" {name} = ") + 1
+            assert text.find(f" {name} ") == ds - len(f" {name} = ")
 
 
 def test_quotes_are_far_and_lengths_spread():
@@ -80,7 +80,7 @@ def test_quotes_are_far_and_lengths_spread():
     rows = generate_traces(8, seed=0, min_chars=1400, max_chars=1450)
     distances = [d for r in rows for d in r["metadata"]["quote_distance_chars"]]
     assert min(distances) >= 700  # DEFAULT_MIN_QUOTE_DISTANCE_CHARS (~450 SmolLM2 tokens)
-    assert all(1400 <= len(_content(r)) <= 1450 + 80 for r in rows)
+    assert all(1400 <= len(_content(r)) < 1450 + 16 for r in rows)
 
 
 def test_real_tokenizer_lengths_and_quote_distance():

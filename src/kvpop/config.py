@@ -63,8 +63,8 @@ class SyntheticConfig(_Section):
 
     train_traces: int = Field(96, gt=0, description="traces generated for training")
     eval_traces: int = Field(24, gt=0, description="held-out traces (another seed) for evaluation")
-    min_chars: int = Field(1400, gt=0, description="shortest assistant reasoning, in characters")
-    max_chars: int = Field(3200, gt=0, description="longest assistant reasoning, in characters")
+    min_chars: int = Field(800, gt=0, description="shortest assistant reasoning, in characters")
+    max_chars: int = Field(1450, gt=0, description="longest assistant reasoning, in characters")
 
     @model_validator(mode="after")
     def _check(self) -> SyntheticConfig:

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from kvpop.order import prefix_kth_smallest
+
 __all__ = ["NEVER", "document_spans", "eviction_times", "recency_priority"]
 
 #: Eviction time of tokens that are never evicted (sinks, padding, tokens with
@@ -66,51 +68,6 @@ def document_spans(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def recency_priority(B: int, Hk: int, S: int, device=None) -> torch.Tensor:
     """StreamingLLM-like priority (newer tokens win): ``(B, Hk, S)`` float32 index."""
     return torch.arange(S, device=device, dtype=torch.float32).expand(B, Hk, S)
-
-
-def _prefix_kth_smallest(values: torch.Tensor, length: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
-    """``rank``-th smallest (0-based) element of ``values[..., :length]``, for all rows at once.
-
-    A wavelet matrix over ``values`` (a permutation of ``0 .. S-1`` along the
-    last dim): ``L = ceil(log2 S)`` levels, each a stable partition of the
-    sequence by one bit (most significant first).  A query descends the levels
-    keeping its range ``[lo, hi)`` in the current level's order and its rank.
-
-    Args:
-        values: ``(N, S)`` int64, each row a permutation of ``0 .. S-1``.
-        length: ``(N, Q)`` int64 prefix lengths in ``[0, S]``.
-        rank: ``(N, Q)`` int64 ranks; the answer is only meaningful where
-            ``rank < length`` (other queries return garbage but stay in bounds).
-
-    Returns:
-        ``(N, Q)`` int64.
-    """
-    N, S = values.shape
-    levels = max(1, (S - 1).bit_length())
-    lo = torch.zeros_like(length)
-    hi = length
-    answer = torch.zeros_like(length)
-    cur = values
-    for level in reversed(range(levels)):
-        bit = (cur >> level) & 1
-        # zeros_before[i] = number of zero bits in cur[:i], i in [0, S].
-        zeros_before = torch.nn.functional.pad((1 - bit).cumsum(-1), (1, 0))
-        n_zeros = zeros_before[:, -1:]
-        z_lo = zeros_before.gather(1, lo)
-        z_hi = zeros_before.gather(1, hi)
-        zeros_in_range = z_hi - z_lo
-        go_right = rank >= zeros_in_range
-        answer = answer | (go_right.long() << level)
-        rank = torch.where(go_right, rank - zeros_in_range, rank)
-        lo, hi = (
-            torch.where(go_right, n_zeros + lo - z_lo, z_lo),
-            torch.where(go_right, n_zeros + hi - z_hi, z_hi),
-        )
-        # Stable partition of cur by this bit (zeros first) for the next level.
-        i = torch.arange(S, device=values.device)
-        dest = torch.where(bit == 0, zeros_before[:, :-1], n_zeros + i - zeros_before[:, :-1])
-        cur = torch.empty_like(cur).scatter_(1, dest, cur)
-    return answer
 
 
 @torch.no_grad()
@@ -172,8 +129,8 @@ def eviction_times(
 
     r = idx.expand(B, Hk, S)
     n_outrank = r - c0  # |O_t| for the token at order position r
-    kth = _prefix_kth_smallest(
-        order.reshape(B * Hk, S), r.reshape(B * Hk, S), (c0 + k - 1).reshape(B * Hk, S)
+    kth = prefix_kth_smallest(
+        order.reshape(B * Hk, S), r.reshape(B * Hk, S), (c0 + k).reshape(B * Hk, S), bits=max(1, (S - 1).bit_length())
     ).reshape(B, Hk, S)
 
     e_sorted = torch.maximum(order + window, kth + window)

@@ -65,9 +65,9 @@ def _column_sums_chunked(q, k, lse, doc_ids, *, window: int, scale: float, chunk
     B, H, S, D = q.shape
     Hk = k.shape[1]
     G = H // Hk
-    q = (scale * q.float()).view(B, Hk, G, S, D)
+    q = (scale * q.float()).reshape(B, Hk, G, S, D)
     k_t = k.float().transpose(-1, -2)  # (B, Hk, D, S)
-    lse = lse.float().view(B, Hk, G, S)
+    lse = lse.float().reshape(B, Hk, G, S)
     idx = torch.arange(S, device=q.device)
     doc_start = document_spans(doc_ids)[0].amin(dim=0).tolist()  # (S,) min over the batch
     sums = torch.zeros(B, Hk, G, S, dtype=torch.float64, device=q.device)
@@ -107,12 +107,15 @@ def _column_sums_flex(q, k, lse, doc_ids, *, window: int, scale: float) -> torch
         return score - lse[b, h, u]
 
     block_mask = create_block_mask(mask_mod, B, None, S, S, device=q.device)
-    keys_as_queries = k.float().repeat_interleave(G, dim=1)  # (B, H, S, D)
-    values = q.new_zeros(B, H, S, 16, dtype=torch.float32)  # only the LSE is used
+    # Inputs keep their dtype: flex multiplies bf16/fp16 operands exactly and
+    # accumulates scores and the LSE in float32 (an fp32 upcast would only make
+    # the kernel much slower on CUDA).
+    keys_as_queries = k.repeat_interleave(G, dim=1)  # (B, H, S, D)
+    values = q.new_zeros(B, H, S, 16)  # only the LSE is used
     flex = _flex_attention_fn(q.device)
     _, aux = flex(
         keys_as_queries,
-        q.float(),
+        q,
         values,
         score_mod=score_mod,
         block_mask=block_mask,

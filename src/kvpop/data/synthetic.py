@@ -23,7 +23,9 @@ Length is controlled in characters of assistant content. Digits are single
 tokens in the SmolLM2 (Llama-style) tokenizer, and the format runs at roughly
 ``CHARS_PER_TOKEN`` characters per token, so the defaults
 (``DEFAULT_MIN_CHARS``/``DEFAULT_MAX_CHARS``) give chat-formatted traces of
-roughly 400 to 1,024 tokens.
+about 450 to 1,000 tokens, spread evenly (the floor is what the definitions
+and recalls need), with about three quarters of the quotes 400+ tokens after
+their definition.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ CHARS_PER_TOKEN = 1.65
 """Approximate characters of assistant content per SmolLM2 token for this format."""
 
 DEFAULT_MIN_CHARS = 700
-DEFAULT_MAX_CHARS = 1_450
+DEFAULT_MAX_CHARS = 1_380
 DEFAULT_NUM_VALUES = 24
 DEFAULT_NUM_RECALLS = 4
 DEFAULT_MIN_QUOTE_DISTANCE_CHARS = 700
@@ -58,8 +60,9 @@ NAME_POOL: tuple[str, ...] = (
     "banana", "castle", "dragon", "eagle", "island", "jungle", "kettle", "lantern",
     "mirror", "orange", "pepper", "rabbit", "saddle", "thunder", "valley", "wizard",
 )
-_DEFINE_FRACTION = 0.2  # definitions are spread over the first ~20% of the trace
+_DEFINE_FILLER_PROB = 0.25  # chance of a filler line before each definition
 _RECALL_PREFIX = "Recall "
+_RECALL_BLOCK_ESTIMATE = 60  # approximate characters of the recall block per recall
 
 
 @dataclass
@@ -114,19 +117,16 @@ def _generate_one(
     body = _Builder()
     body.add("We work step by step and keep track of every named value.")
 
-    # 1. Definitions, spread over the first part of the trace with filler in between.
-    define_span = max(int(_DEFINE_FRACTION * target_chars), 1)
+    # 1. Definitions, with some filler in between.
     def_value_start: dict[str, int] = {}
-    for k, name in enumerate(names):
-        # Filler until this definition's share of the span is reached.
-        while body.length < define_span * k / num_values:
+    for name in names:
+        if rng.random() < _DEFINE_FILLER_PROB:
             body.add(_filler(rng))
         line_start = body.add(f"Let {name} = {values[name]}.")
         def_value_start[name] = line_start + len(f"Let {name} = ")
 
     # 2. Choose what to recall: prefer values defined far before the recall block.
-    recall_block_chars = 60 * num_recalls + 40  # generous estimate of the final block
-    recall_start = max(target_chars - recall_block_chars, body.length)
+    recall_start = max(target_chars - _RECALL_BLOCK_ESTIMATE * num_recalls, body.length)
     far = [n for n in names if recall_start - def_value_start[n] >= min_quote_distance_chars]
     if len(far) >= num_recalls:
         recalled = rng.sample(far, num_recalls)
@@ -134,35 +134,39 @@ def _generate_one(
         recalled = names[:num_recalls]
     *intermediate, final_a, final_b = recalled
 
-    # 3. Middle filler up to the recall block.
-    while body.length < recall_start:
-        body.add(_filler(rng))
-
-    # 4. Recalls: intermediate ones feed a small computation, the last two the answer.
-    quotes: list[list[int]] = []
-    quote_names: list[str] = []
+    # 3. The recall block: intermediate recalls feed a small computation, the
+    #    last two the answer. Quotes are recorded relative to the block.
+    block = _Builder()
+    block_quotes: list[tuple[str, int]] = []
 
     def recall(name: str) -> None:
         line, value_offset = _recall_line(name, values[name])
-        start = body.add(line) + value_offset
-        quotes.append([start, start + len(str(values[name]))])
-        quote_names.append(name)
+        block_quotes.append((name, block.add(line) + value_offset))
 
     for name in intermediate:
         recall(name)
         delta = rng.randint(11, 99)
         if rng.random() < 0.5:
-            body.add(f"Then {values[name]} + {delta} = {values[name] + delta}.")
+            block.add(f"Then {values[name]} + {delta} = {values[name] + delta}.")
         else:
-            body.add(f"Then {values[name]} - {delta} = {values[name] - delta}.")
-        body.add(_filler(rng))
+            block.add(f"Then {values[name]} - {delta} = {values[name] - delta}.")
+        block.add(_filler(rng))
     recall(final_a)
     recall(final_b)
     x, y = values[final_a], values[final_b]
     answer = x + y
-    body.add(f"So {final_a} + {final_b} = {x} + {y} = {answer}.")
-    body.add("")
-    body.add(f"The answer is \\boxed{{{answer}}}.")
+    block.add(f"So {final_a} + {final_b} = {x} + {y} = {answer}.")
+    block.add("")
+    block.add(f"The answer is \\boxed{{{answer}}}.")
+
+    # 4. Middle filler so that the whole text reaches the target length.
+    while body.length + 1 + block.length < target_chars:
+        body.add(_filler(rng))
+    offset = body.length + 1
+    for line in block.lines:
+        body.add(line)
+    quote_names = [name for name, _ in block_quotes]
+    quotes = [[offset + at, offset + at + len(str(values[name]))] for name, at in block_quotes]
 
     problem = (
         f"Work through a long chain of arithmetic in which named values are "
@@ -200,8 +204,9 @@ def generate_traces(
             ``generate_traces(k, s)`` is a prefix of ``generate_traces(k + m, s)``.
         min_chars, max_chars: the target length of each assistant content is
             drawn uniformly from ``[min_chars, max_chars]``; the actual length
-            overshoots the target by at most one line. Short targets are
-            lengthened as needed to fit all definitions and recalls.
+            overshoots the target by less than one filler line (< 16 chars).
+            Targets below the minimum that fits all definitions and recalls
+            (about 700 characters with the defaults) are lengthened to it.
         num_values: how many named values are defined (<= len(NAME_POOL)).
         num_recalls: how many values are quoted later (>= 2; the last two are
             summed for the final answer).

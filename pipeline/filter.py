@@ -1,0 +1,75 @@
+"""Stage filter: math reasoning traces -> chat-formatted token sequences of at most filter.max_tokens."""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from pathlib import Path
+
+from common import console, fail, params, write_json
+
+from kvpop import tracking
+from kvpop.data.sources import NEMOTRON_ID, iter_nemotron
+from kvpop.data.synthetic import generate_traces
+from kvpop.filter import FilterStats, filter_rows, write_jsonl
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--base", default="models/base", help="teacher folder (its tokenizer and chat template)")
+    ap.add_argument("--out", default="data/filtered")
+    ap.add_argument("--metrics", default="metrics/filter.json")
+    args = ap.parse_args()
+    p = params()
+    cfg = p.filter
+    from transformers import AutoTokenizer
+
+    if not (Path(args.base) / "tokenizer_config.json").is_file():
+        fail(f"no tokenizer in {args.base} (run the base_model stage)")
+    tok = AutoTokenizer.from_pretrained(args.base)
+    with tracking.stage_run("filter", {"seed": p.seed, "filter": cfg.model_dump()}) as run:
+        if cfg.source == "synthetic":
+            s = cfg.synthetic
+            splits = {
+                "train": generate_traces(s.train_traces, p.seed, min_chars=s.min_chars, max_chars=s.max_chars),
+                # held out: another seed, so no evaluation trace was trained on
+                "eval": generate_traces(s.eval_traces, p.seed + 10_000, min_chars=s.min_chars, max_chars=s.max_chars),
+            }
+            results = {name: filter_rows(rows, tok, max_tokens=cfg.max_tokens) for name, rows in splits.items()}
+        else:
+            n = cfg.nemotron
+            console.print(f"streaming {n.data_files or NEMOTRON_ID} ({', '.join(n.splits)})")
+            rows = iter_nemotron(n.splits, data_files=n.data_files)
+            # the first eval_rows usable rows are held out, the next train_rows are for training
+            results = {"eval": take_kept(rows, tok, cfg.max_tokens, n.eval_rows)}
+            results["train"] = take_kept(rows, tok, cfg.max_tokens, n.train_rows)
+        out = Path(args.out)
+        metrics = {}
+        for name, (records, stats) in results.items():
+            if not records:
+                fail(f"the {name} split kept no trace ({stats.to_dict()}); check filter.* params")
+            write_jsonl(records, out / f"{name}.jsonl")
+            lengths = [len(r["input_ids"]) for r in records]
+            metrics[name] = {**stats.to_dict(), "tokens": sum(lengths), "max_len": max(lengths), "mean_len": sum(lengths) / len(lengths),
+                             "quote_tokens": sum(len(r["quote_positions"]) for r in records)}
+        write_json(args.metrics, metrics)
+        run.metrics(metrics)
+        run.artifact(args.metrics)
+    console.print(metrics)
+
+
+def take_kept(rows, tok, max_tokens: int, wanted: int) -> tuple[list[dict], FilterStats]:
+    """Filter rows from a stream until ``wanted`` are kept; skips are counted, the rest is left unread."""
+    records, skipped, seen = [], Counter(), 0
+    for row in rows:
+        kept, stats = filter_rows([row], tok, max_tokens=max_tokens)
+        records += kept
+        seen += stats.seen
+        skipped.update(stats.skipped)
+        if len(records) >= wanted:
+            break
+    return records, FilterStats(seen=seen, kept=len(records), skipped=dict(skipped))
+
+
+if __name__ == "__main__":
+    main()
