@@ -1,0 +1,82 @@
+"""Integration: the real stage entry points, in order, on a micro configuration (tiny Qwen3, offline)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def micro_params(base_source: str) -> dict:
+    p = yaml.safe_load((ROOT / "params.yaml").read_text())
+    p.update(budget=48, sinks=4, window=32)
+    p["base_model"]["source"] = base_source
+    p["filter"]["max_tokens"] = 1024
+    p["filter"]["synthetic"].update(train_traces=6, eval_traces=3, min_chars=800, max_chars=1000)
+    p["train"].update(steps=2, seq_len=1024, top_logits=16, scorer_hidden=8)
+    p["evaluate"]["max_traces"] = 2
+    return p
+
+
+def stage(cwd: Path, script: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{cwd / 'mlflow.db'}", "DVC_EXP_NAME": "micro"}
+    res = subprocess.run([sys.executable, str(ROOT / "pipeline" / script), *args], cwd=cwd, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, f"{script} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    return res
+
+
+@pytest.mark.slow
+def test_pipeline_end_to_end(tiny_qwen3_dir, tmp_path):
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(micro_params(str(tiny_qwen3_dir))))
+    stage(tmp_path, "base_model.py")
+    stage(tmp_path, "filter.py")
+    stage(tmp_path, "pack.py")
+    for pol in ("streaming_llm_plus", "kvpop_mlp"):
+        stage(tmp_path, "train.py", "--policy", pol, "--out", f"models/train/{pol}", "--metrics", f"metrics/train/{pol}.json")
+        stage(tmp_path, "export.py", "--policy", pol, "--ckpt", f"models/train/{pol}/last.ckpt", "--out", f"models/export/{pol}")
+    stage(tmp_path, "evaluate.py")
+
+    written = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file() and "mlruns" not in p.parts}
+    expected = {
+        "params.yaml", "mlflow.db",
+        "models/base/config.json", "models/base/generation_config.json", "models/base/model.safetensors",
+        "models/base/tokenizer.json", "models/base/tokenizer_config.json", "models/base/chat_template.jinja",
+        "metrics/base_model.json", "data/filtered/train.jsonl", "data/filtered/eval.jsonl", "metrics/filter.json",
+        "data/packed/train.safetensors", "metrics/pack.json", "metrics/eval.json",
+    }
+    for pol in ("streaming_llm_plus", "kvpop_mlp"):
+        expected |= {f"models/train/{pol}/last.ckpt", f"metrics/train/{pol}.json"}
+        expected |= {f"models/export/{pol}/{f}" for f in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "kvpop.json")}
+    expected.add("models/export/kvpop_mlp/scorer.safetensors")
+    assert written - {w for w in written if w.startswith(".cache/")} == expected
+
+    ev = json.loads((tmp_path / "metrics/eval.json").read_text())
+    assert set(ev["policies"]) == {"dense", "streaming_llm", "streaming_llm_plus", "kvpop_mlp"}
+    assert ev["budget"] == 48 and ev["eval_tokens"] > 0
+    assert ev["policies"]["dense"]["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert ev["policies"]["dense"]["top1_agreement"] == 1.0
+    assert ev["policies"]["streaming_llm"]["kl"] > 0  # eviction really happens at this budget
+    filt = json.loads((tmp_path / "metrics/filter.json").read_text())
+    assert filt["train"]["kept"] > 0 and filt["eval"]["quote_tokens"] > 0
+    train = json.loads((tmp_path / "metrics/train/kvpop_mlp.json").read_text())
+    assert train["steps"] == 2 and train["decisions"] > 0
+
+
+def test_bad_params_stop_before_any_work(tmp_path):
+    p = micro_params("embedded")
+    p["budget"] = p["sinks"] + p["window"]
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(p))
+    res = subprocess.run([sys.executable, str(ROOT / "pipeline" / "base_model.py")], cwd=tmp_path, capture_output=True, text=True)
+    assert res.returncode == 2 and "budget" in res.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["params.yaml"]  # nothing written, nothing downloaded
+
+
+def test_missing_input_is_a_clear_error(tmp_path):
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(micro_params("embedded")))
+    res = subprocess.run([sys.executable, str(ROOT / "pipeline" / "pack.py")], cwd=tmp_path, capture_output=True, text=True)
+    assert res.returncode == 1 and "data/filtered/train.jsonl" in res.stderr
