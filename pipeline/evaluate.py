@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 from common import console, fail, params, write_json
+from rich.console import Console
 from rich.table import Table
 
 from kvpop import tracking
@@ -74,8 +75,7 @@ def main() -> None:
         table.add_column(col, justify="right" if col != "policy" else "left")
     for name, m in results.items():
         table.add_row(name, f"{m['kl']:.4f}", f"{m['top1_agreement']:.3f}", f"{m['quote_accuracy']:.3f}")
-    Console = type(console)
-    Console().print(table)
+    Console().print(table)  # the table goes to stdout, progress to stderr
 
 
 if __name__ == "__main__":

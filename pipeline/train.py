@@ -7,6 +7,7 @@ import copy
 import time
 from pathlib import Path
 
+import lightning as L
 import torch
 from common import console, fail, params, write_json
 
@@ -16,6 +17,19 @@ from kvpop.modeling import load_model, model_shape
 from kvpop.pack import load_packed
 from kvpop.policies import make_policy
 from kvpop.train import DistillModule, PackedDataset, TrainSettings, make_loader
+
+
+class StepPrinter(L.Callback):
+    """One line per logged step on stderr when the progress bar cannot draw (logs, CI)."""
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        if step % self.every == 0 or step == trainer.max_steps:
+            m = {k.removeprefix("train/"): f"{float(v):.4g}" for k, v in trainer.callback_metrics.items()}
+            console.print(f"step {step}/{trainer.max_steps} " + " ".join(f"{k}={v}" for k, v in m.items()), highlight=False)
 
 
 def main() -> None:
@@ -31,7 +45,6 @@ def main() -> None:
     if args.policy not in cfg.policies:
         fail(f"--policy {args.policy!r} is not in train.policies {cfg.policies}")
 
-    import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 
     L.seed_everything(p.seed, workers=True)
@@ -64,7 +77,7 @@ def main() -> None:
             gradient_clip_val=cfg.grad_clip,
             log_every_n_steps=cfg.log_every,
             logger=run.lightning_logger(),
-            callbacks=[RichProgressBar(), ModelCheckpoint(dirpath=out, filename="last", save_last=False, every_n_train_steps=cfg.steps)],
+            callbacks=[RichProgressBar() if console.is_terminal else StepPrinter(cfg.log_every), ModelCheckpoint(dirpath=out, filename="last", save_last=False, every_n_train_steps=cfg.steps)],
             enable_model_summary=False,
             num_sanity_val_steps=0,
             deterministic=False,

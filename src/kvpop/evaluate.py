@@ -14,7 +14,7 @@ Scored positions are the next-token predictions of assistant tokens (the trace's
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -39,7 +39,6 @@ class _Acc:
     tokens: int = 0
     quote_hit: int = 0
     quotes: int = 0
-    kl_per_trace: list[float] = field(default_factory=list)
 
     def result(self) -> dict[str, float]:
         return {

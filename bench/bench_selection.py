@@ -1,0 +1,250 @@
+"""Benchmark of the selection, the BlockMask build, sparse attention and the target pass on a GPU.
+
+Qwen3-4B attention shapes (32 query heads, 8 KV heads, head_dim 128), bf16, B=1, one document per
+row, budget 12.5% of S (sinks 4 + window 256 + learned top-k with random priorities, the worst case
+for block sparsity). Times are medians of several reps after warm-ups, measured with CUDA events.
+
+    PYTHONPATH=src python3 bench/bench_selection.py --out results/bench_selection_h200.json
+    PYTHONPATH=src python3 bench/bench_selection.py --small     # CPU smoke test, tiny sizes
+
+Rows (ratio = baseline / ours, > 1 means ours is faster, except (iv) where it is target / sparse):
+  (i)   eviction_times (wavelet matrix)          vs brute-force per-query top-k (chunked)
+  (ii)  block_mask_from_eviction_times           vs create_block_mask(_compile=True), same mask_mod
+  (iii) flex + our BlockMask, fwd+bwd            vs SDPA is_causal, flex causal (fwd+bwd)
+  (iv)  future_attention_target (flex, chunked)  vs the sparse fwd+bwd
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from kvpop.attention import flex_execute
+from kvpop.masks import block_mask_from_eviction_times, make_eviction_mask_mod
+from kvpop.selection import eviction_times
+from kvpop.target import future_attention_target
+
+
+def timeit(fn, *, warmup: int, reps: int, cuda: bool) -> float:
+    """Median seconds of ``fn()``."""
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def brute_force_topk(prio, pos, *, sinks: int, window: int, k: int, q_chunk: int, chunks: list[int]):
+    """Per-query top-k over the eligible tokens (pos >= sinks, t <= q - window), for the given query chunks."""
+    Hk, S = prio.shape[1], prio.shape[2]
+    t = torch.arange(S, device=prio.device)
+    elig_t = pos[0] >= sinks
+    out = []
+    for c in chunks:
+        q = torch.arange(c * q_chunk, min(S, (c + 1) * q_chunk), device=prio.device)
+        ok = (t[None, :] <= q[:, None] - window) & elig_t[None, :]  # (Qc, S)
+        sc = prio[0][:, None, :].masked_fill(~ok[None], float("-inf"))  # (Hk, Qc, S)
+        out.append(sc.topk(k, dim=-1).indices)
+    return out
+
+
+def bench_size(S: int, args, dev: str, res: dict) -> dict:
+    cuda = dev == "cuda"
+    H, Hk, D = args.heads, args.kv_heads, args.head_dim
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sinks, window = 4, args.window
+    budget = S // 8
+    k = budget - sinks - window
+    W, R = args.warmup, args.reps
+    g = torch.Generator(device="cpu").manual_seed(0)
+    doc = torch.zeros(1, S, dtype=torch.int64, device=dev)
+    pos = torch.arange(S, device=dev)[None]
+    prio = torch.rand(1, Hk, S, generator=g).to(dev)
+    row = {"S": S, "budget": budget, "sinks": sinks, "window": window, "k": k}
+    print(f"--- S={S}: budget {budget} (sinks {sinks}, window {window}, k {k}), H={H} Hk={Hk} D={D} {dtype}", flush=True)
+
+    # (i) cutoffs
+    t_ours = timeit(lambda: eviction_times(prio, doc, pos, sinks=sinks, window=window, k=k), warmup=W, reps=R, cuda=cuda)
+    n_chunks = math.ceil(S / args.q_chunk)
+    if n_chunks > args.max_bf_chunks:  # time an evenly spread subset of chunks and extrapolate
+        step = n_chunks / args.max_bf_chunks
+        sub = sorted({int(i * step) for i in range(args.max_bf_chunks)})
+    else:
+        sub = list(range(n_chunks))
+    t_sub = timeit(lambda: brute_force_topk(prio, pos, sinks=sinks, window=window, k=k, q_chunk=args.q_chunk, chunks=sub),
+                   warmup=1, reps=max(1, R // 2), cuda=cuda)
+    t_bf = t_sub * n_chunks / len(sub)
+    row["i_eviction_times_s"] = t_ours
+    row["i_bruteforce_topk_s"] = t_bf
+    row["i_bruteforce_chunks_timed"] = f"{len(sub)}/{n_chunks} of {args.q_chunk} queries" + (" (extrapolated)" if len(sub) < n_chunks else "")
+    row["i_ratio"] = t_bf / t_ours
+    print(f"(i) eviction_times {t_ours * 1e3:.2f} ms, brute force {t_bf * 1e3:.1f} ms ({row['i_bruteforce_chunks_timed']})", flush=True)
+
+    evict = eviction_times(prio, doc, pos, sinks=sinks, window=window, k=k)
+
+    # (ii) BlockMask build
+    t_bm = timeit(lambda: block_mask_from_eviction_times(doc, pos, evict, sinks=sinks, num_heads=H), warmup=W, reps=R, cuda=cuda)
+    bm = block_mask_from_eviction_times(doc, pos, evict, sinks=sinks, num_heads=H)
+    row["ii_blockmask_ours_s"] = t_bm
+    row["block_sparsity_pct"] = float(bm.sparsity()) if hasattr(bm, "sparsity") else None
+    if not args.skip_create_block_mask:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        mm = make_eviction_mask_mod(doc, pos, evict, sinks=sinks, group=H // Hk)
+        t_cbm = timeit(lambda: create_block_mask(mm, 1, H, S, S, device=dev, _compile=cuda), warmup=1, reps=3, cuda=cuda)
+        ref = create_block_mask(mm, 1, H, S, S, device=dev, _compile=cuda)
+        same = torch.equal(ref.to_dense(), bm.to_dense())
+        row["ii_create_block_mask_s"] = t_cbm
+        row["ii_ratio"] = t_cbm / t_bm
+        row["ii_same_blocks"] = same
+        print(f"(ii) ours {t_bm * 1e3:.2f} ms, create_block_mask {t_cbm * 1e3:.1f} ms, same non-empty blocks: {same}", flush=True)
+    else:
+        print(f"(ii) ours {t_bm * 1e3:.2f} ms", flush=True)
+    print(f"     block sparsity of our BlockMask (percent of blocks skipped): {row['block_sparsity_pct']}", flush=True)
+
+    # (iii) attention forward+backward
+    scale = D**-0.5
+    q = torch.randn(1, H, S, D, device=dev, dtype=dtype, requires_grad=True)
+    kk = torch.randn(1, Hk, S, D, device=dev, dtype=dtype, requires_grad=True)
+    v = torch.randn(1, Hk, S, D, device=dev, dtype=dtype, requires_grad=True)
+    do = torch.randn(1, H, S, D, device=dev, dtype=dtype)
+
+    def zero():
+        q.grad = kk.grad = v.grad = None
+
+    def sparse_fb():
+        zero()
+        out, _ = flex_execute(q, kk, v, bm, scale, need_lse=False)
+        out.backward(do)
+
+    if cuda:
+        t_sp = timeit(sparse_fb, warmup=W, reps=R, cuda=cuda)
+        row["iii_sparse_flex_fwd_bwd_s"] = t_sp
+
+        def sdpa_fb():
+            zero()
+            F.scaled_dot_product_attention(q, kk, v, is_causal=True, scale=scale, enable_gqa=True).backward(do)
+
+        t_sdpa = timeit(sdpa_fb, warmup=W, reps=R, cuda=cuda)
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        causal_bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, S, S, device=dev)
+
+        def flex_causal_fb():
+            zero()
+            out, _ = flex_execute(q, kk, v, causal_bm, scale, need_lse=False)
+            out.backward(do)
+
+        t_fc = timeit(flex_causal_fb, warmup=W, reps=R, cuda=cuda)
+        row["iii_sdpa_causal_fwd_bwd_s"] = t_sdpa
+        row["iii_flex_causal_fwd_bwd_s"] = t_fc
+        row["iii_ratio_vs_sdpa"] = t_sdpa / t_sp
+        row["iii_ratio_vs_flex_causal"] = t_fc / t_sp
+        print(f"(iii) sparse {t_sp * 1e3:.2f} ms, SDPA causal {t_sdpa * 1e3:.2f} ms, flex causal {t_fc * 1e3:.2f} ms", flush=True)
+    else:  # FlexAttention has no backward on CPU: forward only
+        t_sp = timeit(lambda: flex_execute(q.detach(), kk.detach(), v.detach(), bm, scale, need_lse=False), warmup=1, reps=1, cuda=False)
+        row["iii_sparse_flex_fwd_only_cpu_s"] = t_sp
+        print(f"(iii) CPU: sparse flex forward only {t_sp * 1e3:.1f} ms", flush=True)
+
+    # (iv) target pass
+    with torch.no_grad():
+        _, lse = flex_execute(q.detach(), kk.detach(), v.detach(), bm, scale, need_lse=True)
+    for impl in (["flex", "chunked"] if cuda else ["chunked"]):
+        t_t = timeit(lambda: future_attention_target(q.detach(), kk.detach(), lse, doc, window=window, scale=scale, impl=impl),
+                     warmup=max(1, W - 1), reps=max(2, R // 2), cuda=cuda)
+        row[f"iv_target_{impl}_s"] = t_t
+        row[f"iv_ratio_{impl}_over_sparse"] = t_t / t_sp
+        print(f"(iv) target {impl} {t_t * 1e3:.2f} ms = {t_t / t_sp:.2f}x the sparse fwd+bwd", flush=True)
+    res["sizes"].append(row)
+    return row
+
+
+def print_table(res: dict) -> None:
+    def ms(x):
+        return "-" if x is None else f"{x * 1e3:.2f} ms"
+
+    def rx(x):
+        return "-" if x is None else f"{x:.1f}x"
+
+    lines = [f"{'comparison':<58}" + "".join(f"{'S=' + str(r['S']):>34}" for r in res["sizes"])]
+
+    def line(label, f):
+        lines.append(f"{label:<58}" + "".join(f"{f(r):>34}" for r in res["sizes"]))
+
+    g = lambda r, key: r.get(key)  # noqa: E731
+    line("(i) brute-force top-k / eviction_times", lambda r: f"{rx(g(r, 'i_ratio'))} ({ms(g(r, 'i_bruteforce_topk_s'))} / {ms(g(r, 'i_eviction_times_s'))})")
+    line("(ii) create_block_mask(compiled) / ours", lambda r: f"{rx(g(r, 'ii_ratio'))} ({ms(g(r, 'ii_create_block_mask_s'))} / {ms(g(r, 'ii_blockmask_ours_s'))})")
+    line("(iii) SDPA causal / sparse flex (fwd+bwd)", lambda r: f"{rx(g(r, 'iii_ratio_vs_sdpa'))} ({ms(g(r, 'iii_sdpa_causal_fwd_bwd_s'))} / {ms(g(r, 'iii_sparse_flex_fwd_bwd_s'))})")
+    line("(iii) flex causal / sparse flex (fwd+bwd)", lambda r: f"{rx(g(r, 'iii_ratio_vs_flex_causal'))} ({ms(g(r, 'iii_flex_causal_fwd_bwd_s'))} / {ms(g(r, 'iii_sparse_flex_fwd_bwd_s'))})")
+    line("(iv) target flex / sparse fwd+bwd", lambda r: f"{rx(g(r, 'iv_ratio_flex_over_sparse'))} ({ms(g(r, 'iv_target_flex_s'))})")
+    line("(iv) target chunked / sparse fwd+bwd", lambda r: f"{rx(g(r, 'iv_ratio_chunked_over_sparse'))} ({ms(g(r, 'iv_target_chunked_s'))})")
+    line("block sparsity of our BlockMask (% skipped)", lambda r: "-" if g(r, "block_sparsity_pct") is None else f"{g(r, 'block_sparsity_pct'):.1f}%")
+    print(f"\n{res['device']}, torch {res['torch']}, {res['date']}; Qwen3-4B shapes H={res['config']['heads']} "
+          f"Hk={res['config']['kv_heads']} D={res['config']['head_dim']} {res['config']['dtype']} B=1, budget S/8")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[16384, 32768])
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--q-chunk", type=int, default=512, help="queries per brute-force top-k chunk")
+    ap.add_argument("--max-bf-chunks", type=int, default=32, help="time at most this many chunks, extrapolate the rest")
+    ap.add_argument("--skip-create-block-mask", action="store_true")
+    ap.add_argument("--small", action="store_true", help="CPU smoke test: tiny sizes")
+    ap.add_argument("--out", default="results/bench_selection_h200.json")
+    args = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.small:
+        args.sizes, args.heads, args.kv_heads, args.head_dim = [1024, 2048], 4, 2, 16
+        args.window, args.warmup, args.reps, args.q_chunk, args.max_bf_chunks = 64, 1, 2, 256, 4
+    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+    res = {
+        "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "config": {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+                   "dtype": "bfloat16" if dev == "cuda" else "float32", "batch": 1, "budget": "S/8",
+                   "priorities": "uniform random (worst case for block sparsity)", "warmup": args.warmup,
+                   "reps": args.reps, "statistic": "median", "timer": "CUDA events" if dev == "cuda" else "perf_counter"},
+        "sizes": [],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for S in args.sizes:
+        bench_size(S, args, dev, res)
+        out.write_text(json.dumps(res, indent=2))  # after every size, so partial runs leave numbers
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    print_table(res)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""GPU checks: the CUDA executor (compiled FlexAttention + BlockMask) against the CPU one (SDPA +
+dense boolean mask), forward and backward, at the embedded model's shapes; a whole tiny model
+through both executors with a learned scorer in training; and CPU == CUDA for the selection and
+the boundary labels.
+
+Run on a CUDA machine: ``PYTHONPATH=src python3 -m pytest -q -s tests/test_gpu.py`` (``-s`` shows
+the printed max differences). Skipped where CUDA is not available.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import packed_toy
+from kvpop.attention import ScorerTraining, SparseContext, flex_execute, sdpa_execute
+from kvpop.boundary import boundary_labels
+from kvpop.masks import block_mask_from_eviction_times, dense_mask, make_eviction_mask_mod
+from kvpop.selection import eviction_times
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+# the embedded model's attention shapes (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64)
+S, H, HK, D, B = 2048, 9, 3, 64, 2
+SINKS, WINDOW, K = 4, 256, 124
+
+
+def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach().double().cpu() - b.detach().double().cpu()).abs().max().item()
+
+
+def executor_inputs(S: int = S, seed: int = 0):
+    """Packed rows (several documents, padding), random-priority eviction times, q/k/v, grad."""
+    _, doc, pos = packed_toy(B, S, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    prio = torch.rand(B, HK, S, generator=g)
+    evict = eviction_times(prio, doc, pos, sinks=SINKS, window=WINDOW, k=K)
+    q = torch.randn(B, H, S, D, generator=g)
+    k = torch.randn(B, HK, S, D, generator=g)
+    v = torch.randn(B, HK, S, D, generator=g)
+    dout = torch.randn(B, H, S, D, generator=g)
+    return doc, pos, evict, q, k, v, dout
+
+
+def run_sdpa(device, doc, pos, evict, q, k, v, dout, backward: bool = True):
+    doc, pos, evict = doc.to(device), pos.to(device), evict.to(device)
+    qq, kk, vv = (t.to(device).requires_grad_(backward) for t in (q, k, v))
+    mm = make_eviction_mask_mod(doc, pos, evict, sinks=SINKS, group=H // HK)
+    allowed = dense_mask(mm, B, H, q.shape[2], device)
+    out, lse = sdpa_execute(qq, kk, vv, allowed, D**-0.5, need_lse=True)
+    grads = None
+    if backward:
+        out.backward(dout.to(device))
+        grads = (qq.grad, kk.grad, vv.grad)
+    return out.detach(), lse, grads, allowed
+
+
+def run_flex(device, doc, pos, evict, q, k, v, dout, backward: bool = True):
+    doc, pos, evict = doc.to(device), pos.to(device), evict.to(device)
+    qq, kk, vv = (t.to(device).requires_grad_(backward) for t in (q, k, v))
+    bm = block_mask_from_eviction_times(doc, pos, evict, sinks=SINKS, num_heads=H)
+    out, lse = flex_execute(qq, kk, vv, bm, D**-0.5, need_lse=True)
+    grads = None
+    if backward:
+        out.backward(dout.to(device))
+        grads = (qq.grad, kk.grad, vv.grad)
+    return out.detach(), lse, grads, bm
+
+
+def compare_executors(sdpa_device, flex_device, backward: bool = True, S_: int = S, atol: float = 2e-3):
+    """Returns the max abs differences {out, lse, dq, dk, dv}; asserts they are below ``atol``."""
+    inputs = executor_inputs(S_)
+    o1, l1, g1, allowed = run_sdpa(sdpa_device, *inputs, backward=backward)
+    o2, l2, g2, bm = run_flex(flex_device, *inputs, backward=backward)
+    # the BlockMask, materialized, is exactly the dense mask
+    from torch.nn.attention.flex_attention import create_mask
+
+    dense_from_bm = create_mask(bm.mask_mod, B, H, S_, S_, device=flex_device)
+    assert torch.equal(dense_from_bm.cpu(), allowed.cpu())
+    doc = inputs[0]
+    real = (doc >= 0)[:, None, :]  # padding queries attend only to themselves; compare all the same
+    diffs = {"out": _maxdiff(o1, o2), "lse": _maxdiff(l1 * real.to(l1.device), l2 * real.to(l2.device))}
+    if backward:
+        for name, a, b in zip(("dq", "dk", "dv"), g1, g2, strict=True):
+            diffs[name] = _maxdiff(a, b)
+    print(f"\n[executors] sdpa on {sdpa_device} vs flex on {flex_device}, S={S_} float32: "
+          + ", ".join(f"max|d{n}|={d:.2e}" for n, d in diffs.items()))
+    for n, d in diffs.items():
+        assert d < atol, f"{n}: max abs difference {d:.3e} >= {atol}"
+    return diffs
+
+
+@pytest.fixture(autouse=True)
+def _fp32_exact():
+    """Keep float32 matmuls in IEEE precision (no TF32) so both executors compute the same thing."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def test_flex_matches_sdpa_cuda():
+    compare_executors("cuda", "cuda")
+
+
+def test_flex_cuda_matches_sdpa_cpu():
+    compare_executors("cpu", "cuda")
+
+
+# --- (b) a whole tiny model through SparseContext, sdpa vs flex, learned scorer in training ------
+
+def tiny_model_case(model_dir, device: str, S_: int = 512, sinks: int = 4, window: int = 64, k: int = 32, flex_backward: bool = True):
+    """Logits, per-layer boundary losses and grads of a tiny Llama under kvpop_mlp, per executor."""
+    from kvpop.modeling import load_model, model_shape
+    from kvpop.policies import make_policy
+
+    model = load_model(model_dir).to(device)
+    shape = model_shape(model)
+    torch.manual_seed(0)
+    policy0 = make_policy("kvpop_mlp", **{n: shape[n] for n in ("num_layers", "num_kv_heads", "head_dim")}, scorer_hidden=16).to(device)
+    ids, doc, pos = packed_toy(2, S_, seed=3)
+    ids = ids % model.config.vocab_size
+    ids, doc, pos = ids.to(device), doc.to(device), pos.to(device)
+    results = {}
+    for executor in ("sdpa", "flex"):
+        m = copy.deepcopy(model)
+        pol = copy.deepcopy(policy0)
+        backward = executor == "sdpa" or flex_backward
+        ctx = SparseContext.for_rows(pol, doc, pos, sinks=sinks, window=window, k=k, executor=executor,
+                                     scorer_training=ScorerTraining(tau=1.0, tie_margin=0.5))
+        with torch.set_grad_enabled(backward):
+            logits = m(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits
+        losses = torch.stack(ctx.losses)
+        if backward:
+            (logits.float().pow(2).mean() + losses.mean()).backward()
+        results[executor] = dict(
+            logits=logits.detach(),
+            losses=losses.detach(),
+            decisions=torch.stack([s["decisions"] for s in ctx.stats]),
+            scorer_grads={n: p.grad for n, p in pol.named_parameters()} if backward else {},
+            model_grads={n: p.grad for n, p in m.named_parameters() if p.grad is not None} if backward else {},
+        )
+    return results
+
+
+def compare_tiny_model(res, rtol: float = 2e-2) -> dict[str, float]:
+    a, b = res["sdpa"], res["flex"]
+    out = {"logits": _maxdiff(a["logits"], b["logits"]), "losses": _maxdiff(a["losses"], b["losses"])}
+    assert torch.equal(a["decisions"], b["decisions"])
+    rel = 0.0
+    for kind in ("scorer_grads", "model_grads"):
+        worst = 0.0
+        for n, ga in a[kind].items():
+            gb = b[kind][n]
+            worst = max(worst, ((ga - gb).norm() / ga.norm().clamp(min=1e-12)).item())
+        out[f"{kind} (max rel. norm err)"] = worst
+        rel = max(rel, worst)
+    print("\n[tiny model] sdpa vs flex: " + ", ".join(f"{n}={d:.2e}" for n, d in out.items())
+          + f"; losses sdpa={a['losses'].tolist()} flex={b['losses'].tolist()}")
+    assert out["logits"] < 1e-3
+    assert out["losses"] < 1e-3 * max(1.0, a["losses"].abs().max().item())
+    assert rel < rtol
+    return out
+
+
+def test_tiny_model_sdpa_vs_flex(tiny_llama_dir):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    compare_tiny_model(tiny_model_case(tiny_llama_dir, "cuda"))
+
+
+# --- (c) selection and boundary labels: CUDA == CPU ------------------------------------------------
+
+def test_eviction_times_cuda_equals_cpu():
+    for seed, S_ in ((0, 2048), (1, 4096)):
+        _, doc, pos = packed_toy(B, S_, seed=seed)
+        prio = torch.rand(B, HK, S_, generator=torch.Generator().manual_seed(seed))
+        for k in (0, 1, K, 700):
+            cpu = eviction_times(prio, doc, pos, sinks=SINKS, window=WINDOW, k=k)
+            gpu = eviction_times(prio.cuda(), doc.cuda(), pos.cuda(), sinks=SINKS, window=WINDOW, k=k)
+            assert torch.equal(cpu, gpu.cpu()), (seed, S_, k)
+        # ties: quantized priorities, broken by recency on both devices
+        prio_t = (prio * 8).floor()
+        cpu = eviction_times(prio_t, doc, pos, sinks=SINKS, window=WINDOW, k=K)
+        gpu = eviction_times(prio_t.cuda(), doc.cuda(), pos.cuda(), sinks=SINKS, window=WINDOW, k=K)
+        assert torch.equal(cpu, gpu.cpu())
+
+
+def test_boundary_labels_cuda_equal_cpu():
+    _, doc, pos = packed_toy(B, S, seed=5)
+    g = torch.Generator().manual_seed(5)
+    r_tgt = torch.randn(B, HK, S, generator=g)
+    log_gamma = torch.log(torch.tensor([0.9999, 0.99999, 0.9995], dtype=torch.float64))
+    cpu = boundary_labels(r_tgt, log_gamma, doc, pos, sinks=SINKS, window=WINDOW, k=K)
+    gpu = boundary_labels(r_tgt.cuda(), log_gamma.cuda(), doc.cuda(), pos.cuda(), sinks=SINKS, window=WINDOW, k=K)
+    assert cpu.row.numel() > 0
+    for f in ("row", "t_new", "t_bnd", "y"):
+        assert torch.equal(getattr(cpu, f), getattr(gpu, f).cpu()), f
