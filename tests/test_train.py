@@ -43,6 +43,8 @@ def test_gradients_are_isolated():
     teacher, student = tiny_pair()
     ids, doc, pos = packed_toy(2, 64)
     policy = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
+    for layer in policy.scorer.layers:  # a scorer past its zero-initialized start
+        torch.nn.init.normal_(layer.w2)
     ctx = SparseContext.for_rows(policy, doc, pos, sinks=2, window=6, k=5, scorer_training=ScorerTraining())
     logits = student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits
     assert len(ctx.losses) == 2  # one boundary loss per layer

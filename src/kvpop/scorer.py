@@ -20,14 +20,18 @@ GAMMA_MAX = 0.999999
 
 
 class HeadwiseMLP(nn.Module):
-    """Per KV head, a two-layer MLP with SiLU on the concatenated key and value: (2D) -> F -> 1."""
+    """Per KV head, a two-layer MLP with SiLU on the concatenated key and value: (2D) -> F -> 1.
+
+    The output layer starts at zero, so an untrained scorer gives every token the same raw score
+    and the decay alone ranks them: training starts from the recency (StreamingLLM) pattern.
+    """
 
     def __init__(self, num_kv_heads: int, head_dim: int, hidden: int):
         super().__init__()
         fan_in = 2 * head_dim
         self.w1 = nn.Parameter(torch.randn(num_kv_heads, fan_in, hidden) / math.sqrt(fan_in))
         self.b1 = nn.Parameter(torch.zeros(num_kv_heads, hidden))
-        self.w2 = nn.Parameter(torch.randn(num_kv_heads, hidden) / math.sqrt(hidden))
+        self.w2 = nn.Parameter(torch.zeros(num_kv_heads, hidden))
         self.b2 = nn.Parameter(torch.zeros(num_kv_heads))
 
     def forward(self, k: Tensor, v: Tensor) -> Tensor:
