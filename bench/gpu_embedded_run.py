@@ -86,7 +86,7 @@ def train_policy(name: str, teacher, shape, packed, args, *, max_steps: int, tim
     import lightning as L
 
     L.seed_everything(args.seed, workers=True)
-    student = copy.deepcopy(teacher)
+    student = copy.deepcopy(teacher).requires_grad_(True)  # the teacher was frozen by an earlier DistillModule
     if name == "kvpop_mlp":
         base = make_policy(name, **{k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}, scorer_hidden=args.scorer_hidden)
         policy = FP32ScorerMLP(base.scorer)

@@ -49,7 +49,7 @@ def executor_inputs(S: int = S, seed: int = 0):
 
 def run_sdpa(device, doc, pos, evict, q, k, v, dout, backward: bool = True):
     doc, pos, evict = doc.to(device), pos.to(device), evict.to(device)
-    qq, kk, vv = (t.to(device).requires_grad_(backward) for t in (q, k, v))
+    qq, kk, vv = (t.detach().to(device).clone().requires_grad_(backward) for t in (q, k, v))
     mm = make_eviction_mask_mod(doc, pos, evict, sinks=SINKS, group=H // HK)
     allowed = dense_mask(mm, B, H, q.shape[2], device)
     out, lse = sdpa_execute(qq, kk, vv, allowed, D**-0.5, need_lse=True)
@@ -62,7 +62,7 @@ def run_sdpa(device, doc, pos, evict, q, k, v, dout, backward: bool = True):
 
 def run_flex(device, doc, pos, evict, q, k, v, dout, backward: bool = True):
     doc, pos, evict = doc.to(device), pos.to(device), evict.to(device)
-    qq, kk, vv = (t.to(device).requires_grad_(backward) for t in (q, k, v))
+    qq, kk, vv = (t.detach().to(device).clone().requires_grad_(backward) for t in (q, k, v))
     bm = block_mask_from_eviction_times(doc, pos, evict, sinks=SINKS, num_heads=H)
     out, lse = flex_execute(qq, kk, vv, bm, D**-0.5, need_lse=True)
     grads = None
@@ -155,10 +155,13 @@ def compare_tiny_model(res, rtol: float = 2e-2) -> dict[str, float]:
     assert torch.equal(a["decisions"], b["decisions"])
     rel = 0.0
     for kind in ("scorer_grads", "model_grads"):
+        # per parameter, relative to max(its norm, 1e-3 x the norm of all grads of this kind): the
+        # last bias of each scorer MLP gets only cancellation noise (the loss sees r_hat differences)
+        total = torch.sqrt(sum(g.double().pow(2).sum() for g in a[kind].values())).item()
         worst = 0.0
         for n, ga in a[kind].items():
             gb = b[kind][n]
-            worst = max(worst, ((ga - gb).norm() / ga.norm().clamp(min=1e-12)).item())
+            worst = max(worst, ((ga - gb).norm() / max(ga.norm().item(), 1e-3 * total, 1e-30)).item())
         out[f"{kind} (max rel. norm err)"] = worst
         rel = max(rel, worst)
     print("\n[tiny model] sdpa vs flex: " + ", ".join(f"{n}={d:.2e}" for n, d in out.items())
