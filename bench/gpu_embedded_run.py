@@ -204,7 +204,7 @@ def main() -> None:
         Candidate("kvpop_mlp", s_kv.to(dev), m_kv.to(dev)),
     ]
     t0 = time.time()
-    results = evaluate_fidelity(padded, teacher, cands, sinks=args.sinks, window=args.window, k=k, device=dev,
+    results = evaluate_fidelity(padded, teacher, cands, budget=args.budget, sinks=args.sinks, window=args.window, device=dev,
                                 progress=lambda i, n: print(f"  eval trace {i}/{n} ({time.time() - t0:.0f}s)", flush=True))
     eval_tokens = sum(score_positions(r)[0].numel() for r in eval_recs)
     quote_tokens = sum(len(r["quote_positions"]) for r in eval_recs)

@@ -59,7 +59,7 @@ def main() -> None:
         console.print(f"[bold]evaluate[/]: {len(records)} traces ({min(lengths)}-{max(lengths)} tokens), "
                       f"budget {p.budget}, policies {[c.name for c in candidates]}")
         results = evaluate_fidelity(
-            records, teacher, candidates, sinks=p.sinks, window=p.window, k=p.k,
+            records, teacher, candidates, budget=p.budget, sinks=p.sinks, window=p.window,
             progress=lambda i, n: console.print(f"  trace {i}/{n}", highlight=False),
         )
         out = {"policies": results, "budget": p.budget, "eval_tokens": eval_tokens, "eval_traces": len(records),

@@ -15,7 +15,7 @@ from kvpop import tracking
 from kvpop.attention import ScorerTraining
 from kvpop.modeling import load_model, model_shape
 from kvpop.pack import load_packed
-from kvpop.policies import make_policy
+from kvpop.policies import long_range_slots, make_policy
 from kvpop.train import DistillModule, PackedDataset, TrainSettings, make_loader
 
 
@@ -55,8 +55,9 @@ def main() -> None:
     student = copy.deepcopy(teacher)
     shape = model_shape(teacher)
     policy = make_policy(args.policy, **{k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}, scorer_hidden=cfg.scorer_hidden)
+    k = long_range_slots(policy, budget=p.budget, sinks=p.sinks, window=p.window, head_dim=shape["head_dim"])
     settings = TrainSettings(
-        sinks=p.sinks, window=p.window, k=p.k, steps=cfg.steps, model_lr=cfg.model_lr, scorer_lr=cfg.scorer_lr,
+        sinks=p.sinks, window=p.window, k=k, steps=cfg.steps, model_lr=cfg.model_lr, scorer_lr=cfg.scorer_lr,
         scorer_warmup=cfg.scorer_warmup, weight_decay=cfg.weight_decay, top_logits=cfg.top_logits,
         scorer_training=ScorerTraining(
             tau=cfg.tau, tie_margin=cfg.tie_margin, query_samples=cfg.query_samples,
@@ -67,7 +68,7 @@ def main() -> None:
     ds = PackedDataset(packed.input_ids, packed.doc_ids, packed.position_ids, packed.loss_mask)
     loader = make_loader(ds, cfg.batch_size, p.seed)
     out = Path(args.out)
-    logged = {"seed": p.seed, "budget": p.budget, "sinks": p.sinks, "window": p.window, "policy": args.policy, "train": cfg.model_dump()}
+    logged = {"seed": p.seed, "budget": p.budget, "sinks": p.sinks, "window": p.window, "k": k, "policy": args.policy, "train": cfg.model_dump()}
     with tracking.stage_run("train", logged, run_name=f"train/{args.policy}") as run:
         trainer = L.Trainer(
             max_steps=cfg.steps,

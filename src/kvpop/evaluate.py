@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from kvpop.attention import SparseContext
-from kvpop.policies import Dense, Policy
+from kvpop.modeling import model_shape
+from kvpop.policies import Dense, Policy, long_range_slots
 
 
 @dataclass
@@ -72,26 +73,30 @@ def evaluate_fidelity(
     teacher,
     candidates: Iterable[Candidate],
     *,
+    budget: int,
     sinks: int,
     window: int,
-    k: int,
     device: str | torch.device = "cpu",
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, dict[str, float]]:
-    """Per-policy fidelity metrics over the records (see module docstring)."""
+    """Per-policy fidelity metrics over the records at one nominal budget (see module docstring)."""
     candidates = list(candidates)
+    slots = {
+        c.name: long_range_slots(c.policy, budget=budget, sinks=sinks, window=window, head_dim=model_shape(c.model)["head_dim"])
+        for c in candidates
+    }
     acc = {c.name: _Acc() for c in candidates}
     dense = Dense()
     for n, rec in enumerate(records):
         ids = torch.tensor(rec["input_ids"], device=device)[None]
         scored, quotes = score_positions(rec)
         scored, quotes = scored.to(device), quotes.to(device)
-        ref = forward_logits(teacher, dense, ids, sinks=sinks, window=window, k=k)  # (S, V)
+        ref = forward_logits(teacher, dense, ids, sinks=sinks, window=window, k=budget)  # (S, V)
         ref_logp = torch.log_softmax(ref, -1)
         ref_top = ref.argmax(-1)
         targets = ids[0, 1:]
         for c in candidates:
-            logits = ref if (c.policy.name == "dense" and c.model is teacher) else forward_logits(c.model, c.policy, ids, sinks=sinks, window=window, k=k)
+            logits = ref if (c.policy.name == "dense" and c.model is teacher) else forward_logits(c.model, c.policy, ids, sinks=sinks, window=window, k=slots[c.name])
             logp = torch.log_softmax(logits, -1)
             kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # (S,)
             a = acc[c.name]

@@ -75,8 +75,11 @@ def load_export(path: Path, dtype: str = "float32"):
     model = load_model(path, dtype)
     tok = AutoTokenizer.from_pretrained(path)
     shape = model_shape(model)
-    hidden = (meta.get("scorer") or {}).get("hidden", 64)
-    policy = make_policy(meta["policy"], num_layers=shape["num_layers"], num_kv_heads=shape["num_kv_heads"], head_dim=shape["head_dim"], scorer_hidden=hidden)
+    sc = meta.get("scorer") or {}
+    policy = make_policy(
+        meta["policy"], num_layers=shape["num_layers"], num_kv_heads=shape["num_kv_heads"], head_dim=shape["head_dim"],
+        scorer_hidden=sc.get("hidden", 64), scorer_dk=sc.get("d_k", 16), scorer_dv=sc.get("d_v", 16),
+    )
     if policy.learned:
         f = path / SCORER
         if not f.is_file():

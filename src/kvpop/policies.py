@@ -34,8 +34,12 @@ class Policy(nn.Module):
     learned: bool = False  # True: has a scorer trained by the boundary loss
     layer_independent: bool = True  # True: same priorities in every layer (pattern computed once)
 
-    def scores(self, layer: int, k: Tensor, v: Tensor, pos: Tensor) -> Scores | None:
-        """k, v (B, Hk, S, D), pos (B, S) -> priorities; None for a policy that never evicts."""
+    def scores(self, layer: int, k: Tensor, v: Tensor, pos: Tensor, *, doc_ids: Tensor | None = None, window: int | None = None) -> Scores | None:
+        """k, v (B, Hk, S, D), pos (B, S) -> priorities; None for a policy that never evicts.
+
+        ``doc_ids`` (B, S) and ``window`` are given for scorers that read beyond the token itself
+        (the delayed mLSTM); the others ignore them.
+        """
         raise NotImplementedError
 
 
@@ -45,7 +49,7 @@ class Dense(Policy):
     name = "dense"
     evicts = False
 
-    def scores(self, layer, k, v, pos):
+    def scores(self, layer, k, v, pos, **_):
         return None
 
 
@@ -60,7 +64,7 @@ class Recency(Policy):
         super().__init__()
         self.name = name
 
-    def scores(self, layer, k, v, pos):
+    def scores(self, layer, k, v, pos, **_):
         B, Hk = k.shape[:2]
         return Scores(prio=pos[:, None, :].expand(B, Hk, -1).to(torch.float64))
 
@@ -76,13 +80,15 @@ class LearnedMLP(Policy):
         super().__init__()
         self.scorer = scorer
 
-    def scores(self, layer, k, v, pos):
+    def scores(self, layer, k, v, pos, **_):
         r_hat = self.scorer.raw_scores(layer, k, v)  # (B, Hk, S)
         log_gamma = self.scorer.decay.log_gamma(layer)  # (Hk,)
         return Scores(prio=static_priority(r_hat.detach(), pos, log_gamma.detach()), r_hat=r_hat, log_gamma=log_gamma)
 
 
-def make_policy(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, scorer_hidden: int = 64) -> Policy:
+def make_policy(
+    name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, scorer_hidden: int = 64, scorer_dk: int = 16, scorer_dv: int = 16
+) -> Policy:
     """A fresh policy by name (learned ones start from an untrained scorer)."""
     if name == "dense":
         return Dense()
@@ -90,4 +96,19 @@ def make_policy(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
         return Recency(name)
     if name == "kvpop_mlp":
         return LearnedMLP(MLPScorer(num_layers, num_kv_heads, head_dim, hidden=scorer_hidden))
-    raise ValueError(f"unknown training policy {name!r}; known: dense, streaming_llm, streaming_llm_plus, kvpop_mlp")
+    if name == "kvpop":
+        from kvpop.mlstm import LearnedMLSTM, MLSTMScorer  # mlstm builds on this module
+
+        return LearnedMLSTM(MLSTMScorer(num_layers, num_kv_heads, head_dim, d_k=scorer_dk, d_v=scorer_dv))
+    raise ValueError(f"unknown policy {name!r}; known: dense, streaming_llm, streaming_llm_plus, kvpop_mlp, kvpop")
+
+
+def long_range_slots(policy: Policy, *, budget: int, sinks: int, window: int, head_dim: int) -> int:
+    """k for a policy at a nominal budget: ``budget - sinks - window``, less the slots whose memory
+    a stateful scorer spends on its recurrent state (see :func:`kvpop.mlstm.kvpop_k`)."""
+    scorer = getattr(policy, "scorer", None)
+    if scorer is not None and scorer.config.get("kind") == "mlstm":
+        from kvpop.mlstm import kvpop_k
+
+        return kvpop_k(budget, sinks, window, head_dim, d_k=scorer.config["d_k"], d_v=scorer.config["d_v"])
+    return budget - sinks - window

@@ -80,7 +80,7 @@ class DistillModule(L.LightningModule):
 
     def __init__(self, student, teacher, policy: Policy, settings: TrainSettings):
         super().__init__()
-        self.student = student
+        self.student = student.train()  # from_pretrained returns eval mode
         self.policy = policy
         self.s = settings
         # the teacher is frozen and not part of the checkpoint: keep it out of the module tree

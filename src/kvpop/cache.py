@@ -1,0 +1,414 @@
+"""A bounded KV cache for decoding: exactly ``budget`` entries per layer and KV head, forever.
+
+Layout of every layer's preallocated buffers ``(B, Hk, T = budget, D)``::
+
+    slots [0, sinks)                   the first ``sinks`` tokens (kept forever)
+    slots [sinks, sinks + window)      a ring over the ``window`` most recent tokens
+    slots [sinks + window, T)          ``k = T - sinks - window`` long-range slots
+
+Token ``t >= sinks`` is written into ring slot ``sinks + (t - sinks) % window``. When token ``q``
+arrives it overwrites token ``q - window``, which leaves the window and competes for the
+long-range slots by its priority: a free slot takes it; otherwise it replaces the lowest-ranked
+slot iff it outranks it (rank = priority, then recency: it is newer than every slot, so it wins
+ties); a loser is gone for good. With static priorities this is exactly the top-k of the eligible
+set that :func:`kvpop.selection.eviction_times` describes, so decoding reproduces the training
+pattern token for token. Keys keep the rotary positions they were written with, and
+:meth:`BoundedCache.get_seq_length` reports the number of tokens *seen*, so new positions keep
+counting from the true sequence length.
+
+Priorities come from a :class:`DecodePolicy`, the one scoring interface of the cache:
+
+* a static rule (``needs_attention = False``) scores tokens once, when they enter
+  (:meth:`DecodePolicy.token_scores`); any :class:`kvpop.policies.Policy` plugs in through
+  :class:`StaticPolicy` (priority = ``Scores.prio``, with ``pos`` = absolute position, which is
+  the position inside the single document being generated, as in training);
+* an attention rule (``needs_attention = True``, TOVA, H2O in :mod:`kvpop.decode`) re-scores the
+  stored slots after every attention step from the current query's attention
+  (:meth:`DecodePolicy.slot_scores`). Its decisions at step ``q`` use statistics up to query
+  ``q - 1``, so the cache never holds more than ``budget`` entries.
+
+Attention runs through the cache itself (:meth:`BoundedCache.attend`, the same protocol as
+:class:`kvpop.attention.SparseContext`), reached via the ``kvpop_cache`` attention
+implementation that :func:`enable` installs: every stored slot carries its own validity and, per
+KV head, its own token, which the standard SDPA mask ``(B, 1, q, kv)`` cannot express, and the
+attention rules need the attention weights. Without a ``kvpop_ctx`` the implementation is plain
+SDPA, so an enabled model still decodes densely with a ``DynamicCache``.
+
+Prefill (the first forward on an empty cache, any length): the prompt attends under the training
+pattern (eviction times from :func:`kvpop.selection.eviction_times`, mask from :mod:`kvpop.masks`,
+SDPA on CPU, FlexAttention on CUDA); then exactly the tokens kept at the last prompt query stay.
+Attention rules prefill densely (causal) and keep sinks, window and the top-k of their statistic.
+A multi-token forward on a non-empty cache is not supported (feed tokens one at a time).
+
+Batch rows evict independently (every op is vectorized over ``B`` and ``Hk``); all rows share one
+length: left padding is not supported and is rejected with an error.
+
+Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, S sequence, T = budget slots, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvpop.attention import SparseContext, flex_execute, sdpa_execute
+from kvpop.masks import block_mask_from_eviction_times, dense_mask, make_eviction_mask_mod
+from kvpop.policies import Policy
+from kvpop.selection import eviction_times
+
+ATTN_IMPLEMENTATION = "kvpop_cache"
+NEG_INF = float("-inf")
+
+
+class DecodePolicy:
+    """Eviction rule of the bounded cache: priorities per stored token, higher is kept longer.
+
+    A rule overrides one hook: :meth:`token_scores` (static rules) or :meth:`slot_scores`
+    (``needs_attention = True``). Ties are always broken by recency (newer outranks older).
+    """
+
+    name: str = "decode_policy"
+    evicts: bool = True  # False: dense decoding, no bounded cache at all
+    needs_attention: bool = False  # True: slot_scores receives the attention of every query
+
+    def token_scores(self, layer: int, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
+        """k, v (B, Hk, S, D), pos (B, S) absolute positions -> priority (B, Hk, S) of entering tokens."""
+        return torch.zeros(k.shape[:3], dtype=torch.float64, device=k.device)
+
+    def slot_scores(self, prio: Tensor, attn: Tensor) -> Tensor:
+        """prio (B, Hk, T), attn (B, Hk, Q, T) weights of Q consecutive queries (mean over each KV
+        head's query group; zero on future and empty slots) -> updated priorities (B, Hk, T)."""
+        raise NotImplementedError
+
+    def to(self, *args, **kwargs) -> DecodePolicy:
+        return self
+
+
+class StaticPolicy(DecodePolicy):
+    """Any training-time :class:`kvpop.policies.Policy`: priority = ``Scores.prio``, fixed at entry."""
+
+    def __init__(self, policy: Policy):
+        if not policy.evicts:
+            raise ValueError(f"policy {policy.name!r} never evicts: decode it with a DynamicCache")
+        self.policy = policy
+        self.name = policy.name
+
+    def token_scores(self, layer, k, v, pos):
+        return self.policy.scores(layer, k, v, pos).prio
+
+    def to(self, *args, **kwargs):
+        self.policy.to(*args, **kwargs)
+        return self
+
+
+def as_decode_policy(policy: DecodePolicy | Policy) -> DecodePolicy:
+    return policy if isinstance(policy, DecodePolicy) else StaticPolicy(policy)
+
+
+class BoundedLayer(CacheLayerMixin):
+    """One layer: keys and values (B, Hk, T, D) plus per-slot priority and position (B, Hk, T)."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, layer_idx: int, policy: DecodePolicy, *, budget: int, sinks: int, window: int):
+        super().__init__()
+        self.layer_idx, self.policy = layer_idx, policy
+        self.budget, self.sinks, self.window = budget, sinks, window
+        self.k = budget - sinks - window
+        self.lr = sinks + window  # first long-range slot
+        self.seen = 0  # tokens seen (not stored): the next token's position
+        self.prio: Tensor | None = None  # (B, Hk, T) float64, -inf on empty slots
+        self.pos: Tensor | None = None  # (B, Hk, T) int64 absolute position, -1 on empty slots
+        self._pending: tuple | None = None  # written by update, consumed by attend
+
+    # --- transformers' layer interface ---------------------------------------------------------
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        B, Hk, _, Dk = key_states.shape
+        T, dev = self.budget, key_states.device
+        self.dtype, self.device = key_states.dtype, dev
+        self.keys = key_states.new_zeros(B, Hk, T, Dk)
+        self.values = value_states.new_zeros(B, Hk, T, value_states.shape[-1])
+        self.prio = torch.full((B, Hk, T), NEG_INF, dtype=torch.float64, device=dev)
+        self.pos = torch.full((B, Hk, T), -1, dtype=torch.int64, device=dev)
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Store the new token(s); returns the keys/values that :meth:`attend` will attend over."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self._pending is not None:
+            raise RuntimeError(
+                "BoundedCache: the previous step's attention did not run through the cache; "
+                "call kvpop.cache.enable(model) before decoding with it"
+            )
+        if key_states.shape[0] != self.keys.shape[0]:
+            raise ValueError(f"BoundedCache holds batch {self.keys.shape[0]}, got {key_states.shape[0]}")
+        S = key_states.shape[-2]
+        if self.seen == 0:
+            self._pending = ("prefill", key_states, value_states)
+            self.seen = S
+            return key_states, value_states
+        if S != 1:
+            raise NotImplementedError(
+                f"BoundedCache: a {S}-token forward on a non-empty cache is not supported; feed new tokens one at a time"
+            )
+        self._insert(key_states, value_states)
+        self._pending = ("decode",)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0  # as a dense cache: lets SDPA's mask logic see padding
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1  # the sequence may grow without bound; storage stays `budget`
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.keys.zero_()
+            self.values.zero_()
+            self.prio.fill_(NEG_INF)
+            self.pos.fill_(-1)
+        self.seen, self._pending = 0, None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            for buf in (self.keys, self.values, self.prio, self.pos):
+                buf.copy_(buf.index_select(0, beam_idx.to(buf.device)))
+
+    def nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.prio, self.pos))
+
+    # --- storage --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _insert(self, k: Tensor, v: Tensor) -> None:
+        """One token k, v (B, Hk, 1, D) at position p = seen - the ring's leaver competes first."""
+        p = self.seen
+        B = k.shape[0]
+        prio = self.policy.token_scores(self.layer_idx, k, v, torch.full((B, 1), p, device=k.device))  # (B, Hk, 1)
+        if p < self.sinks:
+            slot = p
+        else:
+            slot = self.sinks + (p - self.sinks) % self.window
+            if p - self.sinks >= self.window:  # the occupant (token p - window) leaves the window
+                self._compete(slot)
+        self.keys[:, :, slot] = k[:, :, 0]
+        self.values[:, :, slot] = v[:, :, 0]
+        self.prio[:, :, slot] = prio[:, :, 0]
+        self.pos[:, :, slot] = p
+        self.seen = p + 1
+
+    def _compete(self, src: int) -> None:
+        """The token in slot ``src`` takes the lowest-ranked long-range slot iff it outranks it."""
+        if self.k == 0:
+            return
+        lr = slice(self.lr, self.budget)
+        prio, pos = self.prio[:, :, lr], self.pos[:, :, lr]  # (B, Hk, k)
+        low = prio.amin(-1, keepdim=True)  # (B, Hk, 1); empty slots are -inf
+        # lowest-ranked slot: lowest priority, and the oldest among equal priorities
+        victim = torch.where(prio == low, pos, torch.iinfo(torch.int64).max).argmin(-1, keepdim=True)  # (B, Hk, 1)
+        wins = self.prio[:, :, src : src + 1] >= low  # the candidate is the newest: it wins ties
+        dst = victim + self.lr  # (B, Hk, 1)
+        for buf in (self.keys, self.values, self.prio, self.pos):
+            idx = dst if buf.dim() == 3 else dst[..., None].expand(-1, -1, -1, buf.shape[-1])
+            cand = buf[:, :, src : src + 1]
+            keep = wins if buf.dim() == 3 else wins[..., None]
+            buf.scatter_(2, idx, torch.where(keep, cand, buf.gather(2, idx)))
+
+    @torch.no_grad()
+    def _keep_survivors(self, k: Tensor, v: Tensor, prio: Tensor) -> None:
+        """After a prompt k, v (B, Hk, S, D): keep the tokens attended by its last query.
+
+        Sinks, the last ``window`` tokens, and the top-k of the eligible tokens
+        ``[sinks, S - window)`` by (priority, recency)."""
+        S = k.shape[2]
+        self.reset()
+        self.seen = S
+        dev = k.device
+        sinks, window = torch.arange(min(self.sinks, S), device=dev), torch.arange(min(S, max(self.sinks, S - self.window)), S, device=dev)
+        fixed = torch.cat([sinks, window])  # token indices, head-independent
+        slots = torch.where(fixed < self.sinks, fixed, self.sinks + (fixed - self.sinks) % self.window)
+        self.keys[:, :, slots] = k[:, :, fixed]
+        self.values[:, :, slots] = v[:, :, fixed]
+        self.prio[:, :, slots] = prio[:, :, fixed]
+        self.pos[:, :, slots] = fixed
+        lo, hi = self.sinks, S - self.window  # eligible tokens
+        n = min(self.k, hi - lo)
+        if n <= 0:
+            return
+        flipped = prio[:, :, lo:hi].flip(-1)  # newest first, so a stable sort lets ties go to the newer
+        top = (hi - 1) - flipped.sort(dim=-1, descending=True, stable=True).indices[..., :n]  # (B, Hk, n) token index
+        dst = slice(self.lr, self.lr + n)
+        self.keys[:, :, dst] = k.gather(2, top[..., None].expand(-1, -1, -1, k.shape[-1]))
+        self.values[:, :, dst] = v.gather(2, top[..., None].expand(-1, -1, -1, v.shape[-1]))
+        self.prio[:, :, dst] = prio.gather(2, top)
+        self.pos[:, :, dst] = top
+
+    # --- attention ------------------------------------------------------------------------------
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """q (B, H, S, D) and what :meth:`update` returned -> attention output (B, S, H, D)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("BoundedCache.attend without a preceding update")
+        if pending[0] == "prefill":
+            return self._prefill(q, k, v, scale)
+        return self._decode(q, scale)
+
+    def _decode(self, q: Tensor, scale: float) -> Tensor:
+        """One query over the stored slots: q (B, H, 1, D) -> (B, 1, H, D)."""
+        B, H, _, D = q.shape
+        Hk = self.keys.shape[1]
+        qg = q.reshape(B, Hk, H // Hk, D).float()  # query head h reads KV head h // G
+        logits = torch.einsum("bhgd,bhtd->bhgt", qg, self.keys.float()) * scale  # (B, Hk, G, T)
+        logits = logits.masked_fill(self.pos[:, :, None, :] < 0, NEG_INF)
+        attn = logits.softmax(-1)
+        out = torch.einsum("bhgt,bhtd->bhgd", attn, self.values.float()).to(q.dtype)  # (B, Hk, G, D)
+        if self.policy.needs_attention:
+            self._rescore(attn.mean(2, keepdim=True))  # (B, Hk, 1, T): one query, group mean
+        return out.reshape(B, 1, H, -1)
+
+    @torch.no_grad()
+    def _rescore(self, attn: Tensor) -> None:
+        """attn (B, Hk, Q, T) -> slot priorities through the policy; empty slots stay -inf."""
+        new = self.policy.slot_scores(self.prio, attn.double())
+        self.prio.copy_(torch.where(self.pos >= 0, new, NEG_INF))
+
+    def _prefill(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """The prompt q (B, H, S, D), k, v (B, Hk, S, D) from an empty cache -> (B, S, H, D)."""
+        B, H, S, _ = q.shape
+        pos = torch.arange(S, device=q.device).expand(B, S)
+        with torch.no_grad():
+            prio = self.policy.token_scores(self.layer_idx, k, v, pos).double()  # (B, Hk, S)
+        if self.policy.needs_attention:
+            out, prio = self._dense_prefill(q, k, v, scale, prio)
+        else:
+            out = self._pattern_prefill(q, k, v, scale, prio, pos)
+        self._keep_survivors(k, v, prio)
+        return out.transpose(1, 2)
+
+    def _pattern_prefill(self, q, k, v, scale, prio, pos) -> Tensor:
+        """The training pattern over the prompt (one document): out (B, H, S, D)."""
+        B, H, S, _ = q.shape
+        doc = torch.zeros_like(pos)
+        evict = eviction_times(prio, doc, pos, sinks=self.sinks, window=self.window, k=self.k)
+        if q.is_cuda:
+            bm = block_mask_from_eviction_times(doc, pos, evict, sinks=self.sinks, num_heads=H)
+            return flex_execute(q, k, v, bm, scale, need_lse=False)[0]
+        mm = make_eviction_mask_mod(doc, pos, evict, sinks=self.sinks, group=H // k.shape[1])
+        return sdpa_execute(q, k, v, dense_mask(mm, B, H, S, q.device), scale, need_lse=False)[0]
+
+    def _dense_prefill(self, q, k, v, scale, prio, chunk: int = 256) -> tuple[Tensor, Tensor]:
+        """Causal attention in query chunks, folding each chunk's weights into the policy's statistic."""
+        B, H, S, D = q.shape
+        Hk = k.shape[1]
+        G = H // Hk
+        kf, vf = k.float(), v.float()
+        out = q.new_empty(B, H, S, v.shape[-1])
+        t = torch.arange(S, device=q.device)
+        for s in range(0, S, chunk):
+            qc = q[:, :, s : s + chunk].float()
+            C = qc.shape[2]
+            logits = torch.einsum("bhgqd,bhtd->bhgqt", qc.view(B, Hk, G, C, D), kf) * scale  # (B, Hk, G, C, S)
+            logits = logits.masked_fill(t > (s + torch.arange(C, device=q.device))[:, None], NEG_INF)
+            attn = logits.softmax(-1)
+            out[:, :, s : s + C] = torch.einsum("bhgqt,bhtd->bhgqd", attn, vf).reshape(B, H, C, -1).to(q.dtype)
+            with torch.no_grad():
+                prio = self.policy.slot_scores(prio, attn.mean(2).double())
+        return out, prio
+
+
+class BoundedCache(Cache):
+    """The bounded cache of a decoder-only model: one :class:`BoundedLayer` per layer.
+
+    ``BoundedCache(model.config, policy, budget=..., sinks=..., window=...)`` with a
+    :class:`DecodePolicy` or any :class:`kvpop.policies.Policy`; pass it as ``past_key_values``
+    to a model prepared by :func:`enable` (``model.generate`` included).
+    """
+
+    def __init__(self, config, policy: DecodePolicy | Policy, *, budget: int, sinks: int, window: int):
+        cfg = config.get_text_config(decoder=True)
+        if window < 1 or sinks < 0 or budget < sinks + window:
+            raise ValueError(f"need window >= 1, sinks >= 0 and budget >= sinks + window; got budget={budget}, sinks={sinks}, window={window}")
+        if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
+            raise NotImplementedError("BoundedCache does not support sliding-window attention layers")
+        self.policy = as_decode_policy(policy)
+        self.budget, self.sinks, self.window = budget, sinks, window
+        layers = [BoundedLayer(i, self.policy, budget=budget, sinks=sinks, window=window) for i in range(cfg.num_hidden_layers)]
+        super().__init__(layers=layers)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """The :class:`kvpop.attention.SparseContext` protocol: -> attention output (B, S, H, D)."""
+        return self.layers[layer].attend(q, k, v, scale)
+
+    def cache_bytes(self) -> int:
+        """Bytes allocated by the cache: keys, values, priorities and positions of every layer."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+def cache_bytes(cache: Cache) -> int:
+    """Allocated bytes of a BoundedCache or of any transformers cache (keys and values)."""
+    if isinstance(cache, BoundedCache):
+        return cache.cache_bytes()
+    return sum(
+        t.numel() * t.element_size()
+        for layer in cache.layers
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+        if isinstance(t, Tensor)
+    )
+
+
+# --- the attention implementation ---------------------------------------------------------------
+def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kvpop_ctx=None, **kwargs):
+    """``attn_implementation="kvpop_cache"``: a context (BoundedCache or SparseContext) attends;
+    without one, plain SDPA (dense decoding with a DynamicCache)."""
+    if kvpop_ctx is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if isinstance(kvpop_ctx, BoundedCache):
+        if attention_mask is not None:
+            raise NotImplementedError("BoundedCache: padded batches are not supported (all rows must have one length)")
+        if kwargs.get("sliding_window"):
+            raise NotImplementedError("BoundedCache does not support sliding-window attention layers")
+    elif not isinstance(kvpop_ctx, SparseContext):
+        raise TypeError(f"kvpop_ctx must be a BoundedCache or a SparseContext, got {type(kvpop_ctx).__name__}")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return kvpop_ctx.attend(module.layer_idx, query, key, value, scale), None
+
+
+def register() -> str:
+    """Register the ``kvpop_cache`` attention (idempotent); returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    return ATTN_IMPLEMENTATION
+
+
+def _cache_as_context(module, args, kwargs):
+    """Forward pre-hook: a BoundedCache given as ``past_key_values`` is also the attention context."""
+    cache = kwargs.get("past_key_values")
+    if isinstance(cache, BoundedCache) and kwargs.get("kvpop_ctx") is None:
+        kwargs["kvpop_ctx"] = cache
+    return args, kwargs
+
+
+def enable(model):
+    """Prepare a model (in place, idempotent) for BoundedCache decoding; returns it.
+
+    Sets ``attn_implementation="kvpop_cache"`` (SDPA unless a context is given, so dense
+    decoding and ``kvpop_ctx=SparseContext(...)`` forwards keep working) and installs a forward
+    pre-hook that hands ``past_key_values`` to the attention when it is a BoundedCache, so
+    ``model(..., past_key_values=cache)`` and ``model.generate(..., past_key_values=cache)`` work."""
+    model.set_attn_implementation(register())
+    if getattr(model, "_kvpop_cache_hook", None) is None:
+        model._kvpop_cache_hook = model.register_forward_pre_hook(_cache_as_context, with_kwargs=True)
+    return model

@@ -1,0 +1,100 @@
+"""The `kvpop` command on a tiny exported model: generate, score, and clear errors (exit 2)."""
+
+import json
+
+import pytest
+import torch
+
+from kvpop.cli import main
+from kvpop.export import export
+from kvpop.modeling import load_model
+from kvpop.policies import make_policy
+
+TEXT = "Let v1 = 381. Recall v1 = 381. So 381 + 42 = 423. The answer is \\boxed{423}. Step 3: 17 * 4 = 68."
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_llama_dir, tiny_tokenizer, tmp_path_factory):
+    model = load_model(tiny_llama_dir)
+    torch.manual_seed(3)
+    policy = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
+    out = tmp_path_factory.mktemp("cli") / "export"
+    export(model, tiny_tokenizer, policy, out, budget=24, sinks=2, window=8)
+    return out
+
+
+def gen(ckpt, policy, *extra):
+    return main(["generate", "--checkpoint", str(ckpt), "--policy", policy, "--budget", "16", "--max-new-tokens", "12", *extra])
+
+
+@pytest.mark.parametrize("policy", ["kvpop_mlp", "streaming_llm", "tova", "dense"])
+def test_generate_streams_and_reports(exported, policy, capsys):
+    assert gen(exported, policy, "--prompt", "Recall v1 =") == 0
+    err = capsys.readouterr().err
+    assert f"{policy} budget 16 (sinks 2, window 8)" in err  # sinks/window from the export
+    assert " MB" in err and "tokens/s" in err
+
+
+def test_generate_plain_folder_and_prompt_file(tiny_llama_dir, tmp_path, capsys):
+    f = tmp_path / "prompt.txt"
+    f.write_text(TEXT)
+    assert gen(tiny_llama_dir, "h2o", "--prompt-file", str(f), "--window", "6", "--quiet", "--temperature", "0.7") == 0
+    assert "sinks 4, window 6" in capsys.readouterr().err
+    assert gen(tiny_llama_dir, "kvpop_mlp", "--prompt", "x") == 2
+    assert "needs an export folder" in capsys.readouterr().err
+
+
+def test_score_text_and_jsonl(exported, tiny_tokenizer, tmp_path, capsys):
+    txt = tmp_path / "doc.txt"
+    txt.write_text(TEXT * 2)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"text": TEXT}) + "\n\n" + json.dumps({"messages": [{"role": "user", "content": TEXT}, {"role": "assistant", "content": "423"}]}) + "\n")
+    results = {}
+    for policy in ("dense", "kvpop_mlp", "streaming_llm", "h2o"):
+        assert main(["score", "--checkpoint", str(exported), "--policy", policy, "--budget", "16", str(txt), str(rows), "--json"]) == 0
+        results[policy] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert results["dense"]["kl"] == pytest.approx(0, abs=1e-9) and results["dense"]["top1_agreement"] == 1
+    assert results["kvpop_mlp"]["documents"] == 3 and results["kvpop_mlp"]["tokens"] > 16
+    for policy in ("kvpop_mlp", "streaming_llm", "h2o"):
+        assert results[policy]["kl"] > 0 and 0 <= results[policy]["top1_agreement"] <= 1
+    # with budget >= length nothing is evicted
+    assert main(["score", "--checkpoint", str(exported), "--policy", "kvpop_mlp", "--budget", "4096", str(rows), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kl"] == pytest.approx(0, abs=1e-6)
+    assert main(["score", "--checkpoint", str(exported), "--policy", "tova", "--budget", "16", str(rows)]) == 0
+    assert "top1_agreement" in capsys.readouterr().out  # the rich table
+
+
+def test_errors_exit_2(exported, tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    bad_rows = tmp_path / "bad.jsonl"
+    bad_rows.write_text('{"foo": 1}\n')
+    cases = [
+        (["generate", "--checkpoint", str(tmp_path / "nowhere"), "--policy", "tova", "--budget", "16", "--prompt", "x"], "no checkpoint"),
+        (["generate", "--checkpoint", str(exported), "--policy", "lru", "--budget", "16", "--prompt", "x"], "unknown policy 'lru'"),
+        (["generate", "--checkpoint", str(exported), "--policy", "tova", "--budget", "16", "--prompt-file", str(empty)], "empty prompt"),
+        (["generate", "--checkpoint", str(exported), "--policy", "tova", "--budget", "5", "--prompt", "x"], "--budget 5"),
+        (["generate", "--checkpoint", str(exported), "--policy", "streaming_llm_plus", "--budget", "16", "--prompt", "x"], "needs an export folder trained with it"),
+        (["score", "--checkpoint", str(exported), "--policy", "tova", "--budget", "16", str(empty)], "is empty"),
+        (["score", "--checkpoint", str(exported), "--policy", "tova", "--budget", "16", str(tmp_path / "none.txt")], "not found"),
+        (["score", "--checkpoint", str(exported), "--policy", "tova", "--budget", "16", str(bad_rows)], '"text"'),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit) as exc:  # argparse usage errors
+        main(["generate", "--policy", "tova"])
+    assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("damage", ["meta", "scorer", "weights"])
+def test_corrupt_checkpoint_exits_2(exported, tmp_path, damage, capsys):
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(exported, ckpt)
+    target = {"meta": "kvpop.json", "scorer": "scorer.safetensors", "weights": "model.safetensors"}[damage]
+    (ckpt / target).write_bytes(b"\x00garbage")
+    assert gen(ckpt, "kvpop_mlp", "--prompt", "x") == 2
+    err = capsys.readouterr().err
+    assert "cannot load checkpoint" in err

@@ -1,0 +1,137 @@
+"""Decode-time policies: TOVA and H2O evict the token their rule names; the generation helper."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvpop.cache import BoundedCache, BoundedLayer
+from kvpop.decode import H2O, TOVA, Dense, GenerationStats, generate, make_decode_policy
+from kvpop.modeling import tiny_config
+from kvpop.policies import Recency, make_policy
+
+# One KV head, one query head, head dim 1, scale 1: the logit of token t is q * key_t.
+KEYS = [2.0, -2.0, 0.0, 0.0, 0.0]
+QUERIES = [1.0, 1.0, -1.0, 1.0, 1.0]
+
+
+def run(policy, steps: int) -> tuple[BoundedLayer, list[list[int]]]:
+    """Prefill token 0, then decode tokens 1.. ; the layer and its stored positions after every step."""
+    layer = BoundedLayer(0, policy, budget=3, sinks=0, window=1)  # window 1 + 2 long-range slots
+    kv = torch.tensor(KEYS).view(1, 1, -1, 1)
+    q = torch.tensor(QUERIES).view(1, 1, -1, 1)
+    stored = []
+    for t in range(steps):
+        keys, values = layer.update(kv[:, :, t : t + 1], kv[:, :, t : t + 1])
+        layer.attend(q[:, :, t : t + 1], keys, values, 1.0)
+        stored.append(sorted(p for p in layer.pos[0, 0].tolist() if p >= 0))
+    return layer, stored
+
+
+def weights(t: int) -> list[float]:
+    """Attention of query t over tokens 0..t (dense; the cache holds all of them up to t = 2)."""
+    e = [math.exp(QUERIES[t] * k) for k in KEYS[: t + 1]]
+    return [x / sum(e) for x in e]
+
+
+def test_tova_evicts_the_least_attended_by_the_latest_query():
+    # query 2 (q = -1) attends token 1 most and token 0 least: at step 3, token 2 leaves the window
+    # and replaces token 0, the long-range slot with the lowest weight
+    w2 = weights(2)
+    assert w2[0] < w2[2] < w2[1]
+    _, stored = run(TOVA(), 4)
+    assert stored == [[0], [0, 1], [0, 1, 2], [1, 2, 3]]
+
+
+def test_h2o_keeps_the_heavy_hitters():
+    # accumulated attention after query 2: token 0 ~ 2.0, token 1 ~ 0.88, token 2 ~ 0.12; at
+    # step 3 the leaver (token 2) is below both long-range slots and is dropped
+    acc = [sum(weights(q)[t] for q in range(t, 3)) for t in range(3)]
+    assert acc[2] < acc[1] < acc[0]
+    assert stored_at(H2O(), 3) == pytest.approx(dict(enumerate(acc)))  # the statistic is the accumulated weight
+    _, stored = run(H2O(), 4)
+    assert stored == [[0], [0, 1], [0, 1, 2], [0, 1, 3]]
+
+
+def stored_at(policy, steps: int) -> dict[int, float]:
+    """Position -> priority of the stored tokens after ``steps`` steps."""
+    layer, _ = run(policy, steps)
+    return {p: s for p, s in zip(layer.pos[0, 0].tolist(), layer.prio[0, 0].tolist()) if p >= 0}
+
+
+def test_h2o_prefill_accumulates_prompt_attention():
+    """A 3-token prompt into 1 long-range slot + window 1: the most-attended prompt token survives."""
+    layer = BoundedLayer(0, H2O(), budget=2, sinks=0, window=1)
+    kv = torch.tensor(KEYS[:3]).view(1, 1, 3, 1)
+    q = torch.tensor(QUERIES[:3]).view(1, 1, 3, 1)
+    keys, values = layer.update(kv, kv)
+    out = layer.attend(q, keys, values, 1.0)
+    assert out.shape == (1, 3, 1, 1)
+    assert sorted(layer.pos[0, 0].tolist()) == [0, 2]  # token 0 (~2.0) beats token 1 (~0.88)
+    tova = BoundedLayer(0, TOVA(), budget=2, sinks=0, window=1)
+    tova.update(kv, kv)
+    tova.attend(q, kv, kv, 1.0)
+    assert sorted(tova.pos[0, 0].tolist()) == [1, 2]  # the last query attends token 1 most
+
+
+def test_policy_names_and_errors():
+    assert isinstance(make_decode_policy("dense"), Dense) and not make_decode_policy("dense").evicts
+    assert make_decode_policy("tova").needs_attention and make_decode_policy("h2o").needs_attention
+    assert make_decode_policy("streaming_llm").name == "streaming_llm"
+    mlp = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
+    assert make_decode_policy("kvpop_mlp", mlp).policy is mlp
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        make_decode_policy("nope")
+    with pytest.raises(ValueError, match="needs an export"):
+        make_decode_policy("kvpop_mlp")
+    with pytest.raises(ValueError, match="needs an export"):
+        make_decode_policy("streaming_llm_plus", mlp)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
+
+
+def test_generate_helper(model, tiny_tokenizer):
+    prompt = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))
+    kw = dict(budget=16, sinks=2, window=8, max_new_tokens=30, temperature=0.0, top_p=1.0, top_k=0, seed=0)
+    outs = {}
+    for name in ("dense", "streaming_llm", "tova", "h2o"):
+        new, stats = generate(model, tiny_tokenizer, make_decode_policy(name), prompt, **kw)
+        assert isinstance(stats, GenerationStats) and new.shape == (2, 30)
+        assert stats.tokens_per_s > 0 and stats.peak_cache_mb > 0
+        outs[name] = (new, stats)
+    # bounded caches are smaller than the dense one at 54 tokens
+    assert outs["streaming_llm"][1].peak_cache_mb < outs["dense"][1].peak_cache_mb
+    # sampling is reproducible from the seed
+    a, _ = generate(model, tiny_tokenizer, TOVA(), prompt[0].tolist(), **dict(kw, temperature=0.8, top_p=0.9, top_k=20, seed=7))
+    b, _ = generate(model, tiny_tokenizer, TOVA(), prompt[0].tolist(), **dict(kw, temperature=0.8, top_p=0.9, top_k=20, seed=7))
+    assert torch.equal(a, b) and a.shape[0] == 1 and 1 <= a.shape[1] <= 30  # may stop at EOS
+
+
+def test_attention_rules_decode_a_real_model(model):
+    """TOVA and H2O run inside a model: flat memory and a valid cache after a long decode."""
+    from kvpop.cache import enable
+
+    enable(model)
+    for policy in (TOVA(), H2O()):
+        cache = BoundedCache(model.config, policy, budget=12, sinks=1, window=4)
+        ids = torch.randint(0, 96, (2, 20))
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache)
+            size = cache.cache_bytes()
+            for _ in range(30):
+                model(input_ids=ids[:, :1], past_key_values=cache)
+        assert cache.cache_bytes() == size and cache.get_seq_length() == 50
+        pos = cache.layers[1].pos
+        assert (pos >= 0).all() and (pos[..., :1] == 0).all()  # full, sink kept
+        assert sorted(pos[0, 0, 1:5].tolist()) == [46, 47, 48, 49]  # the window
+        assert torch.isfinite(cache.layers[1].prio).all()
+
+
+def test_recency_policy_instance_is_accepted(model):
+    cache = BoundedCache(model.config, Recency(), budget=10, sinks=2, window=4)
+    assert cache.policy.name == "streaming_llm" and not cache.policy.needs_attention

@@ -1,0 +1,262 @@
+"""The delayed mLSTM scorer (policy ``kvpop``): parallel vs recurrent, delay, gradients, accounting."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from conftest import packed_toy
+
+from kvpop.boundary import boundary_loss
+from kvpop.mlstm import LearnedMLSTM, MLSTMScorer, kvpop_k, readout_times, state_numbers
+from kvpop.selection import document_spans
+
+B, HK, D = 2, 3, 8
+
+
+def _kv(B, Hk, S, D, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return scale * torch.randn(B, Hk, S, D, generator=g), scale * torch.randn(B, Hk, S, D, generator=g)
+
+
+def _scorer(seed=0, forget_gate="sigmoid", layers=2, chunk=16, gate_std=0.2, **kw):
+    torch.manual_seed(seed)
+    sc = MLSTMScorer(layers, HK, D, d_k=4, d_v=5, forget_gate=forget_gate, chunk=chunk, **kw)
+    with torch.no_grad():  # data-dependent gates: the xLSTM init has zero gate weights
+        for cell in sc.layers:
+            cell.w_gate.normal_(0.0, gate_std)
+    return sc
+
+
+def recurrent_reference(scorer: MLSTMScorer, layer: int, k, v, doc_ids, window: int):
+    """Reference twin: the recurrent form token by token, restarting at every document (and padding
+    run), reading token t out of the state after step tau_t = min(t + window, doc_end - 1)."""
+    Bn, Hk, S, _ = k.shape
+    start, end = document_spans(doc_ids)
+    out = torch.empty(Bn, Hk, S, dtype=k.dtype)
+    for b in range(Bn):
+        state = scorer.init_state(1)
+        states = []
+        for t in range(S):
+            reset = torch.tensor([bool(start[b, t] == t)])
+            state = scorer.step(layer, state, k[b : b + 1, :, t], v[b : b + 1, :, t], reset=reset)
+            states.append(state)
+        for t in range(S):
+            tau = min(t + window, int(end[b, t]) - 1)
+            out[b, :, t] = scorer.readout(layer, states[tau], k[b : b + 1, :, t], v[b : b + 1, :, t])[0]
+    return out
+
+
+# float32: gates of moderate spread (the xLSTM read-out h = C^T q / max(|n^T q|, 1) is itself
+# ill-conditioned where |n^T q| nearly cancels, for either form alike; with gate weights N(0, 0.5) both
+# forms drift ~2e-5 from float64). float64, wide gates: the two forms agree to rounding.
+@pytest.mark.parametrize(("dtype", "gate_std", "tol"), [(torch.float32, 0.2, 1e-5), (torch.float64, 1.0, 1e-10)])
+@pytest.mark.parametrize("forget_gate", ["sigmoid", "exp"])
+@pytest.mark.parametrize("window", [0, 3, 7, 100])
+def test_parallel_equals_recurrent(forget_gate, window, dtype, gate_std, tol):
+    _, doc, _ = packed_toy(B=B, S=48, seed=1)
+    k, v = _kv(B, HK, 48, D, seed=2)
+    k, v = k.to(dtype), v.to(dtype)
+    sc = _scorer(forget_gate=forget_gate, gate_std=gate_std).to(dtype)
+    with torch.no_grad():
+        for layer in range(2):
+            par = sc.raw_scores(layer, k, v, doc_ids=doc, window=window)
+            ref = recurrent_reference(sc, layer, k, v, doc, window)
+            assert par.shape == (B, HK, 48) and par.dtype == dtype
+            torch.testing.assert_close(par, ref, atol=tol, rtol=tol)
+
+
+def test_chunking_and_checkpoint_do_not_change_scores():
+    _, doc, _ = packed_toy(B=B, S=64, seed=3)
+    k, v = _kv(B, HK, 64, D, seed=4)
+    sc = _scorer(chunk=64)
+    full = sc.raw_scores(0, k, v, doc_ids=doc, window=5)
+    for chunk in (1, 7, 16):
+        sc.chunk = chunk
+        torch.testing.assert_close(sc.raw_scores(0, k, v, doc_ids=doc, window=5), full, atol=1e-5, rtol=1e-5)
+    # activation checkpointing per chunk: same values, same gradients
+    start, tau = readout_times(doc, B, 64, window=5)
+    grads = []
+    for ckpt in (False, True):
+        sc.zero_grad()
+        r = sc.layers[0].parallel(k, v, start, tau, chunk=16, use_checkpoint=ckpt)
+        (r * torch.linspace(-1, 1, 64)).sum().backward()
+        grads.append([p.grad.clone() for p in sc.layers[0].parameters()])
+    for g0, g1 in zip(*grads):
+        torch.testing.assert_close(g0, g1)
+
+
+def test_no_doc_ids_means_one_document():
+    k, v = _kv(1, HK, 20, D, seed=5)
+    sc = _scorer()
+    one = torch.zeros(1, 20, dtype=torch.long)
+    torch.testing.assert_close(sc.raw_scores(0, k, v, window=4), sc.raw_scores(0, k, v, doc_ids=one, window=4))
+
+
+def test_readout_times():
+    doc = torch.tensor([[0, 0, 0, 0, 1, 1, 1, -1, -1]])
+    start, tau = readout_times(doc, 1, 9, window=2)
+    assert start.tolist() == [[0, 0, 0, 0, 4, 4, 4, 7, 7]]
+    assert tau.tolist() == [[2, 3, 3, 3, 6, 6, 6, 8, 8]]
+
+
+def test_long_row_is_finite_and_matches_float64():
+    """Float64 cumulative forget gates: a long row stays accurate in float32."""
+    S = 3000
+    k, v = _kv(1, HK, S, D, seed=6)
+    sc = _scorer(chunk=512, gate_std=0.1)
+    with torch.no_grad():
+        for cell in sc.layers:  # strong forgetting: |F| grows to ~2000 over the row
+            cell.b_gate[:, 1] = 0.0
+        r32 = sc.raw_scores(0, k, v, window=64)
+        r64 = sc.double().raw_scores(0, k.double(), v.double(), window=64)
+    assert torch.isfinite(r32).all()
+    torch.testing.assert_close(r32.double(), r64, atol=1e-4, rtol=1e-4)
+
+
+def test_delay_semantics():
+    """Scores used at query q depend on tokens <= q only; a token inside t's window does count."""
+    S, w = 40, 6
+    _, doc, _ = packed_toy(B=B, S=S, seed=7)
+    k, v = _kv(B, HK, S, D, seed=8)
+    sc = _scorer()
+    start, end = document_spans(doc)
+    with torch.no_grad():
+        base = sc.raw_scores(0, k, v, doc_ids=doc, window=w)
+        for q in (w, 15, 27, S - 2):
+            k2, v2 = k.clone(), v.clone()
+            k2[:, :, q + 1 :] += torch.randn_like(k2[:, :, q + 1 :])
+            v2[:, :, q + 1 :] -= 1.0
+            r = sc.raw_scores(0, k2, v2, doc_ids=doc, window=w)
+            torch.testing.assert_close(r[..., : q - w + 1], base[..., : q - w + 1], atol=0, rtol=0)
+            assert not torch.allclose(r[..., q + 1 :], base[..., q + 1 :])
+        # a token s in (t, t + w] of t's document changes r_hat_t (for every head)
+        for b in range(B):
+            for t in range(S):
+                s_max = min(t + w, int(end[b, t]) - 1)
+                if s_max <= t or doc[b, t] < 0:
+                    continue
+                s = int(torch.randint(t + 1, s_max + 1, (1,)))
+                k2, v2 = k.clone(), v.clone()
+                k2[b, :, s] += 2.0
+                v2[b, :, s] += 2.0
+                r = sc.raw_scores(0, k2, v2, doc_ids=doc, window=w)
+                assert (r[b, :, t] - base[b, :, t]).abs().min() > 1e-6, (b, t, s)
+                # ... but a token past tau_t, or of another document, does not
+                if s_max + 1 < S:
+                    k3 = k.clone()
+                    k3[b, :, s_max + 1] += 2.0
+                    r3 = sc.raw_scores(0, k3, v, doc_ids=doc, window=w)
+                    assert torch.equal(r3[b, :, t], base[b, :, t])
+
+
+def test_boundary_loss_gradients_reach_every_parameter_and_no_input():
+    S = 64
+    _, doc, pos = packed_toy(B=B, S=S, seed=9)
+    torch.manual_seed(10)
+    proj = torch.nn.Linear(D, 2 * HK * D)  # stands in for the model producing k and v
+    x = torch.randn(B, S, D)
+    kv = proj(x).view(B, S, 2, HK, D).permute(2, 0, 3, 1, 4)  # (2, B, Hk, S, D)
+    k, v = kv[0], kv[1]
+    pol = LearnedMLSTM(MLSTMScorer(1, HK, D, d_k=4, d_v=4, chunk=16))
+    scores = pol.scores(0, k, v, pos, doc_ids=doc, window=4)
+    r_tgt = torch.randn(B, HK, S)
+    loss, stats = boundary_loss(scores.r_hat, r_tgt, scores.log_gamma, doc, pos, sinks=1, window=4, k=3)
+    assert stats["decisions"] > 0
+    loss.backward()
+    for name, p in pol.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+    assert proj.weight.grad is None and proj.bias.grad is None
+    assert scores.prio.dtype == torch.float64 and not scores.prio.requires_grad
+
+
+def test_policy_bind_and_keywords_agree():
+    _, doc, pos = packed_toy(B=B, S=32, seed=11)
+    k, v = _kv(B, HK, 32, D, seed=12)
+    pol = LearnedMLSTM(_scorer())
+    assert (pol.name, pol.learned, pol.layer_independent, pol.evicts) == ("kvpop", True, False, True)
+    with pytest.raises(RuntimeError, match="window"):
+        pol.scores(1, k, v, pos)
+    a = pol.scores(1, k, v, pos, doc_ids=doc, window=5)
+    b = pol.bind(doc_ids=doc, window=5).scores(1, k, v, pos)
+    torch.testing.assert_close(a.r_hat, b.r_hat)
+    torch.testing.assert_close(a.prio, b.prio)
+    assert pol.scorer.config["kind"] == "mlstm"
+    keys = set(pol.state_dict())
+    assert "scorer.layers.1.w_gate" in keys and "scorer.decay.logit" in keys
+
+
+# SmolLM2-135M: head_dim 64; Qwen3-4B: head_dim 128. State 16 x 16 + 16 + 1 = 273 numbers.
+ACCOUNTING = {
+    (64, 384): 121, (64, 1024): 761, (64, 2048): 1785, (64, 4096): 3833,
+    (128, 384): 122, (128, 1024): 762, (128, 2048): 1786, (128, 4096): 3834,
+}
+
+
+@pytest.mark.parametrize(("head_dim", "budget"), sorted(ACCOUNTING))
+def test_memory_accounting(head_dim, budget):
+    sinks, window = 4, 256
+    k = kvpop_k(budget, sinks, window, head_dim, d_k=16, d_v=16)
+    assert k == ACCOUNTING[head_dim, budget]
+    k_mlp = budget - sinks - window
+    # cache + state never exceeds the MLP variant's memory, and one slot more would
+    mlstm_mem = 2 * head_dim * (sinks + window + k) + state_numbers(16, 16)
+    assert mlstm_mem <= 2 * head_dim * budget < mlstm_mem + 2 * head_dim
+    print(f"head_dim={head_dim} budget={budget}: k_mlp={k_mlp} k_kvpop={k} (state {state_numbers(16, 16)} numbers)")
+
+
+def test_kvpop_k_rejects_a_budget_without_slots():
+    with pytest.raises(ValueError):
+        kvpop_k(262, 4, 256, 64)
+
+
+@pytest.mark.parametrize(("S", "Hk", "Dh", "chunk"), [(1024, 3, 64, 256), (16384, 8, 128, 256)])
+def test_timing_raw_scores(S, Hk, Dh, chunk):
+    """CPU time of one layer's raw_scores (printed, not asserted): forward, and forward + backward."""
+    torch.manual_seed(0)
+    sc = MLSTMScorer(1, Hk, Dh, chunk=chunk)
+    k, v = torch.randn(1, Hk, S, Dh), torch.randn(1, Hk, S, Dh)
+    doc = torch.zeros(1, S, dtype=torch.long)  # one document: the worst case (full key range)
+    reps = 3 if S <= 4096 else 1  # best of `reps`: the CPU is shared
+
+    def best(fn):
+        """(fastest of `reps` runs in seconds, the last result)."""
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            out = fn()
+            times.append(time.perf_counter() - t0)
+        return min(times), out
+
+    with torch.no_grad():
+        sc.raw_scores(0, k[..., :64, :], v[..., :64, :], window=256)  # warm-up
+        fwd, r = best(lambda: sc.raw_scores(0, k, v, doc_ids=doc, window=256))
+    assert r.shape == (1, Hk, S) and torch.isfinite(r).all()
+    msg = f"raw_scores S={S} Hk={Hk} D={Dh} chunk={chunk} threads={torch.get_num_threads()}: forward {fwd:.2f}s"
+    if S <= 4096:
+        fb, _ = best(lambda: sc.raw_scores(0, k, v, doc_ids=doc, window=256).sum().backward())
+        msg += f", forward+backward (checkpointed) {fb:.2f}s"
+    print(msg)
+
+
+def test_trains_inside_sparse_context(tiny_llama_dir):
+    """End to end with today's SparseContext (policy bound before the forward): per-layer boundary
+    losses reach the mLSTM scorers of every layer."""
+    from kvpop.attention import ScorerTraining, SparseContext
+    from kvpop.modeling import load_model, model_shape
+
+    model = load_model(tiny_llama_dir)
+    shape = model_shape(model)
+    pol = LearnedMLSTM(MLSTMScorer(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"], chunk=16))
+    ids, doc, pos = packed_toy(B=2, S=48, seed=13)
+    sinks, window = 2, 6
+    k = kvpop_k(sinks + window + 16, sinks, window, shape["head_dim"], d_k=16, d_v=16)
+    assert 0 < k < 16
+    pol.bind(doc_ids=doc, window=window)
+    ctx = SparseContext.for_rows(pol, doc, pos, sinks=sinks, window=window, k=k, scorer_training=ScorerTraining())
+    model(input_ids=ids, position_ids=pos, kvpop_ctx=ctx)
+    assert len(ctx.losses) == shape["num_layers"]
+    torch.stack(ctx.losses).sum().backward()
+    for layer in range(shape["num_layers"]):
+        assert pol.scorer.layers[layer].w_q.grad.abs().sum() > 0
