@@ -1,18 +1,32 @@
 """The GPU-scale run of the embedded model: 8,192-token rows, budget 1,024, train + teacher-forced evaluation.
 
-SmolLM2-135M-Instruct on synthetic long-range traces (~4,000-8,000 tokens, quotes thousands of
-tokens after their definitions). ``kvpop_mlp`` is trained first under a wall-clock budget; then
-``streaming_llm_plus`` is trained for exactly the same number of steps on the same rows in the
-same order. Both use the library's DistillModule (Lightning, precision ``bf16-mixed``: fp32 master
-weights, bf16 autocast for the model; the scorer's hook runs with autocast off, so the scorer
-computes in fp32). Evaluation: :func:`kvpop.evaluate.evaluate_fidelity` in float32 on held-out
-traces of another seed, for dense, streaming_llm (base model), streaming_llm_plus and kvpop_mlp.
+SmolLM2-135M-Instruct on synthetic long-range traces. The SmolLM2 tokenizer gives about 1.22-1.24
+characters of assistant content per token for this format (measured), so 6,200-9,600 characters
+give chat-formatted traces of about 5,000-7,950 tokens, all under the 8,192-token rows; the quotes
+sit thousands of tokens after their definitions (definitions first, recalls at the end).
 
-On the GPU machine (model folder made once from the GGUF):
+One run trains three policies with the library's DistillModule on the same rows, in the same
+order, for the same number of steps (``--steps``, which is also the scorers' cosine-schedule
+length): ``kvpop`` (the delayed mLSTM scorer; its k is :func:`kvpop.policies.long_range_slots`,
+i.e. the budget less the slots its recurrent state costs), then ``kvpop_mlp`` (k = budget - sinks -
+window), then ``streaming_llm_plus``. ``kvpop`` is trained first, under a wall-clock safety guard
+(``--first-budget``): should the guard stop it early, the other two get exactly the steps it
+reached (the schedule length stays ``--steps`` for all three). Lightning precision
+``bf16-mixed`` (fp32 master weights, bf16 autocast for the model); both scorers' hooks run with
+autocast off, so the scorers compute in fp32. Evaluation: :func:`kvpop.evaluate.evaluate_fidelity`
+in float32 on held-out traces of another seed, for dense, streaming_llm (base model),
+streaming_llm_plus, kvpop_mlp and kvpop.
 
-    PYTHONPATH=src:/tmp/site python3 bench/gpu_embedded_run.py \
-        --gguf /tmp/devmodel/SmolLM2-135M-Instruct.Q4_1.gguf --model-dir /tmp/smol-hf \
-        --time-budget 150 --out results/gpu_embedded_8k.json
+Device calls (the GGUF comes in two halves, see ``../shared/tools/device-model.sh``; the gguf
+wheel: ``python3 -m pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0``):
+
+    call 1, carry [".devmodel-a"]:  mkdir -p /tmp/devmodel && cp .devmodel-a/part_aa /tmp/devmodel/
+    call 2 right after, carry [".devmodel-b", ".whl"]:
+      f=/tmp/devmodel/SmolLM2-135M-Instruct.Q4_1.gguf; cat /tmp/devmodel/part_aa .devmodel-b/part_ab > $f &&
+      echo "$(cat .devmodel-b/SHA256)  $f" | sha256sum -c &&
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+      PYTHONUNBUFFERED=1 PYTHONPATH=src:/tmp/site python3 bench/gpu_embedded_run.py --gguf $f \
+        --model-dir /tmp/smol-hf --steps 150 --out $OUT/gpu_embedded_8k.json
 
 CPU smoke test (tiny sizes): ``PYTHONPATH=src .venv/bin/python bench/gpu_embedded_run.py --small --model-dir models/base``
 """
@@ -34,7 +48,8 @@ from kvpop.evaluate import Candidate, evaluate_fidelity, score_positions
 from kvpop.filter import filter_rows
 from kvpop.modeling import load_model, model_shape
 from kvpop.pack import pack_records
-from kvpop.policies import LearnedMLP, make_policy
+from kvpop.mlstm import LearnedMLSTM
+from kvpop.policies import LearnedMLP, long_range_slots, make_policy
 from kvpop.train import DistillModule, PackedDataset, TrainSettings, make_loader
 
 
@@ -44,6 +59,14 @@ class FP32ScorerMLP(LearnedMLP):
     def scores(self, layer, k, v, pos):
         with torch.autocast(device_type=k.device.type, enabled=False):
             return super().scores(layer, k.float(), v.float(), pos)
+
+
+class FP32ScorerMLSTM(LearnedMLSTM):
+    """kvpop (delayed mLSTM) whose scoring hook runs with autocast off (fp32 scorer under bf16-mixed)."""
+
+    def scores(self, layer, k, v, pos, **kw):
+        with torch.autocast(device_type=k.device.type, enabled=False):
+            return super().scores(layer, k.float(), v.float(), pos, **kw)
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
@@ -57,11 +80,29 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     tok.save_pretrained(out_dir)
 
 
-def make_records(tok, n: int, seed: int, args) -> tuple[list[dict], dict]:
+def make_records(tok, n: int, seed: int, args) -> tuple[list[dict], dict, list[int], float]:
+    """Records that fit seq_len, filter stats, quote distances (chars) of all rows, chars/token."""
     rows = generate_traces(n, seed, min_chars=args.min_chars, max_chars=args.max_chars, num_values=args.num_values,
                            num_recalls=args.num_recalls, min_quote_distance_chars=args.min_quote_distance_chars)
-    records, stats = filter_rows(rows, tok, max_tokens=args.seq_len)
-    return records, stats.to_dict()
+    records, stats = filter_rows(rows, tok, max_tokens=10 * args.seq_len)  # measure every trace, then cut
+    chars = sum(len(r["messages"][-1]["content"]) for r in rows)
+    cpt = chars / max(1, sum(len(r["input_ids"]) for r in records))
+    qd = [d for r in rows for d in r["metadata"].get("quote_distance_chars", [])]
+    st = stats.to_dict()
+    kept = [r for r in records if len(r["input_ids"]) <= args.seq_len]
+    st["too_long_for_seq_len"] = len(records) - len(kept)
+    st["kept"] = len(kept)
+    return kept, st, qd, cpt
+
+
+def length_stats(xs: list[int], seq_len: int | None) -> dict:
+    xs = sorted(xs)
+    if not xs:
+        return {}
+    out = {"n": len(xs), "min": xs[0], "median": xs[len(xs) // 2], "mean": round(sum(xs) / len(xs)), "max": xs[-1]}
+    if seq_len:
+        out["frac_5000_8000"] = round(sum(5000 <= x <= 8000 for x in xs) / len(xs), 3)
+    return out
 
 
 class StopAfter:
@@ -82,25 +123,59 @@ class StopAfter:
         return _Stop()
 
 
+def step_timer():
+    """Lightning callback recording the wall-clock time at the end of every training step."""
+    import lightning as L
+
+    class _Timer(L.Callback):
+        def __init__(self):
+            self.t0, self.ends = None, []
+
+        def on_train_start(self, trainer, pl_module):
+            self.t0 = time.time()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.ends.append(time.time())
+
+        def summary(self) -> dict:
+            e = self.ends
+            out = {"first_step_s": round(e[0] - self.t0, 1) if e else None}
+            if len(e) > 11:  # steady state: after the first 10 steps (compiles, warm-up)
+                out["steady_s_per_step"] = round((e[-1] - e[10]) / (len(e) - 11), 3)
+            return out
+
+    return _Timer()
+
+
+def build_policy(name: str, shape: dict, args):
+    dims = {k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}
+    base = make_policy(name, **dims, scorer_hidden=args.scorer_hidden, scorer_dk=args.scorer_dk, scorer_dv=args.scorer_dv)
+    if name == "kvpop_mlp":
+        return FP32ScorerMLP(base.scorer)
+    if name == "kvpop":
+        return FP32ScorerMLSTM(base.scorer, window=args.window)
+    return base
+
+
 def train_policy(name: str, teacher, shape, packed, args, *, max_steps: int, time_budget: float | None, accelerator: str):
     import lightning as L
 
     L.seed_everything(args.seed, workers=True)
     student = copy.deepcopy(teacher).requires_grad_(True)  # the teacher was frozen by an earlier DistillModule
-    if name == "kvpop_mlp":
-        base = make_policy(name, **{k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}, scorer_hidden=args.scorer_hidden)
-        policy = FP32ScorerMLP(base.scorer)
-    else:
-        policy = make_policy(name, **{k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")})
+    policy = build_policy(name, shape, args)
+    k = long_range_slots(policy, budget=args.budget, sinks=args.sinks, window=args.window, head_dim=shape["head_dim"])
     settings = TrainSettings(
-        sinks=args.sinks, window=args.window, k=args.budget - args.sinks - args.window, steps=max_steps,
+        sinks=args.sinks, window=args.window, k=k, steps=args.steps,  # steps: the scorer's cosine-schedule length
         model_lr=args.model_lr, scorer_lr=args.scorer_lr, top_logits=256,
         scorer_training=ScorerTraining(tau=1.0, tie_margin=0.5, generator=torch.Generator().manual_seed(args.seed)),
     )
     module = DistillModule(student, teacher, policy, settings)
     ds = PackedDataset(packed.input_ids, packed.doc_ids, packed.position_ids, packed.loss_mask)
     loader = make_loader(ds, 1, args.seed)
-    callbacks = [StopAfter.make(time_budget)] if time_budget else []
+    timer = step_timer()
+    callbacks = [timer] + ([StopAfter.make(time_budget)] if time_budget else [])
     trainer = L.Trainer(
         max_steps=max_steps, accelerator=accelerator, devices=1, precision=args.precision, gradient_clip_val=1.0,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -110,12 +185,11 @@ def train_policy(name: str, teacher, shape, packed, args, *, max_steps: int, tim
     trainer.fit(module, loader)
     secs = time.time() - t0
     final = {k.removeprefix("train/"): round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
-    info = {"steps": trainer.global_step, "seconds": round(secs, 1), **final}
+    info = {"steps": trainer.global_step, "k": k, "seconds": round(secs, 1), **timer.summary(), **final}
     print(f"[train] {name}: {info}", flush=True)
-    eval_policy = make_policy(name, **{k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}, scorer_hidden=args.scorer_hidden)
-    if name == "kvpop_mlp":
-        eval_policy = policy  # the trained scorer (its hook is plain fp32 outside autocast)
-    return student.float().eval(), eval_policy.float().eval(), info
+    if not policy.learned:
+        policy = make_policy(name, **{x: shape[x] for x in ("num_layers", "num_kv_heads", "head_dim")})
+    return student.float().eval(), policy.float().eval(), info
 
 
 def main() -> None:
@@ -128,16 +202,19 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--train-traces", type=int, default=192)
     ap.add_argument("--eval-traces", type=int, default=16)
-    ap.add_argument("--min-chars", type=int, default=6_500)
-    ap.add_argument("--max-chars", type=int, default=13_000)
+    ap.add_argument("--min-chars", type=int, default=6_200, help="~1.23 chars/token: ~5,000 tokens")
+    ap.add_argument("--max-chars", type=int, default=9_600, help="~7,950 tokens, under the 8,192-token rows")
     ap.add_argument("--num-values", type=int, default=40)
     ap.add_argument("--num-recalls", type=int, default=8)
     ap.add_argument("--min-quote-distance-chars", type=int, default=4_000)
-    ap.add_argument("--max-steps", type=int, default=400, help="upper bound; also the scorer's cosine-schedule length")
-    ap.add_argument("--time-budget", type=float, default=150.0, help="seconds of kvpop_mlp training (fit, incl. compile)")
+    ap.add_argument("--steps", type=int, default=150, help="training steps of every policy; also the scorers' cosine-schedule length")
+    ap.add_argument("--first-budget", type=float, default=240.0,
+                    help="safety guard: seconds of kvpop training (fit, incl. compile); if hit, the others get kvpop's steps")
     ap.add_argument("--model-lr", type=float, default=1e-5)
     ap.add_argument("--scorer-lr", type=float, default=3e-3)
     ap.add_argument("--scorer-hidden", type=int, default=64)
+    ap.add_argument("--scorer-dk", type=int, default=16)
+    ap.add_argument("--scorer-dv", type=int, default=16)
     ap.add_argument("--precision", default=None, help="Lightning precision (default bf16-mixed on CUDA, 32-true on CPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-seed", type=int, default=1)
@@ -147,9 +224,9 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     if args.small:
-        args.seq_len, args.budget, args.window, args.train_traces, args.eval_traces = 1024, 160, 64, 6, 2
-        args.min_chars, args.max_chars, args.num_values, args.num_recalls = 700, 1300, 24, 4
-        args.min_quote_distance_chars, args.max_steps, args.time_budget = 700, 2, 60.0
+        args.seq_len, args.budget, args.window, args.train_traces, args.eval_traces = 768, 160, 64, 2, 1
+        args.min_chars, args.max_chars, args.num_values, args.num_recalls = 700, 900, 24, 4
+        args.min_quote_distance_chars, args.steps, args.first_budget = 500, 2, 60.0
     args.precision = args.precision or ("bf16-mixed" if cuda else "32-true")
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -168,73 +245,86 @@ def main() -> None:
     shape = model_shape(teacher)
     print(f"model {shape}, device {dev}", flush=True)
 
-    train_recs, train_stats = make_records(tok, args.train_traces, args.seed, args)
-    eval_recs, eval_stats = make_records(tok, args.eval_traces, args.eval_seed, args)
+    train_recs, train_stats, _, cpt = make_records(tok, args.train_traces, args.seed, args)
+    eval_recs, eval_stats, eval_qd, _ = make_records(tok, args.eval_traces, args.eval_seed, args)
     packed = pack_records(train_recs, seq_len=args.seq_len, pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
     tl = [len(r["input_ids"]) for r in train_recs]
     el = [len(r["input_ids"]) for r in eval_recs]
     print(f"train: {train_stats}, {packed.stats.rows} packed rows (fill {packed.stats.fill_ratio:.2f}), trace tokens {min(tl)}-{max(tl)}", flush=True)
-    print(f"eval: {eval_stats}, trace tokens {min(el)}-{max(el)}", flush=True)
+    print(f"eval: {eval_stats}, trace tokens {length_stats(el, args.seq_len)}, quote distance chars {length_stats(eval_qd, None)}, "
+          f"{cpt:.3f} chars/token", flush=True)
 
-    k = args.budget - args.sinks - args.window
     accelerator = "gpu" if cuda else "cpu"
+    dims = {x: shape[x] for x in ("num_layers", "num_kv_heads", "head_dim")}
+    out = {
+        "budget": args.budget,
+        "sinks": args.sinks,
+        "window": args.window,
+        "seq_len": args.seq_len,
+        "eval_traces": len(eval_recs),
+        "eval_trace_tokens": length_stats(el, args.seq_len),
+        "train_traces": len(train_recs),
+        "train_trace_tokens": length_stats(tl, args.seq_len),
+        "train_rows": packed.stats.rows,
+        "train_fill": round(packed.stats.fill_ratio, 3),
+        "eval_quote_distance_chars": length_stats(eval_qd, None),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "precision": {"train": f"{args.precision} (scorer hooks in fp32, autocast off)", "eval": "float32"},
+        "data": {"min_chars": args.min_chars, "max_chars": args.max_chars, "num_values": args.num_values,
+                 "num_recalls": args.num_recalls, "min_quote_distance_chars": args.min_quote_distance_chars,
+                 "seed": args.seed, "eval_seed": args.eval_seed, "chars_per_token_measured": round(cpt, 3),
+                 "filter": {"train": train_stats, "eval": eval_stats}},
+        "schedule_steps": args.steps,
+        "train": {},
+    }
+
+    def write(partial: bool) -> None:
+        out["date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        out["seconds_total"] = round(time.time() - t_start, 1)
+        out["partial"] = partial
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2))
+
+    # Training: same rows, same order (seeded loader), same step count for all three. kvpop first
+    # (the slowest), under the safety guard; the others get exactly the steps it reached.
     trained = {}
-    s_kv, m_kv, info_kv = train_policy("kvpop_mlp", teacher, shape, packed, args, max_steps=args.max_steps,
-                                       time_budget=args.time_budget, accelerator=accelerator)
-    trained["kvpop_mlp"] = (s_kv, m_kv, info_kv)
-    steps = info_kv["steps"]
-    s_sl, m_sl, info_sl = train_policy("streaming_llm_plus", teacher, shape, packed, args, max_steps=steps,
-                                       time_budget=None, accelerator=accelerator)
-    trained["streaming_llm_plus"] = (s_sl, m_sl, info_sl)
+    steps = args.steps
+    for i, name in enumerate(("kvpop", "kvpop_mlp", "streaming_llm_plus")):
+        student, policy, info = train_policy(name, teacher, shape, packed, args, max_steps=steps,
+                                             time_budget=args.first_budget if i == 0 else None, accelerator=accelerator)
+        if i == 0:
+            steps = info["steps"]
+        trained[name] = (student, policy, info)
+        out["train"][name] = info
+        out["steps"] = steps
+        write(partial=True)
     teacher = teacher.float().to(dev).eval()
 
     # Evaluation. Every trace is right-padded to seq_len: the padding comes after the trace, so
-    # causal logits of the trace are unchanged and padding is never scored; one shape means one
-    # FlexAttention compile (evaluate_fidelity runs one trace per forward, and the compiled flex is
-    # dynamic=False, so distinct lengths would recompile on every trace).
+    # causal logits of the trace are unchanged and padding is never scored (the delayed mLSTM reads
+    # tokens up to t + window only for tokens t that leave the window, i.e. inside the trace); one
+    # shape means one FlexAttention compile (evaluate_fidelity runs one trace per forward, and the
+    # compiled flex is dynamic=False, so distinct lengths would recompile on every trace).
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     padded = []
     for r in eval_recs:
         n = args.seq_len - len(r["input_ids"])
         padded.append({**r, "input_ids": r["input_ids"] + [pad_id] * n, "loss_mask": r["loss_mask"] + [0] * n})
-    cands = [
-        Candidate("dense", teacher, make_policy("dense", **{x: shape[x] for x in ("num_layers", "num_kv_heads", "head_dim")})),
-        Candidate("streaming_llm", teacher, make_policy("streaming_llm", **{x: shape[x] for x in ("num_layers", "num_kv_heads", "head_dim")})),
-        Candidate("streaming_llm_plus", s_sl.to(dev), m_sl.to(dev)),
-        Candidate("kvpop_mlp", s_kv.to(dev), m_kv.to(dev)),
-    ]
+    cands = [Candidate("dense", teacher, make_policy("dense", **dims)), Candidate("streaming_llm", teacher, make_policy("streaming_llm", **dims))]
+    cands += [Candidate(name, st.to(dev), pol.to(dev)) for name, (st, pol, _) in
+              ((n, trained[n]) for n in ("streaming_llm_plus", "kvpop_mlp", "kvpop"))]
+    out["k"] = {c.name: long_range_slots(c.policy, budget=args.budget, sinks=args.sinks, window=args.window, head_dim=shape["head_dim"])
+                for c in cands}
     t0 = time.time()
     results = evaluate_fidelity(padded, teacher, cands, budget=args.budget, sinks=args.sinks, window=args.window, device=dev,
                                 progress=lambda i, n: print(f"  eval trace {i}/{n} ({time.time() - t0:.0f}s)", flush=True))
     eval_tokens = sum(score_positions(r)[0].numel() for r in eval_recs)
     quote_tokens = sum(len(r["quote_positions"]) for r in eval_recs)
-    out = {
-        "policies": results,
-        "budget": args.budget,
-        "sinks": args.sinks,
-        "window": args.window,
-        "k": k,
-        "eval_tokens": eval_tokens,
-        "eval_quote_tokens": quote_tokens,
-        "eval_traces": len(eval_recs),
-        "eval_trace_tokens": [min(el), max(el)],
-        "train_traces": len(train_recs),
-        "train_rows": packed.stats.rows,
-        "train_fill": round(packed.stats.fill_ratio, 3),
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "torch": torch.__version__,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "steps": steps,
-        "seq_len": args.seq_len,
-        "precision": {"train": f"{args.precision} (scorer hook in fp32, autocast off)", "eval": "float32"},
-        "train": {name: info for name, (_, _, info) in trained.items()},
-        "data": {"min_chars": args.min_chars, "max_chars": args.max_chars, "num_values": args.num_values,
-                 "num_recalls": args.num_recalls, "min_quote_distance_chars": args.min_quote_distance_chars,
-                 "seed": args.seed, "eval_seed": args.eval_seed},
-        "seconds_total": round(time.time() - t_start, 1),
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    out = {"policies": results, "eval_tokens": eval_tokens, "eval_quote_tokens": quote_tokens,
+           "eval_seconds": round(time.time() - t0, 1), **out}
+    write(partial=False)
+    print(f"k per policy: {out['k']}; train: {out['train']}")
     print(f"\nteacher-forced fidelity, budget {args.budget} of {args.seq_len}-token rows, {steps} training steps per policy, "
           f"{eval_tokens} scored tokens ({quote_tokens} quote tokens) on {len(eval_recs)} held-out traces")
     print(f"{'policy':<20}{'KL to dense':>14}{'top-1 agree':>14}{'quote acc':>12}")

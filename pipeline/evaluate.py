@@ -1,4 +1,10 @@
-"""Stage evaluate: teacher-forced fidelity of every policy at the run's budget on held-out traces."""
+"""Stage evaluate: every policy at the run's budget on held-out data.
+
+1. teacher-forced fidelity against the dense teacher (KL, top-1 agreement, long-range quote accuracy);
+2. sampled rollouts on held-out problems (pass@1, absolute and relative to dense);
+3. cost: peak cache memory and decode tokens/s, and the cache-memory curve over generated length;
+4. competition benchmarks (evaluate.benchmarks) where reachable.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +17,39 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpop import tracking
+from kvpop.decode import make_decode_policy
 from kvpop.evaluate import Candidate, evaluate_fidelity, score_positions
 from kvpop.export import CheckpointError, load_export
 from kvpop.filter import read_jsonl
 from kvpop.modeling import load_model, model_shape
+from kvpop.plots import plot_accuracy_vs_budget, plot_memory_curve
 from kvpop.policies import make_policy
+from kvpop.rollouts import Problem, BenchmarkUnavailable, chat_prompt_ids, load_benchmark, memory_curve, pass_at_1, rollout_problems
+
+DECODE_ONLY = ("tova", "h2o")  # rules that need each step's attention: no full-sequence pattern
+
+
+def candidates(p, base: str, exports: Path, precision: str):
+    """(teacher, tokenizer, [Candidate]) for every evaluated policy."""
+    from transformers import AutoTokenizer
+
+    teacher = load_model(base, precision).eval()
+    tok = AutoTokenizer.from_pretrained(base)
+    shape = {k: v for k, v in model_shape(teacher).items() if k != "num_heads"}
+    out = []
+    for name in p.evaluate.policies:
+        pol = None if name in DECODE_ONLY else make_policy(name, **shape)
+        out.append(Candidate(name, teacher, pol, make_decode_policy(name)))
+    for name in p.train.policies:
+        try:
+            model, _, pol, meta = load_export(exports / name, precision)
+        except (CheckpointError, FileNotFoundError, RuntimeError) as err:
+            fail(f"trained policy {name!r}: {err}")
+        if (meta["budget"], meta["sinks"], meta["window"]) != (p.budget, p.sinks, p.window):
+            fail(f"{name} was exported for budget/sinks/window {meta['budget']}/{meta['sinks']}/{meta['window']}, "
+                 f"params say {p.budget}/{p.sinks}/{p.window}")
+        out.append(Candidate(name, model.eval(), pol, make_decode_policy(name, trained=pol)))
+    return teacher, tok, out
 
 
 def main() -> None:
@@ -24,57 +58,85 @@ def main() -> None:
     ap.add_argument("--data", default="data/filtered/eval.jsonl")
     ap.add_argument("--exports", default="models/export")
     ap.add_argument("--out", default="metrics/eval.json")
+    ap.add_argument("--plots", default="plots")
     args = ap.parse_args()
     p = params()
     cfg = p.evaluate
-    if not Path(args.data).is_file():
-        fail(f"held-out data not found: {args.data} (run the filter stage)")
-    records = list(read_jsonl(args.data))[: cfg.max_traces]
+    try:
+        records = read_jsonl(args.data)
+    except (FileNotFoundError, ValueError) as err:
+        fail(f"{err} (run the filter stage)")
     if not records:
         fail(f"{args.data} holds no traces")
     torch.manual_seed(p.seed)
-    teacher = load_model(args.base, cfg.precision).eval()
-    shape = model_shape(teacher)
-    candidates = []
-    for name in cfg.policies:
-        try:
-            pol = make_policy(name, **{k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")})
-        except ValueError as err:
-            fail(f"evaluate.policies: {err}")
-        candidates.append(Candidate(name, teacher, pol))
-    for name in p.train.policies:
-        try:
-            model, _, pol, meta = load_export(Path(args.exports) / name, cfg.precision)
-        except (CheckpointError, FileNotFoundError, RuntimeError) as err:
-            fail(f"trained policy {name!r}: {err}")
-        if (meta["budget"], meta["sinks"], meta["window"]) != (p.budget, p.sinks, p.window):
-            fail(f"{name} was exported for budget/sinks/window {meta['budget']}/{meta['sinks']}/{meta['window']}, "
-                 f"params say {p.budget}/{p.sinks}/{p.window}")
-        candidates.append(Candidate(name, model.eval(), pol))
-
-    eval_tokens = sum(score_positions(r)[0].numel() for r in records)
-    lengths = [len(r["input_ids"]) for r in records]
-    logged = {"budget": p.budget, "sinks": p.sinks, "window": p.window, "evaluate": cfg.model_dump(), "train.policies": p.train.policies}
+    teacher, tok, cands = candidates(p, args.base, Path(args.exports), cfg.precision)
+    fid_records = records[: cfg.max_traces]
+    eval_tokens = sum(score_positions(r)[0].numel() for r in fid_records)
+    lengths = [len(r["input_ids"]) for r in fid_records]
+    common = dict(budget=p.budget, sinks=p.sinks, window=p.window)
+    logged = {"seed": p.seed, **common, "evaluate": cfg.model_dump(), "train.policies": p.train.policies}
+    plots = Path(args.plots)
     with tracking.stage_run("evaluate", logged) as run:
-        console.print(f"[bold]evaluate[/]: {len(records)} traces ({min(lengths)}-{max(lengths)} tokens), "
-                      f"budget {p.budget}, policies {[c.name for c in candidates]}")
-        results = evaluate_fidelity(
-            records, teacher, candidates, budget=p.budget, sinks=p.sinks, window=p.window,
-            progress=lambda i, n: console.print(f"  trace {i}/{n}", highlight=False),
-        )
-        out = {"policies": results, "budget": p.budget, "eval_tokens": eval_tokens, "eval_traces": len(records),
-               "mean_trace_tokens": sum(lengths) / len(lengths)}
+        say = lambda msg: console.print(msg, highlight=False)  # noqa: E731
+        say(f"[bold]evaluate[/]: budget {p.budget}, policies {[c.name for c in cands]}")
+        say(f"fidelity on {len(fid_records)} traces ({min(lengths)}-{max(lengths)} tokens)")
+        results = evaluate_fidelity(fid_records, teacher, cands, **common, progress=lambda i, n: say(f"  trace {i}/{n}"))
+
+        rc = cfg.rollouts
+        problems = rollout_problems(records, tok, n_problems=rc.problems, min_prompt_tokens=p.budget) if rc.problems else []
+        curves = {}
+        for c in cands:
+            if problems:
+                say(f"rollouts: {c.name} ({len(problems)} problems x {rc.n})")
+                r = pass_at_1(c.model, tok, c.decode, problems, n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
+                              max_new_tokens=rc.max_new_tokens, seed=p.seed, **common)
+                results[c.name].update(pass_at_1=r["pass_at_1"], peak_cache_mb=r["peak_cache_mb"], tokens_per_s=r["tokens_per_s"])
+            if cfg.memory_lengths and problems:
+                curves[c.name] = memory_curve(c.model, tok, c.decode, problems[0].prompt_ids, lengths=cfg.memory_lengths, **common)
+        dense_p1 = results.get("dense", {}).get("pass_at_1")
+        for m in results.values():
+            if "pass_at_1" in m:
+                m["pass_at_1_relative"] = m["pass_at_1"] / dense_p1 if dense_p1 else float("nan")
+
+        benchmarks = {}
+        for bench, source in cfg.benchmarks.items():
+            try:
+                rows = load_benchmark(source)
+            except BenchmarkUnavailable as err:
+                say(f"[yellow]benchmark {bench} skipped (unreachable): {err}")
+                benchmarks[bench] = {"skipped": str(err)}
+                continue
+            probs = [Problem(id=str(r["id"]), prompt_ids=chat_prompt_ids(tok, r["problem"]), gold=str(r["answer"])) for r in rows]
+            benchmarks[bench] = {
+                c.name: pass_at_1(c.model, tok, c.decode, probs, n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
+                                  max_new_tokens=rc.max_new_tokens, seed=p.seed, **common)["pass_at_1"]
+                for c in cands
+            }
+
+        out = {"policies": results, "budget": p.budget, "eval_tokens": eval_tokens, "eval_traces": len(fid_records),
+               "mean_trace_tokens": sum(lengths) / len(lengths), "rollout_problems": len(problems), "rollouts_per_problem": rc.n}
+        if benchmarks:
+            out["benchmarks"] = benchmarks
         write_json(args.out, out)
+        points = [{"budget": p.budget, "policy": n, **m} for n, m in results.items()]
+        write_json(plots / "budget_points.json", points)  # DVC plot: compare budgets across experiments
+        if curves:
+            plot_memory_curve(curves, plots / "cache_memory.png")
+        metric = "pass_at_1" if problems else "quote_accuracy"
+        plot_accuracy_vs_budget({n: [(p.budget, m[metric])] for n, m in results.items()}, plots / "accuracy_vs_budget.png", metric)
         for name, m in results.items():
             run.metrics(m, prefix=f"{name}.")
         run.metrics({"budget": p.budget, "eval_tokens": eval_tokens})
         run.artifact(args.out)
+        run.artifact(plots)
 
-    table = Table(title=f"teacher-forced fidelity, budget {p.budget} ({eval_tokens} tokens)")
-    for col in ("policy", "KL to dense", "top-1 agreement", "quote accuracy"):
-        table.add_column(col, justify="right" if col != "policy" else "left")
+    cols = ["kl", "top1_agreement", "quote_accuracy", "pass_at_1", "pass_at_1_relative", "peak_cache_mb", "tokens_per_s"]
+    table = Table(title=f"budget {p.budget}: {eval_tokens} teacher-forced tokens, {len(problems)} x {rc.n} rollouts")
+    table.add_column("policy")
+    for col in cols:
+        table.add_column(col, justify="right")
     for name, m in results.items():
-        table.add_row(name, f"{m['kl']:.4f}", f"{m['top1_agreement']:.3f}", f"{m['quote_accuracy']:.3f}")
+        table.add_row(name, *(f"{m[c]:.4g}" if c in m else "-" for c in cols))
     Console().print(table)  # the table goes to stdout, progress to stderr
 
 

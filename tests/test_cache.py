@@ -5,10 +5,10 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from kvpop.attention import SparseContext
-from kvpop.cache import BoundedCache, BoundedLayer, StaticPolicy, enable
+from kvpop.cache import BoundedCache, BoundedLayer, StaticPolicy, as_decode_policy, enable
 from kvpop.decode import teacher_forced_logits
 from kvpop.modeling import tiny_config
-from kvpop.policies import Dense, Policy, Recency, Scores, make_policy
+from kvpop.policies import Dense, Policy, Recency, Scores, long_range_slots, make_policy
 from kvpop.selection import eviction_times
 
 SINKS, WINDOW, K = 2, 8, 6
@@ -161,3 +161,29 @@ def test_model_without_enable_is_rejected():
         plain(input_ids=ids, past_key_values=cache)
         with pytest.raises(RuntimeError, match="enable"):
             plain(input_ids=ids[:, :1], past_key_values=cache)
+
+
+# --- kvpop: the delayed mLSTM scorer, scored when a token leaves the window ----------------------
+KVPOP_BUDGET = BUDGET + 9  # nominal: its state (16 x 16 + 16 + 1 numbers) costs 9 slots at head_dim 16
+
+
+def kvpop_policy():
+    torch.manual_seed(3)
+    policy = make_policy("kvpop", num_layers=2, num_kv_heads=2, head_dim=16)
+    with torch.no_grad():  # data-dependent gates of moderate spread (float32 read-out, see test_mlstm)
+        for cell in policy.scorer.layers:
+            cell.w_gate.normal_(0.0, 0.2)
+    return policy
+
+
+@pytest.mark.parametrize("prefill", [1, 30])  # 30 > KVPOP_BUDGET: the prompt already evicts
+def test_kvpop_decoding_equals_training_pattern(model, prefill):
+    policy = kvpop_policy()
+    k = long_range_slots(policy, budget=KVPOP_BUDGET, sinks=SINKS, window=WINDOW, head_dim=16)
+    assert k == K
+    ids = torch.randint(0, 96, (2, 80), generator=torch.Generator().manual_seed(2))
+    ref = training_logits(model, policy, ids, k=k)
+    got = teacher_forced_logits(model, as_decode_policy(policy), ids, budget=KVPOP_BUDGET, sinks=SINKS, window=WINDOW, prefill=prefill)
+    assert (got - ref).abs().max() < 1e-4
+    # the learned scores matter: recency at the same k gives other logits
+    assert (training_logits(model, Recency(), ids, k=k) - ref).abs().max() > 1e-2

@@ -135,3 +135,37 @@ def test_attention_rules_decode_a_real_model(model):
 def test_recency_policy_instance_is_accepted(model):
     cache = BoundedCache(model.config, Recency(), budget=10, sinks=2, window=4)
     assert cache.policy.name == "streaming_llm" and not cache.policy.needs_attention
+
+
+def kvpop_policy():
+    torch.manual_seed(1)
+    policy = make_policy("kvpop", num_layers=2, num_kv_heads=2, head_dim=16, scorer_dk=4, scorer_dv=4)
+    with torch.no_grad():
+        for cell in policy.scorer.layers:
+            cell.w_gate.normal_(0.0, 0.2)
+    return policy
+
+
+def test_kvpop_policy_and_generate(model, tiny_tokenizer):
+    """kvpop decodes from an export's policy: delayed scoring, its own k at the nominal budget."""
+    from kvpop.cache import DelayedPolicy
+    from kvpop.decode import teacher_forced_logits
+
+    kvpop = kvpop_policy()
+    policy = make_decode_policy("kvpop", kvpop)
+    assert isinstance(policy, DelayedPolicy) and policy.scores_on_exit and policy.policy is kvpop
+    with pytest.raises(ValueError, match="needs an export"):
+        make_decode_policy("kvpop")
+    with pytest.raises(ValueError, match="needs an export"):
+        make_decode_policy("kvpop", make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16))
+    prompt = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))
+    kw = dict(budget=16, sinks=2, window=8, max_new_tokens=30, temperature=0.0, seed=0)
+    new, stats = generate(model, tiny_tokenizer, policy, prompt, **kw)
+    assert new.shape == (2, 30) and stats.new_tokens == 60 and stats.peak_cache_mb > 0
+    # the generated tokens are the greedy choices under the same cache, token by token
+    ids = torch.cat([prompt, new], 1)
+    logits = teacher_forced_logits(model, policy, ids[:, :-1], budget=16, sinks=2, window=8, prefill=24)
+    assert torch.equal(logits[:, 23:].argmax(-1), new)
+    # cache + state at the nominal budget: about the kvpop_mlp cache (state 4 x 4 + 4 + 1 = 21 numbers = 1 slot)
+    _, mlp_stats = generate(model, tiny_tokenizer, make_decode_policy("kvpop_mlp", make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16)), prompt, **dict(kw, max_new_tokens=2))
+    assert 0.9 * mlp_stats.peak_cache_mb < stats.peak_cache_mb <= mlp_stats.peak_cache_mb

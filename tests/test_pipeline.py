@@ -19,8 +19,13 @@ def micro_params(base_source: str) -> dict:
     p["filter"]["max_tokens"] = 1024
     p["filter"]["synthetic"].update(train_traces=6, eval_traces=3, min_chars=800, max_chars=1000)
     p["train"].update(steps=2, seq_len=1024, top_logits=16, scorer_hidden=8)
-    p["evaluate"]["max_traces"] = 2
+    p["train"]["policies"] = list(POLICIES)
+    p["evaluate"].update(max_traces=2, memory_lengths=[0, 4])
+    p["evaluate"]["rollouts"].update(problems=1, n=2, max_new_tokens=2)
     return p
+
+
+POLICIES = ("streaming_llm_plus", "kvpop_mlp", "kvpop")
 
 
 def stage(cwd: Path, script: str, *args: str) -> subprocess.CompletedProcess:
@@ -36,7 +41,7 @@ def test_pipeline_end_to_end(tiny_qwen3_dir, tmp_path):
     stage(tmp_path, "base_model.py")
     stage(tmp_path, "filter.py")
     stage(tmp_path, "pack.py")
-    for pol in ("streaming_llm_plus", "kvpop_mlp"):
+    for pol in POLICIES:
         stage(tmp_path, "train.py", "--policy", pol, "--out", f"models/train/{pol}", "--metrics", f"metrics/train/{pol}.json")
         stage(tmp_path, "export.py", "--policy", pol, "--ckpt", f"models/train/{pol}/last.ckpt", "--out", f"models/export/{pol}")
     stage(tmp_path, "evaluate.py")
@@ -48,15 +53,19 @@ def test_pipeline_end_to_end(tiny_qwen3_dir, tmp_path):
         "models/base/tokenizer.json", "models/base/tokenizer_config.json", "models/base/chat_template.jinja",
         "metrics/base_model.json", "data/filtered/train.jsonl", "data/filtered/eval.jsonl", "metrics/filter.json",
         "data/packed/train.safetensors", "metrics/pack.json", "metrics/eval.json",
+        "plots/cache_memory.png", "plots/accuracy_vs_budget.png", "plots/budget_points.json",
     }
-    for pol in ("streaming_llm_plus", "kvpop_mlp"):
+    for pol in POLICIES:
         expected |= {f"models/train/{pol}/last.ckpt", f"metrics/train/{pol}.json"}
         expected |= {f"models/export/{pol}/{f}" for f in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "kvpop.json")}
-    expected.add("models/export/kvpop_mlp/scorer.safetensors")
+    expected |= {"models/export/kvpop_mlp/scorer.safetensors", "models/export/kvpop/scorer.safetensors"}
     assert written - {w for w in written if w.startswith(".cache/")} == expected
 
     ev = json.loads((tmp_path / "metrics/eval.json").read_text())
-    assert set(ev["policies"]) == {"dense", "streaming_llm", "streaming_llm_plus", "kvpop_mlp"}
+    assert set(ev["policies"]) == {"dense", "streaming_llm", "tova", "h2o", *POLICIES}
+    for name, m in ev["policies"].items():
+        assert {"kl", "top1_agreement", "quote_accuracy", "pass_at_1", "pass_at_1_relative", "peak_cache_mb", "tokens_per_s"} <= set(m), name
+    assert ev["policies"]["streaming_llm"]["peak_cache_mb"] < ev["policies"]["dense"]["peak_cache_mb"]
     assert ev["budget"] == 48 and ev["eval_tokens"] > 0
     assert ev["policies"]["dense"]["kl"] == pytest.approx(0.0, abs=1e-6)
     assert ev["policies"]["dense"]["top1_agreement"] == 1.0

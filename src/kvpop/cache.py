@@ -22,6 +22,16 @@ Priorities come from a :class:`DecodePolicy`, the one scoring interface of the c
   (:meth:`DecodePolicy.token_scores`); any :class:`kvpop.policies.Policy` plugs in through
   :class:`StaticPolicy` (priority = ``Scores.prio``, with ``pos`` = absolute position, which is
   the position inside the single document being generated, as in training);
+* a delayed rule (``scores_on_exit = True``; the ``kvpop`` mLSTM through :class:`DelayedPolicy`)
+  keeps a recurrent state per layer in the cache (preallocated, counted by
+  :meth:`BoundedCache.cache_bytes`). Every entering token is written into it
+  (:meth:`DecodePolicy.step`); a token is scored when it *leaves* the window, at the arrival of
+  token ``t + window`` (:meth:`DecodePolicy.exit_scores`): the state has then read exactly tokens
+  ``0 .. t + window``, the training-time read-out time ``tau_t``. Its static priority is fixed from
+  then on, so the competition below is unchanged; sinks and window tokens carry no score (NaN).
+  The ring holds the keys and values of the window tokens until they leave, so scoring at exit
+  needs no extra storage. Such a policy may also spend slots on its state: the cache asks it for
+  ``k`` (:meth:`DecodePolicy.long_range_slots`), so ``budget`` is the *nominal* budget;
 * an attention rule (``needs_attention = True``, TOVA, H2O in :mod:`kvpop.decode`) re-scores the
   stored slots after every attention step from the current query's attention
   (:meth:`DecodePolicy.slot_scores`). Its decisions at step ``q`` use statistics up to query
@@ -37,6 +47,10 @@ SDPA, so an enabled model still decodes densely with a ``DynamicCache``.
 Prefill (the first forward on an empty cache, any length): the prompt attends under the training
 pattern (eviction times from :func:`kvpop.selection.eviction_times`, mask from :mod:`kvpop.masks`,
 SDPA on CPU, FlexAttention on CUDA); then exactly the tokens kept at the last prompt query stay.
+A delayed rule scores the prompt with its training-time parallel form (one document, read-out
+times clipped at the prompt's end: only the tokens ``t <= S - 1 - window`` that it scores exactly
+can be evicted inside the prompt or compete for a slot after it) and starts decoding from the
+state after the whole prompt.
 Attention rules prefill densely (causal) and keep sinks, window and the top-k of their statistic.
 A multi-token forward on a non-empty cache is not supported (feed tokens one at a time).
 
@@ -54,7 +68,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpop.attention import SparseContext, flex_execute, sdpa_execute
 from kvpop.masks import block_mask_from_eviction_times, dense_mask, make_eviction_mask_mod
-from kvpop.policies import Policy
+from kvpop.policies import Policy, long_range_slots
+from kvpop.scorer import static_priority
 from kvpop.selection import eviction_times
 
 ATTN_IMPLEMENTATION = "kvpop_cache"
@@ -64,13 +79,20 @@ NEG_INF = float("-inf")
 class DecodePolicy:
     """Eviction rule of the bounded cache: priorities per stored token, higher is kept longer.
 
-    A rule overrides one hook: :meth:`token_scores` (static rules) or :meth:`slot_scores`
-    (``needs_attention = True``). Ties are always broken by recency (newer outranks older).
+    A rule overrides one hook: :meth:`token_scores` (static rules, scored at entry),
+    :meth:`slot_scores` (``needs_attention = True``) or, with ``scores_on_exit = True``, the
+    recurrent hooks :meth:`init_state`, :meth:`step`, :meth:`exit_scores` and :meth:`prefill`.
+    Ties are always broken by recency (newer outranks older).
     """
 
     name: str = "decode_policy"
     evicts: bool = True  # False: dense decoding, no bounded cache at all
     needs_attention: bool = False  # True: slot_scores receives the attention of every query
+    scores_on_exit: bool = False  # True: delayed scoring from a recurrent state, when a token leaves the window
+
+    def long_range_slots(self, *, budget: int, sinks: int, window: int, head_dim: int) -> int:
+        """k at a nominal budget; a stateful rule may spend slots on its state."""
+        return budget - sinks - window
 
     def token_scores(self, layer: int, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
         """k, v (B, Hk, S, D), pos (B, S) absolute positions -> priority (B, Hk, S) of entering tokens."""
@@ -81,8 +103,39 @@ class DecodePolicy:
         head's query group; zero on future and empty slots) -> updated priorities (B, Hk, T)."""
         raise NotImplementedError
 
+    # --- delayed rules (scores_on_exit = True) ---------------------------------------------------
+    def init_state(self, layer: int, B: int, device) -> tuple[Tensor, ...]:
+        """An empty recurrent state of one layer (a tuple of tensors with leading dim B)."""
+        return ()
+
+    def step(self, layer: int, state: tuple, k_t: Tensor, v_t: Tensor) -> tuple[Tensor, ...]:
+        """Write the entering token k_t, v_t (B, Hk, D) -> the new state (same shapes)."""
+        raise NotImplementedError
+
+    def exit_scores(self, layer: int, state: tuple, k_t: Tensor, v_t: Tensor, pos: int) -> Tensor:
+        """Priority (B, Hk) float64 of token ``pos`` (k_t, v_t (B, Hk, D)) as it leaves the window;
+        ``state`` has read tokens ``0 .. pos + window``."""
+        raise NotImplementedError
+
+    def prefill(self, layer: int, k: Tensor, v: Tensor, pos: Tensor, *, window: int) -> tuple[Tensor, tuple]:
+        """A prompt k, v (B, Hk, S, D), pos (B, S) -> (priority (B, Hk, S), state after token S - 1).
+
+        Priorities must be exact for tokens ``t <= S - 1 - window`` (read out at ``t + window``);
+        the others are only placeholders (finite) and are scored again when they leave."""
+        raise NotImplementedError
+
     def to(self, *args, **kwargs) -> DecodePolicy:
         return self
+
+
+def _delayed(policy: Policy) -> bool:
+    """Does a training-time policy score with a delay (a declared ``scores_on_exit``, else a scorer
+    exposing the recurrent API ``init_state`` / ``step`` / ``readout``)?"""
+    declared = getattr(policy, "scores_on_exit", None)
+    if declared is not None:
+        return bool(declared)
+    scorer = getattr(policy, "scorer", None)
+    return all(callable(getattr(scorer, a, None)) for a in ("init_state", "step", "readout"))
 
 
 class StaticPolicy(DecodePolicy):
@@ -91,8 +144,13 @@ class StaticPolicy(DecodePolicy):
     def __init__(self, policy: Policy):
         if not policy.evicts:
             raise ValueError(f"policy {policy.name!r} never evicts: decode it with a DynamicCache")
+        if _delayed(policy):
+            raise ValueError(f"policy {policy.name!r} scores with a delay: decode it with DelayedPolicy (or as_decode_policy)")
         self.policy = policy
         self.name = policy.name
+
+    def long_range_slots(self, *, budget, sinks, window, head_dim):
+        return long_range_slots(self.policy, budget=budget, sinks=sinks, window=window, head_dim=head_dim)
 
     def token_scores(self, layer, k, v, pos):
         return self.policy.scores(layer, k, v, pos).prio
@@ -102,12 +160,77 @@ class StaticPolicy(DecodePolicy):
         return self
 
 
+class DelayedPolicy(DecodePolicy):
+    """A training-time policy whose scorer reads ahead (``kvpop``: the delayed mLSTM), scored at exit.
+
+    The scorer gives the recurrent API ``init_state(B, device)``, ``step(layer, state, k_t, v_t)``
+    and ``readout(layer, state, k_t, v_t) -> r_hat (B, Hk)``, and ``decay.log_gamma(layer)``;
+    priority = ``static_priority(r_hat, pos, log_gamma)``, as in the policy's ``scores``. The
+    prompt is scored by the policy's own (parallel, training-time) ``scores`` over one document.
+    """
+
+    scores_on_exit = True
+
+    def __init__(self, policy: Policy):
+        if not policy.evicts:
+            raise ValueError(f"policy {policy.name!r} never evicts: decode it with a DynamicCache")
+        if not _delayed(policy):
+            raise ValueError(f"policy {policy.name!r} scores at entry: decode it with StaticPolicy")
+        self.policy = policy
+        self.scorer = policy.scorer
+        self.name = policy.name
+
+    def long_range_slots(self, *, budget, sinks, window, head_dim):
+        return long_range_slots(self.policy, budget=budget, sinks=sinks, window=window, head_dim=head_dim)
+
+    def init_state(self, layer, B, device):
+        return self.scorer.init_state(B, device)  # MLSTMState (C, n, m)
+
+    def step(self, layer, state, k_t, v_t):
+        return self.scorer.step(layer, state, k_t, v_t)
+
+    def exit_scores(self, layer, state, k_t, v_t, pos):
+        r_hat = self.scorer.readout(layer, state, k_t, v_t)  # (B, Hk)
+        p = torch.full((r_hat.shape[0], 1), pos, dtype=torch.int64, device=r_hat.device)
+        return static_priority(r_hat[..., None], p, self.scorer.decay.log_gamma(layer))[..., 0]
+
+    def prefill(self, layer, k, v, pos, *, window):
+        prio = self.policy.scores(layer, k, v, pos, doc_ids=torch.zeros_like(pos), window=window).prio
+        return prio, self._prompt_state(layer, k, v)
+
+    def _prompt_state(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
+        """The mLSTM state after reading the prompt k, v (B, Hk, S, D), in closed form (the parallel
+        form's weights at tau = S - 1): with ``w_s = F_{S-1} - F_s + i~_s`` (F the cumulative log
+        forget gate), ``m = max_s w_s``, ``C = sum_s exp(w_s - m) k~_s v~_s^T``,
+        ``n = sum_s exp(w_s - m) k~_s`` -- what ``step`` reaches token by token, up to rounding."""
+        f = self.scorer.layers[layer].features(k, v)  # each (B, Hk, S, ...)
+        cum = f.log_f.double().cumsum(-1)  # (B, Hk, S)
+        logw = cum[..., -1:] - cum + f.i_pre.double()  # (B, Hk, S)
+        m = logw.amax(-1)  # (B, Hk)
+        w = torch.exp(logw - m[..., None]).to(f.k.dtype)  # (B, Hk, S)
+        C = torch.einsum("bhs,bhsk,bhsv->bhkv", w, f.k, f.v)
+        n = torch.einsum("bhs,bhsk->bhk", w, f.k)
+        return (C, n, m.to(f.k.dtype))
+
+    def to(self, *args, **kwargs):
+        self.policy.to(*args, **kwargs)
+        return self
+
+
 def as_decode_policy(policy: DecodePolicy | Policy) -> DecodePolicy:
-    return policy if isinstance(policy, DecodePolicy) else StaticPolicy(policy)
+    """A decode policy as is; a training-time policy through :class:`DelayedPolicy` if it scores with
+    a delay, else :class:`StaticPolicy`."""
+    if isinstance(policy, DecodePolicy):
+        return policy
+    return DelayedPolicy(policy) if _delayed(policy) else StaticPolicy(policy)
 
 
 class BoundedLayer(CacheLayerMixin):
-    """One layer: keys and values (B, Hk, T, D) plus per-slot priority and position (B, Hk, T)."""
+    """One layer: keys and values (B, Hk, T, D) plus per-slot priority and position (B, Hk, T),
+    and, for a delayed policy, its recurrent state (``policy.init_state``, preallocated).
+
+    ``budget`` here is the number of slots ``T = sinks + window + k`` (the cache derives it from
+    the nominal budget through :meth:`DecodePolicy.long_range_slots`)."""
 
     is_compileable = False
     is_sliding = False
@@ -122,6 +245,7 @@ class BoundedLayer(CacheLayerMixin):
         self.seen = 0  # tokens seen (not stored): the next token's position
         self.prio: Tensor | None = None  # (B, Hk, T) float64, -inf on empty slots
         self.pos: Tensor | None = None  # (B, Hk, T) int64 absolute position, -1 on empty slots
+        self.state: tuple[Tensor, ...] = ()  # delayed policies: recurrent state, (B, ...) buffers updated in place
         self._pending: tuple | None = None  # written by update, consumed by attend
 
     # --- transformers' layer interface ---------------------------------------------------------
@@ -133,7 +257,18 @@ class BoundedLayer(CacheLayerMixin):
         self.values = value_states.new_zeros(B, Hk, T, value_states.shape[-1])
         self.prio = torch.full((B, Hk, T), NEG_INF, dtype=torch.float64, device=dev)
         self.pos = torch.full((B, Hk, T), -1, dtype=torch.int64, device=dev)
+        if self.policy.scores_on_exit:
+            self.state = self.policy.init_state(self.layer_idx, B, dev)
         self.is_initialized = True
+
+    def _buffers(self) -> tuple[Tensor, ...]:
+        return (self.keys, self.values, self.prio, self.pos, *self.state)
+
+    @torch.no_grad()
+    def _set_state(self, new: tuple) -> None:
+        """Copy a new recurrent state into the preallocated buffers."""
+        for buf, x in zip(self.state, new, strict=True):
+            buf.copy_(x)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Store the new token(s); returns the keys/values that :meth:`attend` will attend over."""
@@ -174,30 +309,44 @@ class BoundedLayer(CacheLayerMixin):
             self.values.zero_()
             self.prio.fill_(NEG_INF)
             self.pos.fill_(-1)
+            if self.state:
+                self._set_state(self.policy.init_state(self.layer_idx, self.keys.shape[0], self.keys.device))
         self.seen, self._pending = 0, None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
-            for buf in (self.keys, self.values, self.prio, self.pos):
+            for buf in self._buffers():
                 buf.copy_(buf.index_select(0, beam_idx.to(buf.device)))
 
     def nbytes(self) -> int:
         if not self.is_initialized:
             return 0
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.prio, self.pos))
+        return sum(t.numel() * t.element_size() for t in self._buffers())
 
     # --- storage --------------------------------------------------------------------------------
     @torch.no_grad()
     def _insert(self, k: Tensor, v: Tensor) -> None:
-        """One token k, v (B, Hk, 1, D) at position p = seen - the ring's leaver competes first."""
+        """One token k, v (B, Hk, 1, D) at position p = seen - the ring's leaver competes first.
+
+        A delayed policy first writes the token into its state (which has then read tokens
+        ``0 .. p``), then scores the leaver ``p - window`` from it; the new token stays unscored."""
         p = self.seen
         B = k.shape[0]
-        prio = self.policy.token_scores(self.layer_idx, k, v, torch.full((B, 1), p, device=k.device))  # (B, Hk, 1)
+        delayed = self.policy.scores_on_exit
+        if delayed:
+            self._set_state(self.policy.step(self.layer_idx, self.state, k[:, :, 0], v[:, :, 0]))
+            prio = torch.full_like(self.prio[:, :, :1], float("nan"))  # scored when it leaves the window
+        else:
+            prio = self.policy.token_scores(self.layer_idx, k, v, torch.full((B, 1), p, device=k.device))  # (B, Hk, 1)
         if p < self.sinks:
             slot = p
         else:
             slot = self.sinks + (p - self.sinks) % self.window
             if p - self.sinks >= self.window:  # the occupant (token p - window) leaves the window
+                if delayed and self.k > 0:
+                    self.prio[:, :, slot] = self.policy.exit_scores(
+                        self.layer_idx, self.state, self.keys[:, :, slot], self.values[:, :, slot], p - self.window
+                    )
                 self._compete(slot)
         self.keys[:, :, slot] = k[:, :, 0]
         self.values[:, :, slot] = v[:, :, 0]
@@ -216,7 +365,7 @@ class BoundedLayer(CacheLayerMixin):
         victim = torch.where(prio == low, pos, torch.iinfo(torch.int64).max).argmin(-1, keepdim=True)  # (B, Hk, 1)
         wins = self.prio[:, :, src : src + 1] >= low  # the candidate is the newest: it wins ties
         dst = victim + self.lr  # (B, Hk, 1)
-        for buf in (self.keys, self.values, self.prio, self.pos):
+        for buf in (self.keys, self.values, self.prio, self.pos):  # not the state
             idx = dst if buf.dim() == 3 else dst[..., None].expand(-1, -1, -1, buf.shape[-1])
             cand = buf[:, :, src : src + 1]
             keep = wins if buf.dim() == 3 else wins[..., None]
@@ -284,13 +433,22 @@ class BoundedLayer(CacheLayerMixin):
         """The prompt q (B, H, S, D), k, v (B, Hk, S, D) from an empty cache -> (B, S, H, D)."""
         B, H, S, _ = q.shape
         pos = torch.arange(S, device=q.device).expand(B, S)
+        state = None
         with torch.no_grad():
-            prio = self.policy.token_scores(self.layer_idx, k, v, pos).double()  # (B, Hk, S)
+            if self.policy.scores_on_exit:
+                prio, state = self.policy.prefill(self.layer_idx, k, v, pos, window=self.window)
+                prio = prio.double()
+            else:
+                prio = self.policy.token_scores(self.layer_idx, k, v, pos).double()  # (B, Hk, S)
         if self.policy.needs_attention:
             out, prio = self._dense_prefill(q, k, v, scale, prio)
         else:
             out = self._pattern_prefill(q, k, v, scale, prio, pos)
         self._keep_survivors(k, v, prio)
+        if state is not None:
+            self._set_state(state)
+            fixed = self.prio[:, :, : self.lr]  # sinks and window: stored unscored (NaN), scored when they leave
+            fixed.copy_(torch.where(self.pos[:, :, : self.lr] >= 0, float("nan"), NEG_INF))
         return out.transpose(1, 2)
 
     def _pattern_prefill(self, q, k, v, scale, prio, pos) -> Tensor:
@@ -330,6 +488,11 @@ class BoundedCache(Cache):
     ``BoundedCache(model.config, policy, budget=..., sinks=..., window=...)`` with a
     :class:`DecodePolicy` or any :class:`kvpop.policies.Policy`; pass it as ``past_key_values``
     to a model prepared by :func:`enable` (``model.generate`` included).
+
+    ``budget`` is the nominal budget: each layer keeps ``sinks + window + k`` slots per KV head
+    with ``k = policy.long_range_slots(...)``, which is ``budget - sinks - window`` except for a
+    stateful policy (``kvpop``), whose recurrent state takes the memory of the slots it gives up
+    (:func:`kvpop.policies.long_range_slots`).
     """
 
     def __init__(self, config, policy: DecodePolicy | Policy, *, budget: int, sinks: int, window: int):
@@ -339,8 +502,13 @@ class BoundedCache(Cache):
         if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
             raise NotImplementedError("BoundedCache does not support sliding-window attention layers")
         self.policy = as_decode_policy(policy)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.k = self.policy.long_range_slots(budget=budget, sinks=sinks, window=window, head_dim=head_dim)
+        if not 0 <= self.k <= budget - sinks - window:
+            raise ValueError(f"policy {self.policy.name!r} asks for {self.k} long-range slots at budget {budget}")
         self.budget, self.sinks, self.window = budget, sinks, window
-        layers = [BoundedLayer(i, self.policy, budget=budget, sinks=sinks, window=window) for i in range(cfg.num_hidden_layers)]
+        self.slots = sinks + window + self.k  # per layer and KV head
+        layers = [BoundedLayer(i, self.policy, budget=self.slots, sinks=sinks, window=window) for i in range(cfg.num_hidden_layers)]
         super().__init__(layers=layers)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
@@ -348,7 +516,8 @@ class BoundedCache(Cache):
         return self.layers[layer].attend(q, k, v, scale)
 
     def cache_bytes(self) -> int:
-        """Bytes allocated by the cache: keys, values, priorities and positions of every layer."""
+        """Bytes allocated by the cache: keys, values, priorities, positions and the recurrent
+        state (delayed policies) of every layer."""
         return sum(layer.nbytes() for layer in self.layers)
 
 

@@ -128,22 +128,41 @@ class TrainConfig(_Section):
     log_every: int = Field(1, gt=0)
 
 
+class RolloutConfig(_Section):
+    """Sampled generations on held-out problems, scored by their final answer (pass@1)."""
+
+    problems: int = Field(8, ge=0, description="held-out problems (0: no rollouts)")
+    n: int = Field(2, gt=0, description="rollouts per problem (16 in the paper setting)")
+    temperature: float = Field(0.6, ge=0)
+    top_p: float = Field(0.95, gt=0, le=1)
+    top_k: int = Field(20, ge=0)
+    max_new_tokens: int = Field(6, gt=0)
+
+
 class EvaluateConfig(_Section):
-    """Stage ``evaluate``: teacher-forced fidelity on held-out traces."""
+    """Stage ``evaluate``: fidelity, generation and cost of every policy on held-out data."""
 
     policies: list[str] = Field(
-        default_factory=lambda: ["dense", "streaming_llm"],
+        default_factory=lambda: ["dense", "streaming_llm", "tova", "h2o"],
         description="training-free policies evaluated on the base model (trained ones are added)",
     )
-    max_traces: int = Field(24, gt=0, description="held-out traces evaluated")
+    max_traces: int = Field(12, gt=0, description="held-out traces for teacher-forced fidelity")
     precision: Literal["float32", "bfloat16"] = "float32"
+    rollouts: RolloutConfig = RolloutConfig()
+    memory_lengths: list[int] = Field(
+        default_factory=lambda: [0, 64, 128, 256], description="generated lengths of the cache-memory curve"
+    )
+    benchmarks: dict[str, str] = Field(
+        default_factory=dict,
+        description="name -> hub id or local file of competition benchmarks (AIME, HMMT) for real models",
+    )
 
     @field_validator("policies")
     @classmethod
     def _known(cls, v: list[str]) -> list[str]:
-        bad = [p for p in v if p not in ALL_POLICIES]
+        bad = [p for p in v if p not in ALL_POLICIES or p in TRAINED_POLICIES]
         if bad:
-            raise ValueError(f"unknown policies {bad}; known: {list(ALL_POLICIES)}")
+            raise ValueError(f"unknown or trained policies {bad}; training-free ones: dense, streaming_llm, tova, h2o")
         return v
 
 

@@ -7,12 +7,16 @@ capabilities drive the orchestration:
 * static priorities (``streaming_llm``, ``streaming_llm_plus``, ``kvpop_mlp``): the training-time
   policies of :mod:`kvpop.policies` through :class:`kvpop.cache.StaticPolicy`, scored once when a
   token enters the cache (the trained ones come from export folders, :func:`kvpop.export.load_export`);
+* delayed priorities (``kvpop``, ``scores_on_exit = True``): the mLSTM scorer through
+  :class:`kvpop.cache.DelayedPolicy`; its recurrent state lives in the cache and a token is scored
+  when it leaves the window. At a nominal ``budget`` its cache keeps fewer long-range slots
+  (:func:`kvpop.policies.long_range_slots`), so cache + state ~ the ``kvpop_mlp`` cache;
 * ``needs_attention = True`` (``tova``, ``h2o``): re-scored from the attention of every query
   over the cache, computed in the cache's attention path. The statistic is per KV head, the mean
   of the weights of the query heads of its group.
 
 A new rule is a dozen lines: subclass ``DecodePolicy``, override ``token_scores`` or
-``slot_scores``, add it to :data:`RULES`.
+``slot_scores`` (or the recurrent hooks, with ``scores_on_exit = True``), add it to :data:`RULES`.
 
 Shapes: B batch, Hk KV heads, Q queries, S sequence, T cache slots, V vocabulary.
 """
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvpop.cache import BoundedCache, DecodePolicy, StaticPolicy, cache_bytes, enable
+from kvpop.cache import BoundedCache, DecodePolicy, StaticPolicy, as_decode_policy, cache_bytes, enable
 from kvpop.policies import Policy, Recency
 
 
@@ -62,7 +66,7 @@ class H2O(DecodePolicy):
 
 
 RULES: dict[str, type[DecodePolicy]] = {"dense": Dense, "tova": TOVA, "h2o": H2O}
-TRAINED = ("streaming_llm_plus", "kvpop_mlp")  # need the policy of an export folder
+TRAINED = ("streaming_llm_plus", "kvpop_mlp", "kvpop")  # need the policy of an export folder
 POLICIES = ("dense", "streaming_llm", *TRAINED, "tova", "h2o")
 
 
@@ -76,12 +80,13 @@ def make_decode_policy(name: str, trained: Policy | None = None) -> DecodePolicy
         if trained is None or trained.name != name:
             have = "none" if trained is None else repr(trained.name)
             raise ValueError(f"policy {name!r} needs an export folder trained with it (the checkpoint has {have})")
-        return StaticPolicy(trained)
+        return as_decode_policy(trained)  # StaticPolicy, or DelayedPolicy for a delayed scorer (kvpop)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
 
 
 def new_cache(model, policy: DecodePolicy, *, budget: int, sinks: int, window: int):
-    """The cache a policy decodes with: a DynamicCache for dense, else a BoundedCache."""
+    """The cache a policy decodes with: a DynamicCache for dense, else a BoundedCache (``budget``
+    nominal: the cache takes the policy's k)."""
     from transformers import DynamicCache
 
     if not policy.evicts:

@@ -26,11 +26,17 @@ from kvpop.policies import Dense, Policy, long_range_slots
 
 @dataclass
 class Candidate:
-    """A policy with the model it runs on."""
+    """A policy with the model it runs on.
+
+    ``policy`` is the full-sequence pattern (fast, one masked forward per trace); rules that exist
+    only at decode time (TOVA, H2O: they need each step's attention) have ``policy=None`` and are
+    scored by teacher-forced decoding through the bounded cache with ``decode``.
+    """
 
     name: str
     model: object
-    policy: Policy
+    policy: Policy | None
+    decode: object | None = None  # kvpop.cache.DecodePolicy
 
 
 @dataclass
@@ -84,6 +90,7 @@ def evaluate_fidelity(
     slots = {
         c.name: long_range_slots(c.policy, budget=budget, sinks=sinks, window=window, head_dim=model_shape(c.model)["head_dim"])
         for c in candidates
+        if c.policy is not None
     }
     acc = {c.name: _Acc() for c in candidates}
     dense = Dense()
@@ -96,7 +103,15 @@ def evaluate_fidelity(
         ref_top = ref.argmax(-1)
         targets = ids[0, 1:]
         for c in candidates:
-            logits = ref if (c.policy.name == "dense" and c.model is teacher) else forward_logits(c.model, c.policy, ids, sinks=sinks, window=window, k=slots[c.name])
+            if c.policy is None:
+                from kvpop.decode import teacher_forced_logits
+
+                prefill = min(budget, ids.shape[1])  # nothing is evicted before the cache is full
+                logits = teacher_forced_logits(c.model, c.decode, ids, budget=budget, sinks=sinks, window=window, prefill=prefill)[0].float()
+            elif c.policy.name == "dense" and c.model is teacher:
+                logits = ref
+            else:
+                logits = forward_logits(c.model, c.policy, ids, sinks=sinks, window=window, k=slots[c.name])
             logp = torch.log_softmax(logits, -1)
             kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # (S,)
             a = acc[c.name]

@@ -79,6 +79,7 @@ def load_export(path: Path, dtype: str = "float32"):
     policy = make_policy(
         meta["policy"], num_layers=shape["num_layers"], num_kv_heads=shape["num_kv_heads"], head_dim=shape["head_dim"],
         scorer_hidden=sc.get("hidden", 64), scorer_dk=sc.get("d_k", 16), scorer_dv=sc.get("d_v", 16),
+        scorer_forget_gate=sc.get("forget_gate", "sigmoid"),
     )
     if policy.learned:
         f = path / SCORER

@@ -267,6 +267,7 @@ class LearnedMLSTM(Policy):
 
     name = "kvpop"
     learned = True
+    scores_on_exit = True  # decode: scored when the token leaves the window
     layer_independent = False
 
     def __init__(self, scorer: MLSTMScorer, window: int | None = None):

@@ -87,7 +87,8 @@ class LearnedMLP(Policy):
 
 
 def make_policy(
-    name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, scorer_hidden: int = 64, scorer_dk: int = 16, scorer_dv: int = 16
+    name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, scorer_hidden: int = 64, scorer_dk: int = 16, scorer_dv: int = 16,
+    scorer_forget_gate: str = "sigmoid",
 ) -> Policy:
     """A fresh policy by name (learned ones start from an untrained scorer)."""
     if name == "dense":
@@ -99,7 +100,7 @@ def make_policy(
     if name == "kvpop":
         from kvpop.mlstm import LearnedMLSTM, MLSTMScorer  # mlstm builds on this module
 
-        return LearnedMLSTM(MLSTMScorer(num_layers, num_kv_heads, head_dim, d_k=scorer_dk, d_v=scorer_dv))
+        return LearnedMLSTM(MLSTMScorer(num_layers, num_kv_heads, head_dim, d_k=scorer_dk, d_v=scorer_dv, forget_gate=scorer_forget_gate))
     raise ValueError(f"unknown policy {name!r}; known: dense, streaming_llm, streaming_llm_plus, kvpop_mlp, kvpop")
 
 
