@@ -56,9 +56,9 @@ from kvpop.train import DistillModule, PackedDataset, TrainSettings, make_loader
 class FP32ScorerMLP(LearnedMLP):
     """kvpop_mlp whose scoring hook runs with autocast off (fp32 scorer under bf16-mixed)."""
 
-    def scores(self, layer, k, v, pos):
+    def scores(self, layer, k, v, pos, **kw):
         with torch.autocast(device_type=k.device.type, enabled=False):
-            return super().scores(layer, k.float(), v.float(), pos)
+            return super().scores(layer, k.float(), v.float(), pos, **kw)
 
 
 class FP32ScorerMLSTM(LearnedMLSTM):
@@ -218,6 +218,8 @@ def main() -> None:
     ap.add_argument("--precision", default=None, help="Lightning precision (default bf16-mixed on CUDA, 32-true on CPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-seed", type=int, default=1)
+    ap.add_argument("--policies", default="kvpop,kvpop_mlp,streaming_llm_plus",
+                    help="trained policies, in training order (the first runs under --first-budget)")
     ap.add_argument("--small", action="store_true", help="CPU smoke test with tiny sizes")
     ap.add_argument("--out", default="results/gpu_embedded_8k.json")
     args = ap.parse_args()
@@ -290,7 +292,7 @@ def main() -> None:
     # (the slowest), under the safety guard; the others get exactly the steps it reached.
     trained = {}
     steps = args.steps
-    for i, name in enumerate(("kvpop", "kvpop_mlp", "streaming_llm_plus")):
+    for i, name in enumerate(args.policies.split(",")):
         student, policy, info = train_policy(name, teacher, shape, packed, args, max_steps=steps,
                                              time_budget=args.first_budget if i == 0 else None, accelerator=accelerator)
         if i == 0:
@@ -312,8 +314,8 @@ def main() -> None:
         n = args.seq_len - len(r["input_ids"])
         padded.append({**r, "input_ids": r["input_ids"] + [pad_id] * n, "loss_mask": r["loss_mask"] + [0] * n})
     cands = [Candidate("dense", teacher, make_policy("dense", **dims)), Candidate("streaming_llm", teacher, make_policy("streaming_llm", **dims))]
-    cands += [Candidate(name, st.to(dev), pol.to(dev)) for name, (st, pol, _) in
-              ((n, trained[n]) for n in ("streaming_llm_plus", "kvpop_mlp", "kvpop"))]
+    cands += [Candidate(n, trained[n][0].to(dev), trained[n][1].to(dev))
+              for n in ("streaming_llm_plus", "kvpop_mlp", "kvpop") if n in trained]
     out["k"] = {c.name: long_range_slots(c.policy, budget=args.budget, sinks=args.sinks, window=args.window, head_dim=shape["head_dim"])
                 for c in cands}
     t0 = time.time()

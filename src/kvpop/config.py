@@ -100,7 +100,7 @@ class TrainConfig(_Section):
     """Stage ``train``: KL distillation of the student under a sparse pattern."""
 
     policies: list[Literal["streaming_llm_plus", "kvpop_mlp", "kvpop"]] = Field(
-        default_factory=lambda: ["streaming_llm_plus", "kvpop_mlp"],
+        default_factory=lambda: ["streaming_llm_plus", "kvpop_mlp", "kvpop"],
         description="trained policies; DVC runs one train stage per entry",
     )
     seq_len: int = Field(1024, gt=0, description="tokens per packed training row")

@@ -10,13 +10,12 @@ Layout of an export folder::
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvpop.io import atomic_dir
 from kvpop.policies import Policy, make_policy
 
 META = "kvpop.json"
@@ -29,10 +28,7 @@ class CheckpointError(RuntimeError):
 
 def export(student, tokenizer, policy: Policy, out_dir: Path, *, budget: int, sinks: int, window: int, extra: dict | None = None) -> None:
     """Write the export folder atomically (temp folder, then rename)."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         student.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         scorer_cfg = None
@@ -41,12 +37,6 @@ def export(student, tokenizer, policy: Policy, out_dir: Path, *, budget: int, si
             save_file({k: v.detach().cpu().contiguous() for k, v in policy.state_dict().items()}, str(tmp / SCORER))
         meta = {"policy": policy.name, "budget": budget, "sinks": sinks, "window": window, "scorer": scorer_cfg, **(extra or {})}
         (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
 
 
 def read_meta(path: Path) -> dict:
