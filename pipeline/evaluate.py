@@ -38,8 +38,9 @@ def candidates(p, base: str, exports: Path, precision: str):
     shape = {k: v for k, v in model_shape(teacher).items() if k != "num_heads"}
     out = []
     for name in p.evaluate.policies:
-        pol = None if name in DECODE_ONLY else make_policy(name, **shape)
-        out.append(Candidate(name, teacher, pol, make_decode_policy(name)))
+        decode_only = name in DECODE_ONLY
+        pol = None if decode_only else make_policy(name, **shape)
+        out.append(Candidate(name, teacher, pol, make_decode_policy(name), max_traces=p.evaluate.decode_traces if decode_only else None))
     for name in p.train.policies:
         try:
             model, _, pol, meta = load_export(exports / name, precision)
@@ -137,7 +138,7 @@ def main() -> None:
         table.add_column(col, justify="right")
     for name, m in results.items():
         table.add_row(name, *(f"{m[c]:.4g}" if c in m else "-" for c in cols))
-    Console().print(table)  # the table goes to stdout, progress to stderr
+    Console(width=150).print(table)  # the table goes to stdout, progress to stderr
 
 
 if __name__ == "__main__":

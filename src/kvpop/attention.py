@@ -107,7 +107,8 @@ class SparseContext:
         B, Hk, S, _ = k.shape
         if self.policy.layer_independent and "evict" in self._cache:
             return self._cache["evict"], None
-        scores = self.policy.scores(layer, k, v, self.pos, doc_ids=self.doc_ids, window=self.window)
+        with torch.autocast(device_type=k.device.type, enabled=False):  # scorers compute in fp32
+            scores = self.policy.scores(layer, k.float(), v.float(), self.pos, doc_ids=self.doc_ids, window=self.window)
         if scores is None:
             evict = torch.full((B, Hk, S), NEVER, dtype=torch.int64, device=k.device)
         else:

@@ -104,10 +104,10 @@ class TrainConfig(_Section):
         description="trained policies; DVC runs one train stage per entry",
     )
     seq_len: int = Field(1024, gt=0, description="tokens per packed training row")
-    steps: int = Field(30, gt=0, description="optimizer steps")
+    steps: int = Field(16, gt=0, description="optimizer steps")
     batch_size: int = Field(1, gt=0)
     model_lr: float = Field(1e-5, ge=0, description="fixed learning rate of the student model")
-    scorer_lr: float = Field(3e-3, gt=0, description="peak learning rate of scorer and decay (cosine)")
+    scorer_lr: float = Field(1e-2, gt=0, description="peak learning rate of scorer and decay (cosine)")
     scorer_warmup: int = Field(0, ge=0, description="linear warm-up steps of the scorer schedule")
     weight_decay: float = Field(0.0, ge=0)
     top_logits: int = Field(256, gt=0, description="teacher logits kept for the KL (top-k)")
@@ -122,7 +122,7 @@ class TrainConfig(_Section):
     target_normalizer: Literal["sparse", "dense"] = Field(
         "sparse", description="log-normalizers of the target: the student's sparse ones, or dense"
     )
-    precision: Literal["32-true", "bf16-mixed", "bf16-true"] = "32-true"
+    precision: Literal["32-true", "bf16-mixed", "bf16-true"] = "bf16-mixed"
     accelerator: Literal["auto", "cpu", "cuda"] = "auto"
     grad_clip: float = Field(1.0, gt=0)
     log_every: int = Field(1, gt=0)
@@ -131,7 +131,7 @@ class TrainConfig(_Section):
 class RolloutConfig(_Section):
     """Sampled generations on held-out problems, scored by their final answer (pass@1)."""
 
-    problems: int = Field(8, ge=0, description="held-out problems (0: no rollouts)")
+    problems: int = Field(6, ge=0, description="held-out problems (0: no rollouts)")
     n: int = Field(2, gt=0, description="rollouts per problem (16 in the paper setting)")
     temperature: float = Field(0.6, ge=0)
     top_p: float = Field(0.95, gt=0, le=1)
@@ -146,11 +146,14 @@ class EvaluateConfig(_Section):
         default_factory=lambda: ["dense", "streaming_llm", "tova", "h2o"],
         description="training-free policies evaluated on the base model (trained ones are added)",
     )
-    max_traces: int = Field(12, gt=0, description="held-out traces for teacher-forced fidelity")
+    max_traces: int = Field(8, gt=0, description="held-out traces for teacher-forced fidelity")
+    decode_traces: int = Field(
+        3, gt=0, description="of those, how many score the decode-only rules (TOVA, H2O: token-by-token decoding)"
+    )
     precision: Literal["float32", "bfloat16"] = "float32"
     rollouts: RolloutConfig = RolloutConfig()
     memory_lengths: list[int] = Field(
-        default_factory=lambda: [0, 64, 128, 256], description="generated lengths of the cache-memory curve"
+        default_factory=lambda: [0, 32, 64, 128], description="generated lengths of the cache-memory curve"
     )
     benchmarks: dict[str, str] = Field(
         default_factory=dict,

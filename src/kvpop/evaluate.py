@@ -37,6 +37,7 @@ class Candidate:
     model: object
     policy: Policy | None
     decode: object | None = None  # kvpop.cache.DecodePolicy
+    max_traces: int | None = None  # score only the first records (token-by-token decoding is slow)
 
 
 @dataclass
@@ -47,8 +48,12 @@ class _Acc:
     quote_hit: int = 0
     quotes: int = 0
 
+    traces: int = 0
+
     def result(self) -> dict[str, float]:
         return {
+            "traces": self.traces,
+            "tokens": self.tokens,
             "kl": self.kl / max(1, self.tokens),
             "top1_agreement": self.agree / max(1, self.tokens),
             "quote_accuracy": self.quote_hit / max(1, self.quotes),
@@ -103,6 +108,9 @@ def evaluate_fidelity(
         ref_top = ref.argmax(-1)
         targets = ids[0, 1:]
         for c in candidates:
+            if c.max_traces is not None and n >= c.max_traces:
+                continue
+            acc[c.name].traces += 1
             if c.policy is None:
                 from kvpop.decode import teacher_forced_logits
 
