@@ -84,7 +84,13 @@ def main() -> None:
         results = evaluate_fidelity(fid_records, teacher, cands, **common, progress=lambda i, n: say(f"  trace {i}/{n}"))
 
         rc = cfg.rollouts
-        problems = rollout_problems(records, tok, n_problems=rc.problems, min_prompt_tokens=p.budget) if rc.problems else []
+        # prefer prompts longer than the budget (eviction happens); a budget above every prompt uses them all
+        problems = []
+        if rc.problems:
+            problems = rollout_problems(records, tok, n_problems=rc.problems, min_prompt_tokens=p.budget) or rollout_problems(
+                records, tok, n_problems=rc.problems
+            )
+        curve_prompt = problems[0].prompt_ids if problems else records[0]["input_ids"]
         curves = {}
         for c in cands:
             if problems:
@@ -92,8 +98,7 @@ def main() -> None:
                 r = pass_at_1(c.model, tok, c.decode, problems, n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
                               max_new_tokens=rc.max_new_tokens, seed=p.seed, **common)
                 results[c.name].update(pass_at_1=r["pass_at_1"], peak_cache_mb=r["peak_cache_mb"], tokens_per_s=r["tokens_per_s"])
-            if cfg.memory_lengths and problems:
-                curves[c.name] = memory_curve(c.model, tok, c.decode, problems[0].prompt_ids, lengths=cfg.memory_lengths, **common)
+            curves[c.name] = memory_curve(c.model, tok, c.decode, curve_prompt, lengths=cfg.memory_lengths, **common)
         dense_p1 = results.get("dense", {}).get("pass_at_1")
         for m in results.values():
             if "pass_at_1" in m:
@@ -121,8 +126,7 @@ def main() -> None:
         write_json(args.out, out)
         points = [{"budget": p.budget, "policy": n, **m} for n, m in results.items()]
         write_json(plots / "budget_points.json", points)  # DVC plot: compare budgets across experiments
-        if curves:
-            plot_memory_curve(curves, plots / "cache_memory.png")
+        plot_memory_curve(curves, plots / "cache_memory.png")
         metric = "pass_at_1" if problems else "quote_accuracy"
         plot_accuracy_vs_budget({n: [(p.budget, m[metric])] for n, m in results.items()}, plots / "accuracy_vs_budget.png", metric)
         for name, m in results.items():
