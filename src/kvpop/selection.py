@@ -70,6 +70,30 @@ def recency_priority(B: int, Hk: int, S: int, device=None) -> torch.Tensor:
     return torch.arange(S, device=device, dtype=torch.float32).expand(B, Hk, S)
 
 
+def eligible_tokens(doc_ids: torch.Tensor, pos: torch.Tensor, sinks: int) -> torch.Tensor:
+    """``(B, S)`` bool: tokens that ever compete for long-range slots (not sinks, not padding)."""
+    return (doc_ids >= 0) & (pos >= sinks)
+
+
+def priority_order(prio: torch.Tensor, doc_ids: torch.Tensor, pos: torch.Tensor, *, sinks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ordered by (document asc, priority desc, index desc), ineligible ones last.
+
+    The one ordering (and tie rule: the newer token wins) shared by the selection and the
+    teacher's boundary labels. The document key is the start index of the document (monotone in
+    the token index, independent of how ids are labelled), ``S`` for ineligible tokens.
+
+    Returns:
+        ``order`` (B, Hk, S) token indices in that order, and ``doc_key`` (B, Hk, S) per token.
+    """
+    B, Hk, S = prio.shape
+    start, _ = document_spans(doc_ids)
+    doc_key = torch.where(eligible_tokens(doc_ids, pos, sinks), start, S).unsqueeze(1).expand(B, Hk, S)
+    order = torch.arange(S - 1, -1, -1, device=prio.device).expand(B, Hk, S)  # index desc
+    order = order.gather(-1, prio.flip(-1).sort(dim=-1, descending=True, stable=True).indices)
+    order = order.gather(-1, doc_key.gather(-1, order).sort(dim=-1, stable=True).indices)
+    return order, doc_key
+
+
 @torch.no_grad()
 def eviction_times(
     prio: torch.Tensor,
@@ -104,21 +128,13 @@ def eviction_times(
     B, Hk, S = prio.shape
     device = prio.device
     idx = torch.arange(S, device=device)
-    eligible = (doc_ids >= 0) & (pos >= sinks)  # (B, S)
+    eligible = eligible_tokens(doc_ids, pos, sinks)  # (B, S)
     never = torch.full((B, Hk, S), NEVER, dtype=torch.int64, device=device)
     if k == 0:
         e = torch.where(eligible[:, None, :], idx + window, never)
         return e.clamp(max=NEVER).to(torch.int32)
 
-    # Document key = start index of the document (monotone in the token index,
-    # independent of how the ids are labelled); ineligible tokens go last.
-    start, _ = document_spans(doc_ids)
-    doc_key = torch.where(eligible, start, S).unsqueeze(1).expand(B, Hk, S)
-
-    # Order: index desc, then (stable) priority desc, then (stable) document asc.
-    order = idx.flip(0).expand(B, Hk, S)
-    order = order.gather(-1, prio.flip(-1).sort(dim=-1, descending=True, stable=True).indices)
-    order = order.gather(-1, doc_key.gather(-1, order).sort(dim=-1, stable=True).indices)
+    order, doc_key = priority_order(prio, doc_ids, pos, sinks=sinks)
 
     # c0[r] = order position of the first token of r's document (= eligible
     # tokens of earlier documents).
