@@ -1,15 +1,18 @@
-"""Stage export: a trained Lightning checkpoint to safetensors + JSON, loadable without Lightning."""
+"""Stage export: a trained Lightning checkpoint to safetensors + JSON, loadable without Lightning.
+
+``--ckpt`` is a checkpoint file (single device, DDP, FSDP ``full``) or an FSDP ``sharded`` folder;
+both give the same export layout.
+"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-import torch
 from common import console, fail, params
 
 from kvpop import tracking
-from kvpop.export import export
+from kvpop.export import CheckpointError, export, load_training_state
 from kvpop.modeling import load_model, model_shape
 from kvpop.policies import make_policy
 
@@ -17,18 +20,18 @@ from kvpop.policies import make_policy
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--policy", required=True)
-    ap.add_argument("--ckpt", required=True, help="Lightning checkpoint file")
+    ap.add_argument("--ckpt", required=True, help="Lightning checkpoint file, or FSDP sharded checkpoint folder")
     ap.add_argument("--base", default="models/base")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     p = params()
     ckpt = Path(args.ckpt)
-    if not ckpt.is_file():
+    if not ckpt.exists():
         fail(f"checkpoint not found: {ckpt} (run the train stage)")
-    try:
-        state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
-    except Exception as err:  # a truncated or foreign file
-        fail(f"corrupt checkpoint {ckpt}: {err}")
+    try:  # a file, or an FSDP sharded folder consolidated here: the same state_dict either way
+        state = load_training_state(ckpt)
+    except CheckpointError as err:
+        fail(str(err))
     from transformers import AutoTokenizer
 
     model = load_model(args.base)

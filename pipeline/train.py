@@ -1,10 +1,23 @@
-"""Stage train: distill the student under one policy's sparse pattern (one run per policy)."""
+"""Stage train: distill the student under one policy's sparse pattern (one run per policy).
+
+Resume: the run checkpoints every ``train.checkpoint_every`` steps into ``--resume-dir``
+(default ``checkpoints/train/<policy>``), a folder that is not a DVC output, because DVC deletes
+a stage's outputs before running it. Run the stage again after a crash (``dvc repro`` or this
+script) and it continues from the newest checkpoint: weights, scorer, optimizer, schedules, data
+position. Only a finished run publishes ``--out/last.ckpt`` and ``--metrics`` and then removes its
+resume folder, so DVC sees a complete output or none. A corrupt checkpoint, or a resume folder of
+a run with other settings, stops the stage with the file named; delete that folder to start over.
+
+Several devices (``train.strategy`` ddp/fsdp, ``train.devices``): Lightning starts the other
+ranks by running this script again; only rank 0 talks to MLflow and writes the outputs.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
-import time
+import hashlib
 from pathlib import Path
 
 import lightning as L
@@ -13,10 +26,17 @@ from common import console, fail, params, write_json
 
 from kvpop import tracking
 from kvpop.attention import ScorerTraining
+from kvpop.distributed import decoder_layer_classes, make_strategy
+from kvpop.export import CheckpointError
 from kvpop.modeling import load_model, model_shape
 from kvpop.pack import load_packed
 from kvpop.policies import long_range_slots, make_policy
-from kvpop.train import DistillModule, PackedDataset, TrainSettings, make_loader
+from kvpop.train import (
+    DistillModule, PackedDataset, ResumeCheckpoint, TrainSettings, begin_run, checkpoint_step, find_resume_checkpoint, finish_run, make_loader,
+)
+
+#: train keys that do not change the result: a resumed run may differ in them
+_NOT_IN_RESULT = ("policies", "log_every", "checkpoint_every")
 
 
 class StepPrinter(L.Callback):
@@ -27,7 +47,7 @@ class StepPrinter(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         step = trainer.global_step
-        if step % self.every == 0 or step == trainer.max_steps:
+        if trainer.is_global_zero and (step % self.every == 0 or step == trainer.max_steps):
             m = {k.removeprefix("train/"): f"{float(v):.4g}" for k, v in trainer.callback_metrics.items()}
             console.print(f"step {step}/{trainer.max_steps} " + " ".join(f"{k}={v}" for k, v in m.items()), highlight=False)
 
@@ -39,18 +59,40 @@ def main() -> None:
     ap.add_argument("--data", default="data/packed/train.safetensors")
     ap.add_argument("--out", required=True, help="checkpoint folder")
     ap.add_argument("--metrics", required=True)
+    ap.add_argument("--resume-dir", help="periodic checkpoints (default checkpoints/train/<policy>)")
     args = ap.parse_args()
     p = params()
     cfg = p.train
     if args.policy not in cfg.policies:
         fail(f"--policy {args.policy!r} is not in train.policies {cfg.policies}")
+    if cfg.strategy == "fsdp" and not torch.cuda.is_available():
+        fail("train.strategy is 'fsdp' but no CUDA device is visible (Lightning's FSDP needs GPUs)")
 
-    from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+    from lightning.pytorch.callbacks import RichProgressBar
 
-    L.seed_everything(p.seed, workers=True)
+    rank0 = rank_zero_only.rank == 0  # set from the environment Lightning gives the ranks it starts
     if not Path(args.data).is_file():
         fail(f"packed training data not found: {args.data} (run the pack stage)")
+    if not (Path(args.base) / "config.json").is_file():
+        fail(f"base model not found: {args.base} (run the base_model stage)")
     packed = load_packed(args.data)
+    resume_dir = Path(args.resume_dir or f"checkpoints/train/{args.policy}")
+    run_config = {
+        "seed": p.seed, "budget": p.budget, "sinks": p.sinks, "window": p.window, "policy": args.policy,
+        "train": cfg.model_dump(exclude=set(_NOT_IN_RESULT)), "data_rows": int(packed.input_ids.shape[0]),
+        "base_config_sha1": hashlib.sha1((Path(args.base) / "config.json").read_bytes()).hexdigest(),
+    }
+    try:  # before any heavy work: a bad checkpoint stops here, with nothing touched
+        ckpt = find_resume_checkpoint(resume_dir, run_config)
+    except CheckpointError as err:
+        fail(str(err))
+    if rank0:
+        begin_run(resume_dir, run_config)
+        if ckpt is not None:
+            console.print(f"resuming from {ckpt}")
+
+    L.seed_everything(p.seed, workers=True)
     teacher = load_model(args.base)
     student = copy.deepcopy(teacher)
     shape = model_shape(teacher)
@@ -63,36 +105,51 @@ def main() -> None:
             tau=cfg.tau, tie_margin=cfg.tie_margin, query_samples=cfg.query_samples,
             target_normalizer=cfg.target_normalizer, generator=torch.Generator().manual_seed(p.seed),
         ),
+        activation_checkpointing=cfg.activation_checkpointing,
     )
     module = DistillModule(student, teacher, policy, settings)
     ds = PackedDataset(packed.input_ids, packed.doc_ids, packed.position_ids, packed.loss_mask)
-    loader = make_loader(ds, cfg.batch_size, p.seed)
+    loader = make_loader(ds, cfg.batch_size, p.seed)  # shards itself across ranks, resumable
+    strategy = make_strategy(cfg.strategy, layer_classes=decoder_layer_classes(student) if cfg.strategy == "fsdp" else None, checkpoint_format=cfg.checkpoint_format, precision=cfg.precision)
+    saver = ResumeCheckpoint(resume_dir, cfg.checkpoint_every)
     out = Path(args.out)
     logged = {"seed": p.seed, "budget": p.budget, "sinks": p.sinks, "window": p.window, "k": k, "policy": args.policy, "train": cfg.model_dump()}
-    with tracking.stage_run("train", logged, run_name=f"train/{args.policy}") as run:
+    runs = tracking.stage_run("train", logged, run_name=f"train/{args.policy}") if rank0 else contextlib.nullcontext()
+    with runs as run:
         trainer = L.Trainer(
             max_steps=cfg.steps,
             accelerator=cfg.accelerator,
-            devices=1,
+            strategy=strategy,
+            devices=cfg.devices,
             precision=cfg.precision,
             gradient_clip_val=cfg.grad_clip,
             log_every_n_steps=cfg.log_every,
-            logger=run.lightning_logger(),
-            callbacks=[RichProgressBar() if console.is_terminal else StepPrinter(cfg.log_every), ModelCheckpoint(dirpath=out, filename="last", save_last=False, every_n_train_steps=cfg.steps)],
+            logger=run.lightning_logger() if run is not None else False,
+            callbacks=[RichProgressBar() if console.is_terminal else StepPrinter(cfg.log_every), saver],
+            enable_checkpointing=False,  # ResumeCheckpoint writes them, atomically
+            use_distributed_sampler=False,  # the loader shards the global batch itself
             enable_model_summary=False,
             num_sanity_val_steps=0,
             deterministic=False,
         )
-        t0 = time.time()
-        trainer.fit(module, loader)
-        elapsed = time.time() - t0
-        final = {k.removeprefix("train/"): float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
-        metrics = {"policy": args.policy, "steps": trainer.global_step, "seconds": round(elapsed, 1),
-                   "tokens_per_s": round(trainer.global_step * cfg.batch_size * cfg.seq_len / max(elapsed, 1e-9), 1), **final}
+        trainer.fit(module, loader, ckpt_path=ckpt)
+        if not trainer.is_global_zero:
+            return
+        if trainer.global_step != cfg.steps:
+            fail(f"training stopped at step {trainer.global_step} of {cfg.steps}; run the stage again to resume from {resume_dir}")
+        final = {k.removeprefix("train/"): v for k, v in saver.metrics.items() if k.startswith("train/")}
+        world = trainer.world_size
+        metrics = {"policy": args.policy, "steps": trainer.global_step, "seconds": round(saver.seconds, 1),
+                   "tokens_per_s": round(trainer.global_step * cfg.batch_size * world * cfg.seq_len / max(saver.seconds, 1e-9), 1),
+                   "devices": world, "resumed_from_step": checkpoint_step(ckpt) if ckpt else 0, **final}
+        # metrics first: until finish_run has published out/last.ckpt, the resume folder keeps
+        # the final checkpoint, so an interruption anywhere here only repeats this ending
         write_json(args.metrics, metrics)
+        try:
+            finish_run(resume_dir, out, cfg.steps)  # out/last.ckpt whole, then the resume folder goes
+        except CheckpointError as err:
+            fail(str(err))
         run.metrics({k: v for k, v in metrics.items() if k != "policy"}, prefix="final/")
-    if not (out / "last.ckpt").is_file():
-        fail(f"training finished without writing {out / 'last.ckpt'}")
     console.print(metrics)
 
 

@@ -31,6 +31,12 @@ def test_repo_params_are_valid():
         (lambda r: r["train"].update(policies=["kvpop_transformer"]), "train.policies"),
         (lambda r: r["evaluate"].update(policies=["oracle"]), "evaluate.policies"),
         (lambda r: r["filter"].update(max_tokens=0), "filter.max_tokens"),
+        (lambda r: r["train"].update(devices=0), "train.devices"),
+        (lambda r: r["train"].update(devices=2), "train.devices"),  # several devices need ddp or fsdp
+        (lambda r: r["train"].update(strategy="fsdp", accelerator="cpu"), "train.strategy"),
+        (lambda r: r["train"].update(strategy="deepspeed"), "train.strategy"),
+        (lambda r: r["train"].update(checkpoint_format="sharded", strategy="ddp", devices=2), "train.checkpoint_format"),
+        (lambda r: r["train"].update(checkpoint_every=0), "train.checkpoint_every"),
     ],
 )
 def test_bad_params_name_the_key(edit, key):

@@ -236,3 +236,44 @@ def test_bounded_cache_decoding_equals_flex_training_forward(model_type, policy_
     diff = (got - ref).abs().max().item()
     print(f"{model_type} {policy_name}: decode vs flex training forward max |diff| = {diff:.2e}")
     assert diff < 1e-3
+
+
+# --- the decode engine: compiled (CUDA graph) step == eager step == BoundedCache on CUDA ---------------
+@pytest.mark.parametrize("policy_name", ["streaming_llm", "kvpop_mlp", "kvpop", "dense"])
+def test_compiled_engine_equals_bounded_cache(policy_name):
+    from transformers import AutoModelForCausalLM
+
+    from kvpop.cache import as_decode_policy, enable
+    from kvpop.decode import teacher_forced_logits
+    from kvpop.engine import DecodeEngine
+    from kvpop.modeling import tiny_config
+    from kvpop.policies import make_policy
+
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    torch.manual_seed(0)
+    model = enable(AutoModelForCausalLM.from_config(tiny_config("qwen3")).cuda().eval())
+    sinks, window, budget, S, pre = 4, 32, 4 + 32 + 48, 400, 300
+    policy = make_policy(policy_name, num_layers=2, num_kv_heads=2, head_dim=16)
+    for p in policy.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    policy.cuda()
+    ids = torch.randint(0, 96, (2, S), generator=torch.Generator().manual_seed(1)).cuda()
+    if policy_name == "dense":
+        with torch.no_grad():
+            ref = model(input_ids=ids).logits
+    else:
+        ref = teacher_forced_logits(model, as_decode_policy(policy), ids, budget=budget, sinks=sinks, window=window, prefill=pre)
+    kw = dict(budget=budget, sinks=sinks, window=window, batch_size=2, chunk=128) if policy_name != "dense" else dict(max_len=512, batch_size=2, chunk=128)
+    got = {}
+    for compiled in (False, True):
+        eng = DecodeEngine(model, None if policy_name == "dense" else policy, compile=compiled, **kw)
+        logits = [eng.prefill(ids[:, :pre]).clone()]
+        for t in range(pre, S):
+            eng.tok.copy_(ids[:, t : t + 1])
+            logits.append(eng.step().clone())
+        got[compiled] = torch.stack(logits, 1)
+    d_ref, d_comp = _maxdiff(got[False], ref[:, pre - 1 :]), _maxdiff(got[True], got[False])
+    print(f"engine {policy_name}: eager vs reference {d_ref:.2e}, compiled vs eager {d_comp:.2e}")
+    assert d_ref < 1e-4 and d_comp < 1e-4

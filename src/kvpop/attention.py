@@ -12,6 +12,17 @@ The model runs with ``attn_implementation="kvpop"``; every attention layer then 
    and the boundary loss (:func:`kvpop.boundary.boundary_loss`) run right there, per layer, so
    no per-layer query/key tensors outlive the layer.
 
+Activation checkpointing (``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant":
+False})``) runs every decoder layer twice: the forward, then a recomputation during backward. The
+context serves one forward pass and records each layer's eviction times on its first call; a
+second call for the same layer is that recomputation and only reruns the executor on the
+recorded pattern (no scorer, selection, target pass or loss, so the losses hold one entry per
+layer and the query-sample generator advances once). The scorer and the boundary loss keep their
+saved tensors out of the checkpoint (:func:`_kept_saved_tensors`): their graph, which reaches only
+the scorer, is built once and never recomputed, and the tensors the checkpoint saves and
+recomputes are exactly the layer's own. Reentrant checkpointing (which runs the first pass without
+gradients) is refused.
+
 Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, S sequence, D head dim.
 """
 
@@ -82,9 +93,42 @@ class ScorerTraining:
     generator: torch.Generator | None = None
 
 
+def _keep(t: Tensor) -> Tensor:
+    return t.detach()
+
+
+def _unpack(t: Tensor) -> Tensor:
+    return t
+
+
+def _kept_saved_tensors():
+    """Saved-tensor hooks that keep tensors as they are, overriding any outer hooks.
+
+    Inside a checkpointed layer, tensors saved for backward go to the checkpoint, which recomputes
+    them by rerunning the layer. The scorer's forward and the boundary loss run only on a layer's
+    first call, so their saved tensors must stay out of the checkpoint's record (which must match
+    between forward and recomputation, tensor for tensor): under these hooks they are stored
+    directly, as without checkpointing. ``detach`` avoids a reference cycle through saved outputs.
+    """
+    return torch.autograd.graph.saved_tensors_hooks(_keep, _unpack)
+
+
+@dataclass
+class _LayerRecord:
+    """What a layer's first call leaves for its recomputation under activation checkpointing."""
+
+    evict: Tensor  # (B, Hk, S)
+    need_lse: bool
+    grad_enabled: bool
+
+
 @dataclass
 class SparseContext:
-    """Everything one forward pass needs to run the eviction pattern in every layer."""
+    """Everything one forward pass needs to run the eviction pattern in every layer.
+
+    One context per forward pass: a second call for a layer is taken as the recomputation of
+    activation checkpointing (see the module docstring) and must happen during backward.
+    """
 
     policy: Policy
     doc_ids: Tensor  # (B, S) int, -1 on padding
@@ -97,6 +141,7 @@ class SparseContext:
     losses: list[Tensor] = field(default_factory=list)  # boundary loss per layer
     stats: list[dict[str, Tensor]] = field(default_factory=list)
     _cache: dict = field(default_factory=dict)
+    _layers: dict[int, _LayerRecord] = field(default_factory=dict)  # first call of each layer
 
     @classmethod
     def for_rows(cls, policy: Policy, doc_ids: Tensor, pos: Tensor, *, sinks: int, window: int, k: int, **kw) -> SparseContext:
@@ -117,7 +162,12 @@ class SparseContext:
             self._cache["evict"] = evict
         return evict, scores
 
-    def _pattern(self, evict: Tensor, H: int, layer_key: object):
+    def _pattern(self, evict: Tensor, H: int, layer_key: object, keep: bool):
+        """The executor's pattern: a BlockMask (flex) or a dense (B, H, S, S) mask (sdpa).
+
+        ``keep``: cache it under ``layer_key`` (patterns shared by layers, and flex patterns, which
+        are small, for the recomputation; dense masks are rebuilt from the eviction times instead).
+        """
         key = ("pattern", layer_key)
         if key in self._cache:
             return self._cache[key]
@@ -127,37 +177,66 @@ class SparseContext:
         else:
             mm = make_eviction_mask_mod(self.doc_ids, self.pos, evict, sinks=self.sinks, group=H // Hk)
             pat = dense_mask(mm, B, H, S, evict.device)
-        if self.policy.layer_independent:
+        if keep:
             self._cache[key] = pat
         return pat
 
-    def run(self, q: Tensor, k: Tensor, v: Tensor, evict: Tensor, scale: float, need_lse: bool, layer_key: object):
-        pat = self._pattern(evict, q.shape[1], layer_key)
+    def run(self, q: Tensor, k: Tensor, v: Tensor, evict: Tensor, scale: float, need_lse: bool, layer_key: object, keep: bool | None = None):
+        if keep is None:
+            keep = self.policy.layer_independent or self.executor == "flex"
+        pat = self._pattern(evict, q.shape[1], layer_key, keep)
         if self.executor == "flex":
             return flex_execute(q, k, v, pat, scale, need_lse)
         return sdpa_execute(q, k, v, pat, scale, need_lse)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """q (B, H, S, D), k, v (B, Hk, S, D) -> attention output (B, S, H, D)."""
-        evict, scores = self.evictions(layer, k, v)
-        train = self.scorer_training is not None and scores is not None and scores.r_hat is not None
         key = "static" if self.policy.layer_independent else layer
+        rec = self._layers.get(layer)
+        if rec is not None:
+            return self._recompute(rec, q, k, v, scale, key)
+        with _kept_saved_tensors():
+            evict, scores = self.evictions(layer, k, v)
+        train = self.scorer_training is not None and scores is not None and scores.r_hat is not None
         out, lse = self.run(q, k, v, evict, scale, need_lse=train, layer_key=key)
+        self._layers[layer] = _LayerRecord(evict=evict, need_lse=train, grad_enabled=torch.is_grad_enabled())
         if train:
             st = self.scorer_training
             with torch.no_grad():
                 if st.target_normalizer == "dense":
                     never = torch.full_like(evict, NEVER)
-                    _, lse = self.run(q.detach(), k.detach(), v.detach(), never, scale, True, ("dense", layer))
+                    _, lse = self.run(q.detach(), k.detach(), v.detach(), never, scale, True, "dense", keep=self.executor == "flex")
                 impl = "flex" if self.executor == "flex" else "chunked"
                 r_tgt = future_attention_target(q.detach(), k.detach(), lse.detach(), self.doc_ids, window=self.window, scale=scale, impl=impl)
-            loss, stats = boundary_loss(
-                scores.r_hat, r_tgt, scores.log_gamma, self.doc_ids, self.pos,
-                sinks=self.sinks, window=self.window, k=self.k, tau=st.tau, tie_margin=st.tie_margin,
-                query_samples=st.query_samples, generator=st.generator,
-            )
+            with _kept_saved_tensors():
+                loss, stats = boundary_loss(
+                    scores.r_hat, r_tgt, scores.log_gamma, self.doc_ids, self.pos,
+                    sinks=self.sinks, window=self.window, k=self.k, tau=st.tau, tie_margin=st.tie_margin,
+                    query_samples=st.query_samples, generator=st.generator,
+                )
             self.losses.append(loss)
             self.stats.append(stats)
+        return out.transpose(1, 2).contiguous()
+
+    def _recompute(self, rec: _LayerRecord, q: Tensor, k: Tensor, v: Tensor, scale: float, key: object) -> Tensor:
+        """A layer's second call: activation checkpointing recomputes it during backward.
+
+        Same pattern (the recorded eviction times, never re-derived from recomputed keys), same
+        executor call, so the checkpoint saves the same tensors as in the first call; the scorer,
+        the selection, the target pass and the loss are not rerun.
+        """
+        if torch._C._current_graph_task_id() == -1:
+            raise RuntimeError(
+                "a SparseContext serves one forward pass: build a new one for every forward "
+                "(a second call for a layer is only expected from activation checkpointing, during backward)"
+            )
+        if torch.is_grad_enabled() and not rec.grad_enabled:
+            raise RuntimeError(
+                "reentrant activation checkpointing runs the first pass without gradients, so the scorer "
+                "would get none: use gradient_checkpointing_kwargs={'use_reentrant': False}"
+            )
+        need_lse = rec.need_lse and self.executor == "flex"  # flex: the same kernel call as the first pass
+        out, _ = self.run(q, k, v, rec.evict, scale, need_lse=need_lse, layer_key=key)
         return out.transpose(1, 2).contiguous()
 
 

@@ -112,9 +112,9 @@ class DecodePolicy:
         """Write the entering token k_t, v_t (B, Hk, D) -> the new state (same shapes)."""
         raise NotImplementedError
 
-    def exit_scores(self, layer: int, state: tuple, k_t: Tensor, v_t: Tensor, pos: int) -> Tensor:
-        """Priority (B, Hk) float64 of token ``pos`` (k_t, v_t (B, Hk, D)) as it leaves the window;
-        ``state`` has read tokens ``0 .. pos + window``."""
+    def exit_scores(self, layer: int, state: tuple, k_t: Tensor, v_t: Tensor, pos: int | Tensor) -> Tensor:
+        """Priority (B, Hk) float64 of token ``pos`` (an int or a 0-dim tensor, the same for every
+        row; k_t, v_t (B, Hk, D)) as it leaves the window; ``state`` has read tokens ``0 .. pos + window``."""
         raise NotImplementedError
 
     def prefill(self, layer: int, k: Tensor, v: Tensor, pos: Tensor, *, window: int) -> tuple[Tensor, tuple]:
@@ -191,7 +191,7 @@ class DelayedPolicy(DecodePolicy):
 
     def exit_scores(self, layer, state, k_t, v_t, pos):
         r_hat = self.scorer.readout(layer, state, k_t, v_t)  # (B, Hk)
-        p = torch.full((r_hat.shape[0], 1), pos, dtype=torch.int64, device=r_hat.device)
+        p = torch.as_tensor(pos, dtype=torch.int64, device=r_hat.device).reshape(1, 1).expand(r_hat.shape[0], 1)
         return static_priority(r_hat[..., None], p, self.scorer.decay.log_gamma(layer))[..., 0]
 
     def prefill(self, layer, k, v, pos, *, window):

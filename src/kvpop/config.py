@@ -124,8 +124,37 @@ class TrainConfig(_Section):
     )
     precision: Literal["32-true", "bf16-mixed", "bf16-true"] = "bf16-mixed"
     accelerator: Literal["auto", "cpu", "cuda"] = "auto"
+    strategy: Literal["single", "ddp", "fsdp"] = Field(
+        "single",
+        description="'single' (one device), 'ddp' (replicated student and teacher, averaged gradients) or "
+        "'fsdp' (student and frozen teacher sharded per decoder layer; CUDA only)",
+    )
+    devices: int = Field(1, ge=1, description="devices (GPUs) per run; batch_size is per device")
+    checkpoint_every: int = Field(
+        50, gt=0, description="optimizer steps between resume checkpoints (the last step always saves one)"
+    )
+    checkpoint_format: Literal["full", "sharded"] = Field(
+        "full",
+        description="'full': one checkpoint file (gathered on rank 0); 'sharded' (fsdp only): one shard per rank, "
+        "torch.distributed.checkpoint folder",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="recompute each decoder layer in backward (less activation memory, ~1/3 more compute)"
+    )
     grad_clip: float = Field(1.0, gt=0)
     log_every: int = Field(1, gt=0)
+
+    @model_validator(mode="after")
+    def _check_scale_out(self) -> TrainConfig:
+        if self.strategy == "single" and self.devices != 1:
+            raise ValueError(
+                f"train.devices is {self.devices} but train.strategy is 'single'; use 'ddp' or 'fsdp' for several devices"
+            )
+        if self.strategy == "fsdp" and self.accelerator == "cpu":
+            raise ValueError("train.strategy 'fsdp' needs CUDA (Lightning's FSDP refuses accelerator 'cpu'); use 'ddp' on CPU")
+        if self.checkpoint_format == "sharded" and self.strategy != "fsdp":
+            raise ValueError("train.checkpoint_format 'sharded' needs train.strategy 'fsdp'")
+        return self
 
 
 class RolloutConfig(_Section):

@@ -5,6 +5,12 @@ Layout of an export folder::
     config.json, model.safetensors, tokenizer files   the student, a plain Hugging Face folder
     kvpop.json                                        {"policy", "budget", "sinks", "window", "scorer": {...} | null}
     scorer.safetensors                                scorer and decay parameters (learned policies)
+
+Training checkpoints come in two layouts, both read by :func:`load_training_state`: one file
+(``torch.save`` of Lightning's checkpoint dict: single device, DDP, FSDP ``full``) or a folder
+(FSDP ``sharded``: ``torch.distributed.checkpoint`` shards of ``{"model": ..., "optimizer_0": ...}``
+plus ``meta.pt`` with the rest). A sharded one is consolidated on the CPU in one process, model
+weights only, into the same ``state_dict`` a single-device run saves, so both export identically.
 """
 
 from __future__ import annotations
@@ -20,10 +26,95 @@ from kvpop.policies import Policy, make_policy
 
 META = "kvpop.json"
 SCORER = "scorer.safetensors"
+#: the non-tensor part of Lightning's FSDP sharded checkpoint folder
+SHARDED_META = "meta.pt"
+#: what every Lightning training checkpoint holds besides the weights (resume needs all of it)
+TRAINING_KEYS = ("optimizer_states", "lr_schedulers", "loops", "global_step")
 
 
 class CheckpointError(RuntimeError):
     """A missing, partial or corrupt checkpoint; the message names the file."""
+
+
+def _torch_load(path: Path) -> dict:
+    """A torch-saved file (tensors and plain containers only), or a CheckpointError naming it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a truncated or foreign file raises one of several types
+        raise CheckpointError(f"corrupt {path}: {err}") from None
+
+
+def _check_sharded(path: Path) -> None:
+    """A complete Lightning FSDP sharded checkpoint folder: meta.pt, DCP metadata, every shard whole."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = path / SHARDED_META
+    if not meta.is_file():
+        raise CheckpointError(f"{path} is a folder but not a sharded checkpoint: {meta} is missing")
+    rest = _torch_load(meta)
+    missing = [k for k in ("loops", "global_step") if k not in rest]
+    if missing:
+        raise CheckpointError(f"corrupt {meta}: keys {missing} missing")
+    try:
+        md = FileSystemReader(str(path)).read_metadata()
+    except Exception as err:
+        raise CheckpointError(f"corrupt sharded checkpoint {path} (its .metadata): {err}") from None
+    if not any(k.startswith("model.") for k in md.state_dict_metadata):
+        raise CheckpointError(f"sharded checkpoint {path} holds no model weights")
+    need: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in sorted(need.items()):
+        f = path / rel
+        if not f.is_file() or f.stat().st_size < size:
+            raise CheckpointError(f"sharded checkpoint {path} is incomplete: {f} is missing or truncated")
+
+
+def check_training_checkpoint(path: Path) -> None:
+    """Raise :class:`CheckpointError` unless ``path`` is a complete Lightning training checkpoint.
+
+    A file is opened memory-mapped (cheap even for large models) and must hold the weights, the
+    optimizer and schedule states and the loop state; a sharded folder must have every shard.
+    """
+    path = Path(path)
+    if path.is_dir():
+        return _check_sharded(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as err:  # truncated zip, garbage, foreign pickle
+        raise CheckpointError(f"corrupt checkpoint {path}: {err}") from None
+    missing = [k for k in ("state_dict", *TRAINING_KEYS) if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise CheckpointError(f"incomplete checkpoint {path}: keys {missing} missing")
+
+
+def load_training_state(path: Path) -> dict[str, torch.Tensor]:
+    """The LightningModule ``state_dict`` (keys ``student.*``, ``policy.*``) of a training checkpoint.
+
+    ``path``: a checkpoint file, or an FSDP sharded folder, which is consolidated here (model
+    weights only; no process group needed). Raises :class:`CheckpointError` naming the file.
+    """
+    path = Path(path)
+    if path.is_dir():
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+        _check_sharded(path)
+        state: dict = {}
+        try:  # as torch's dcp_to_torch_save: the planner rebuilds whole tensors; "model" only, no optimizer
+            _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+        except Exception as err:
+            raise CheckpointError(f"cannot consolidate sharded checkpoint {path}: {err}") from None
+        return state["model"]
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    ckpt = _torch_load(path)
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise CheckpointError(f"{path} is not a training checkpoint (no state_dict)")
+    return ckpt["state_dict"]
 
 
 def export(student, tokenizer, policy: Policy, out_dir: Path, *, budget: int, sinks: int, window: int, extra: dict | None = None) -> None:

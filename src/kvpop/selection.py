@@ -35,7 +35,7 @@ import torch
 
 from kvpop.order import prefix_kth_smallest
 
-__all__ = ["NEVER", "document_spans", "eviction_times", "recency_priority"]
+__all__ = ["NEVER", "candidate_eviction_times", "document_spans", "eviction_times", "recency_priority"]
 
 #: Eviction time of tokens that are never evicted (sinks, padding, tokens with
 #: fewer than ``k`` outrankers).
@@ -154,3 +154,58 @@ def eviction_times(
     e = torch.empty_like(e_sorted).scatter_(-1, order, e_sorted)
     e = torch.where(eligible[:, None, :], e, never)
     return e.clamp(max=NEVER).to(torch.int32)
+
+
+@torch.no_grad()
+def candidate_eviction_times(
+    prio: torch.Tensor,
+    pos: torch.Tensor,
+    *,
+    sinks: int,
+    window: int,
+    k: int,
+    bits: int | None = None,
+) -> torch.Tensor:
+    """:func:`eviction_times` of one document's *candidates*, each head with its own token set.
+
+    A bounded cache that takes a prompt in chunks holds, per KV head, a different set of earlier
+    tokens (the survivors so far) next to the chunk's new ones. Since the top-k of a growing
+    eligible set only ever drops tokens outranked by ``k`` others,
+    ``topk(E(q)) = topk(topk(E(c0 - 1)) | {tokens that become eligible in [c0, q]})``: the
+    survivors at the chunk start plus the new tokens decide every eviction from then on, and the
+    formula of :func:`eviction_times` holds over that set with positions in place of indices::
+
+        e_t = NEVER                                                       if |O_t| < k
+        e_t = max(pos_t + window, window + (k-th smallest position in O_t))  otherwise
+
+    with ``O_t`` the eligible candidates (``pos >= sinks``) that outrank ``t`` by (priority,
+    position), the newer winning ties. The candidates need not be sorted.
+
+    Args:
+        prio: ``(B, Hk, N)`` float priorities; ``-inf`` marks empty slots (with ``pos = -1``).
+        pos: ``(B, Hk, N)`` int positions in the document, ``-1`` on empty slots.
+        bits: bits of the largest position (inferred, with one host sync, if omitted).
+
+    Returns:
+        ``(B, Hk, N)`` int64 eviction times in position units (``NEVER`` for sinks, empty slots
+        and tokens with fewer than ``k`` outrankers).
+    """
+    B, Hk, N = prio.shape
+    eligible = pos >= sinks
+    never = torch.full_like(pos, NEVER, dtype=torch.int64)
+    if k == 0:
+        return torch.where(eligible, pos + window, never)
+    # order: eligible first, then priority desc, then position desc (three stable sorts, last key first)
+    order = pos.sort(dim=-1, descending=True, stable=True).indices
+    order = order.gather(-1, prio.gather(-1, order).sort(dim=-1, descending=True, stable=True).indices)
+    order = order.gather(-1, (~eligible).gather(-1, order).to(torch.uint8).sort(dim=-1, stable=True).indices)
+    pos_sorted = pos.gather(-1, order).clamp(min=0)  # (B, Hk, N); ineligible ones come last and are never read
+    r = torch.arange(N, device=pos.device).expand(B, Hk, N)  # |O_t| for the token at order position r
+    if bits is None:
+        bits = max(1, int(pos_sorted.max().item()).bit_length()) if pos.numel() else 1
+    kth = prefix_kth_smallest(
+        pos_sorted.reshape(B * Hk, N), r.reshape(B * Hk, N), torch.full_like(r, k).reshape(B * Hk, N), bits=bits
+    ).reshape(B, Hk, N)
+    e_sorted = torch.where(r >= k, torch.maximum(pos_sorted, kth) + window, NEVER)
+    e = torch.empty_like(e_sorted).scatter_(-1, order, e_sorted)
+    return torch.where(eligible, e, never)

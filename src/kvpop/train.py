@@ -10,35 +10,60 @@ The two never mix: the pattern is built from detached priorities, and the scorer
 keys and values. Optimizer groups: a fixed learning rate for the model, a cosine schedule for
 the scorer.
 
+Scale-out and resume (see also :mod:`kvpop.distributed`):
+
+- Each rank trains on its own share of every global batch (:class:`EpochBatches`: rank ``r`` of
+  ``W`` takes rows ``[r * B, (r + 1) * B)`` of the global batch of ``W * B`` rows, so 1 GPU at
+  batch ``W * B`` sees exactly the rows of ``W`` GPUs at batch ``B``). The KL is normalized by the
+  global count of distilled tokens (an all-reduce of one number), so averaged gradients equal the
+  single-device gradient of the same global batch. (The boundary loss is a per-rank mean.)
+- :class:`ResumableLoader` is a stateful loader (``state_dict``/``load_state_dict``, which
+  Lightning stores in the checkpoint's loop state): a resumed run consumes exactly the batches
+  the uninterrupted run would have, mid-epoch included.
+- :class:`ResumeCheckpoint` writes periodic checkpoints atomically (a temp name, then a rename)
+  into a resume folder; :func:`find_resume_checkpoint` finds and checks the newest one, and a
+  corrupt one raises :class:`~kvpop.export.CheckpointError`, never a silent fresh start.
+
 Shapes: B batch, S sequence, V vocabulary, K kept teacher logits.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import re
+import shutil
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import lightning as L
 import torch
 from torch import Tensor
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from kvpop.attention import ScorerTraining, SparseContext
+from kvpop.distributed import place_teacher
+from kvpop.export import CheckpointError, check_training_checkpoint
+from kvpop.io import atomic_dir
 from kvpop.policies import Dense, Policy
 
 
-def topk_kl(student_logits: Tensor, top_vals: Tensor, top_idx: Tensor, mask: Tensor) -> Tensor:
+def topk_kl(student_logits: Tensor, top_vals: Tensor, top_idx: Tensor, mask: Tensor, denom: Tensor | None = None) -> Tensor:
     """Mean over masked tokens of KL(p_T || p_S) on the teacher's top-K support.
 
     student_logits (B, S, V); top_vals, top_idx (B, S, K) teacher logits and their token ids,
     renormalized over the K; mask (B, S) 1 where the token's next-token prediction is distilled.
+    ``denom`` replaces the local token count (data parallel: the global count / world size).
     """
     t_logp = torch.log_softmax(top_vals.float(), dim=-1)  # (B, S, K)
     s_logp = torch.log_softmax(student_logits.float(), dim=-1).gather(-1, top_idx)  # (B, S, K)
     kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)  # (B, S)
     m = mask.to(kl.dtype)
-    return (kl * m).sum() / m.sum().clamp(min=1.0)
+    d = m.sum() if denom is None else denom.to(kl.dtype)
+    return (kl * m).sum() / d.clamp(min=1.0)
 
 
 def prediction_mask(loss_mask: Tensor, doc_ids: Tensor) -> Tensor:
@@ -73,6 +98,7 @@ class TrainSettings:
     weight_decay: float = 0.0
     top_logits: int = 256
     scorer_training: ScorerTraining | None = None
+    activation_checkpointing: bool = False
 
 
 class DistillModule(L.LightningModule):
@@ -89,9 +115,24 @@ class DistillModule(L.LightningModule):
         self._dense = Dense()
         if settings.model_lr == 0:
             student.requires_grad_(False)
+        if settings.activation_checkpointing:  # recompute each decoder layer in backward
+            student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def on_fit_start(self) -> None:
-        self.teacher.to(self.device)
+        # after the strategy has set up the student: replicate (single, DDP) or shard (FSDP) the teacher
+        self.__dict__["teacher"] = place_teacher(self.teacher, self.trainer.strategy)
+
+    def _generator(self) -> torch.Generator | None:
+        st = self.s.scorer_training
+        return st.generator if st is not None else None
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if (g := self._generator()) is not None:  # the boundary loss's query sampling
+            checkpoint["kvpop_query_generator"] = g.get_state()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if (g := self._generator()) is not None and "kvpop_query_generator" in checkpoint:
+            g.set_state(checkpoint["kvpop_query_generator"])
 
     def _ctx(self, policy: Policy, batch, scorer_training=None) -> SparseContext:
         return SparseContext.for_rows(
@@ -102,26 +143,44 @@ class DistillModule(L.LightningModule):
     def training_step(self, batch, batch_idx):
         ids, pos = batch["input_ids"], batch["position_ids"]
         mask = prediction_mask(batch["loss_mask"], batch["doc_ids"])
-        with torch.no_grad():
-            t_logits = self.teacher(input_ids=ids, position_ids=pos, kvpop_ctx=self._ctx(self._dense, batch)).logits
+        distributed = self.trainer.world_size > 1
+        with torch.no_grad():  # on this rank's rows: the (B, S, V) logits never leave the device
+            t_logits = self.teacher(input_ids=ids, position_ids=pos, kvpop_ctx=self._ctx(self._dense, batch), use_cache=False).logits
             top_vals, top_idx = t_logits.float().topk(self.s.top_logits, dim=-1)  # (B, S, K)
             del t_logits
+            # global distilled-token count / world size: averaged gradients = the global-batch gradient
+            denom = self.trainer.strategy.reduce(mask.sum().float(), reduce_op="mean") if distributed else None
         ctx = self._ctx(self.policy, batch, self.s.scorer_training if self.policy.learned else None)
-        s_logits = self.student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits
-        kl = topk_kl(s_logits, top_vals, top_idx, mask)
+        s_logits = self.student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx, use_cache=False).logits
+        kl = topk_kl(s_logits, top_vals, top_idx, mask, denom)
         loss = kl
         logs = {"train/kl": kl.detach()}
         if ctx.losses:
-            score_loss = torch.stack(ctx.losses).mean()
+            score_loss = torch.stack([x.float() for x in ctx.losses]).mean()  # a layer without decisions gives float64 0
             loss = loss + score_loss
             logs["train/score_loss"] = score_loss.detach()
             for key in ("agreement", "keep_rate"):
-                logs[f"train/boundary_{key}"] = torch.stack([s[key] for s in ctx.stats]).mean()
-            logs["train/decisions"] = torch.stack([s["decisions"] for s in ctx.stats]).sum()
+                logs[f"train/boundary_{key}"] = torch.stack([s[key].float().to(self.device) for s in ctx.stats]).mean()
+            decisions = torch.stack([s["decisions"].float().to(self.device) for s in ctx.stats]).sum()
             log_g = torch.stack([self.policy.scorer.decay.log_gamma(i) for i in range(len(ctx.losses))])
             logs["train/gamma_mean"] = log_g.exp().mean().float()
-        self.log_dict(logs, prog_bar=True, on_step=True, batch_size=ids.shape[0])
+        # one dtype and device for every value, so that ranks all-reduce matching tensors
+        logs = {k: v.detach().float().to(self.device) for k, v in logs.items()}
+        self.log_dict(logs, prog_bar=True, on_step=True, batch_size=ids.shape[0], sync_dist=distributed)  # mean over ranks
+        if ctx.losses:
+            self.log("train/decisions", decisions, prog_bar=True, on_step=True, batch_size=ids.shape[0], sync_dist=distributed, reduce_fx="sum")
         return loss
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Clip by the global norm; under FSDP through the root unit, which sums the norm over shards."""
+        from kvpop.distributed import is_fsdp
+
+        if gradient_clip_val and is_fsdp(self.trainer.strategy):
+            if gradient_clip_algorithm not in (None, "norm"):
+                raise ValueError(f"only norm clipping under FSDP, got {gradient_clip_algorithm!r}")
+            self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
+            return
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
     def configure_optimizers(self):
         groups, lambdas = [], []
@@ -146,6 +205,272 @@ class DistillModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def make_loader(ds: PackedDataset, batch_size: int, seed: int) -> DataLoader:
-    g = torch.Generator().manual_seed(seed)
-    return DataLoader(ds, batch_size=batch_size, shuffle=True, generator=g, drop_last=len(ds) >= batch_size)
+class EpochBatches(Sampler[list[int]]):
+    """This rank's batches of row indices, one seeded permutation of the rows per epoch.
+
+    Epoch ``e`` uses the ``e + 1``-th ``randperm`` of a generator seeded with ``seed`` (the order
+    of ``DataLoader(shuffle=True, generator=...)``). Global batch ``b`` is
+    ``perm[b * W * B : (b + 1) * W * B]``; rank ``r`` takes its ``r``-th slice of ``B`` rows.
+    Batches are full (the remainder of an epoch is dropped); a single-device dataset smaller
+    than one batch gives one short batch. Iteration starts at batch ``start`` of ``epoch``.
+    Rank and world size default to those of the initialized process group (read when used, so
+    the same object works before and after Lightning starts its processes).
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int, rank: int | None = None, world_size: int | None = None):
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        self._rank, self._world = rank, world_size
+        self.epoch, self.start = 0, 0
+
+    def rank_world(self) -> tuple[int, int]:
+        dist = torch.distributed
+        live = dist.is_available() and dist.is_initialized()
+        rank = self._rank if self._rank is not None else (dist.get_rank() if live else 0)
+        world = self._world if self._world is not None else (dist.get_world_size() if live else 1)
+        return rank, world
+
+    def __len__(self) -> int:
+        _, world = self.rank_world()
+        per_step = self.batch_size * world
+        if self.n >= per_step:
+            return self.n // per_step
+        if world == 1 and self.n > 0:
+            return 1
+        raise ValueError(f"{self.n} training rows cannot fill one global batch of {per_step} (train.batch_size {self.batch_size} x {world} devices)")
+
+    def permutation(self, epoch: int) -> Tensor:
+        """(n,) the row order of ``epoch``."""
+        g = torch.Generator().manual_seed(self.seed)
+        for _ in range(epoch):
+            torch.randperm(self.n, generator=g)
+        return torch.randperm(self.n, generator=g)
+
+    def __iter__(self):
+        rank, world = self.rank_world()
+        nb, bs = len(self), min(self.batch_size, self.n)
+        perm = self.permutation(self.epoch)
+        for b in range(self.start, nb):
+            first = (b * world + rank) * bs
+            yield perm[first : first + bs].tolist()
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader over :class:`EpochBatches` that remembers how far it got (Lightning ``_Stateful``).
+
+    ``position`` counts the batches handed out in the current epoch; Lightning fetches a sized
+    loader's batch right before its training step (no prefetch), so at a checkpoint it equals
+    the batches trained on. ``load_state_dict`` makes the next iteration continue from there.
+    Use it with ``Trainer(use_distributed_sampler=False)``: it shards the rows itself.
+    """
+
+    def __init__(self, ds: Dataset, batch_size: int, seed: int, *, rank: int | None = None, world_size: int | None = None, num_workers: int = 0):
+        super().__init__(ds, batch_sampler=EpochBatches(len(ds), batch_size, seed, rank, world_size), num_workers=num_workers)
+        self.position = {"epoch": 0, "batch": 0}
+
+    def __iter__(self):
+        sampler = self.batch_sampler
+        sampler.epoch, sampler.start = self.position["epoch"], self.position["batch"]
+        for batch in super().__iter__():
+            self.position["batch"] += 1
+            yield batch
+        self.position = {"epoch": self.position["epoch"] + 1, "batch": 0}
+
+    def state_dict(self) -> dict:
+        s = self.batch_sampler
+        return {**self.position, "seed": s.seed, "batch_size": s.batch_size, "world_size": s.rank_world()[1], "rows": s.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        now = self.state_dict()
+        bad = {k: (state.get(k), now[k]) for k in ("seed", "batch_size", "world_size", "rows") if state.get(k) != now[k]}
+        if bad:
+            raise CheckpointError(
+                "the resume checkpoint was written by a run with other data settings "
+                + ", ".join(f"{k} {a} (now {b})" for k, (a, b) in bad.items())
+                + "; resume with the same seed, train.batch_size, train.devices and data"
+            )
+        self.position = {"epoch": int(state["epoch"]), "batch": int(state["batch"])}
+
+
+def make_loader(ds: PackedDataset, batch_size: int, seed: int, **kw) -> ResumableLoader:
+    """The training loader: seeded shuffling, full batches, resumable mid-epoch."""
+    return ResumableLoader(ds, batch_size, seed, **kw)
+
+
+# --- resume checkpoints -------------------------------------------------------------------------
+
+RUN_FILE = "run.json"
+_CKPT = re.compile(r"^step-(\d{8})\.ckpt$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}.ckpt"
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step of a resume checkpoint, from its name."""
+    m = _CKPT.match(Path(path).name)
+    if not m:
+        raise ValueError(f"{path} is not named like a resume checkpoint (step-XXXXXXXX.ckpt)")
+    return int(m.group(1))
+
+
+def complete_checkpoints(resume_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of the complete checkpoints in ``resume_dir``, oldest first (temp names excluded)."""
+    resume_dir = Path(resume_dir)
+    if not resume_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in resume_dir.iterdir() if (m := _CKPT.match(p.name))]
+    return sorted(found)
+
+
+def _diff(a, b, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _diff(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [] if a == b else [f"{prefix.rstrip('.')}: {a!r} -> {b!r}"]
+
+
+def find_resume_checkpoint(resume_dir: Path, run_config: dict) -> Path | None:
+    """The newest complete checkpoint of this run in ``resume_dir``, checked; None for a fresh start.
+
+    Raises :class:`CheckpointError` (naming the file, saying how to start over, touching nothing)
+    when the folder belongs to a run with another configuration or its newest checkpoint is
+    unreadable or incomplete.
+    """
+    resume_dir = Path(resume_dir)
+    run_file = resume_dir / RUN_FILE
+    found = complete_checkpoints(resume_dir)
+    start_over = f"delete {resume_dir} to start this run over"
+    if not run_file.is_file():
+        if found:
+            raise CheckpointError(f"{run_file} is missing beside checkpoints {[p.name for _, p in found]}; {start_over}")
+        return None
+    try:
+        saved = json.loads(run_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"corrupt {run_file}: {err}; {start_over}") from None
+    diff = _diff(saved, json.loads(json.dumps(run_config)))
+    if diff:
+        raise CheckpointError(
+            f"{resume_dir} holds an interrupted run with other settings ({'; '.join(diff[:5])}); "
+            f"restore those settings to resume it, or {start_over}"
+        )
+    if not found:
+        return None
+    path = found[-1][1]
+    try:
+        check_training_checkpoint(path)
+    except CheckpointError as err:
+        raise CheckpointError(f"cannot resume: {err}; nothing was changed, {start_over}") from None
+    return path
+
+
+def begin_run(resume_dir: Path, run_config: dict) -> None:
+    """Prepare ``resume_dir`` for (re)starting: record the run's settings, drop partial writes."""
+    resume_dir = Path(resume_dir)
+    resume_dir.mkdir(parents=True, exist_ok=True)
+    (resume_dir / ".gitignore").write_text("*\n")  # resume state is never versioned
+    for p in resume_dir.glob(".step-*.partial"):  # an interrupted save: never complete
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    if not (resume_dir / RUN_FILE).is_file():
+        tmp = resume_dir / f".{RUN_FILE}.tmp"
+        tmp.write_text(json.dumps(run_config, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, resume_dir / RUN_FILE)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """Hard-link ``src`` (a file or a folder of files) to ``dst``; copy across file systems."""
+    def one(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    if src.is_dir():
+        shutil.copytree(src, dst, copy_function=one)
+    else:
+        one(str(src), str(dst))
+
+
+def finish_run(resume_dir: Path, out_dir: Path, steps: int) -> Path:
+    """Publish the final checkpoint as ``out_dir/last.ckpt`` (whole or not at all), then drop ``resume_dir``.
+
+    The final checkpoint is hard-linked into the output, so until the output is complete the
+    resume folder still holds it: an interruption here only repeats this step.
+    """
+    found = complete_checkpoints(resume_dir)
+    if not found or found[-1][0] != steps:
+        raise CheckpointError(f"no checkpoint of the final step {steps} in {resume_dir} (found {[p.name for _, p in found]})")
+    with atomic_dir(out_dir) as tmp:
+        _link_or_copy(found[-1][1], tmp / "last.ckpt")
+    shutil.rmtree(resume_dir)
+    return Path(out_dir) / "last.ckpt"
+
+
+class ResumeCheckpoint(L.Callback):
+    """Every ``every`` steps and at the last one, an atomic checkpoint ``<dir>/step-XXXXXXXX.ckpt``.
+
+    All ranks write to ``.step-XXXXXXXX.ckpt.partial`` (a file, or a folder for FSDP sharded
+    state), then rank 0 renames it to its final name and removes older ones: a kill at any moment
+    leaves the previous complete checkpoint in place. The callback's own state (the last logged
+    training metrics and the training seconds so far) travels in the checkpoint, so a run that
+    resumes at its last step still reports its final metrics.
+    """
+
+    def __init__(self, dirpath: Path, every: int):
+        self.dirpath, self.every = Path(dirpath), every
+        self.metrics: dict[str, float] = {}
+        self.seconds_before = 0.0  # training time of earlier (interrupted) processes
+        self.resumed_from = 0
+        self._t0: float | None = None
+
+    @property
+    def seconds(self) -> float:
+        return self.seconds_before + (time.monotonic() - self._t0 if self._t0 is not None else 0.0)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._t0 = time.monotonic()
+        self.resumed_from = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        step = trainer.global_step
+        if step % self.every == 0 or step >= trainer.max_steps:
+            self.save(trainer)
+
+    def save(self, trainer) -> Path:
+        name = checkpoint_name(trainer.global_step)
+        final, tmp = self.dirpath / name, self.dirpath / f".{name}.partial"
+        if trainer.is_global_zero:
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        trainer.strategy.barrier("kvpop_ckpt_begin")
+        trainer.save_checkpoint(tmp)
+        trainer.strategy.barrier("kvpop_ckpt_written")
+        if trainer.is_global_zero:
+            if final.exists():  # the same step saved again (a resumed last step)
+                shutil.rmtree(final) if final.is_dir() else final.unlink()
+            os.replace(tmp, final)
+            _fsync_dir(self.dirpath)
+            for _, old in complete_checkpoints(self.dirpath)[:-1]:
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
+        trainer.strategy.barrier("kvpop_ckpt_done")
+        return final
+
+    def state_dict(self) -> dict:
+        return {"metrics": dict(self.metrics), "seconds": self.seconds}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.metrics = dict(state.get("metrics", {}))
+        self.seconds_before = float(state.get("seconds", 0.0))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,282 @@
+"""Decode speed and memory: the bounded cache vs dense decoding in the same engine vs eager `generate`.
+
+Qwen3-4B architecture with random weights (36 layers, 32 query / 8 KV heads, head_dim 128, hidden
+2560, intermediate 9728, vocabulary 151,936, tied embeddings), bf16, on one GPU. Everything in one
+invocation:
+
+* the copy bandwidth of the card (read + write bytes of a 4 GiB device-to-device copy);
+* transformers' eager ``generate`` at a 4K prompt, batch 1 (time per new token);
+* :class:`kvpop.engine.DecodeEngine` with a bounded cache (``kvpop_mlp`` scorer, random weights,
+  scored inside the step) at each budget: chunked prefill to 4K, then ``--steps`` timed decode
+  steps, then on to 32K and 131K in the same cache (it evicts as the chunks arrive); the peak
+  memory is the running maximum since the engine was built;
+* the same engine with a dense static cache (preallocated for the longest context, reading only
+  the filled blocks), at the same contexts;
+* batch 16 and 64 at 32K for the bounded cache, and dense where it fits (said where it does not).
+
+For each row: ms per step, tokens/s, peak memory, the bandwidth floor
+``(weight bytes + B * KV bytes of the held entries) / copy bandwidth`` and the fraction of it
+reached; ratios against eager ``generate`` and against dense at the same context.
+
+    PYTHONPATH=src python3 bench/bench_decode.py --out results/bench_decode_h200.json
+    PYTHONPATH=src python3 bench/bench_decode.py --parts b1          # batch-1 rows only
+    PYTHONPATH=src python3 bench/bench_decode.py --parts batch       # batch 16/64 rows only
+    PYTHONPATH=src python3 bench/bench_decode.py --small --out /tmp/d.json   # tiny model (also on CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from kvpop.engine import DecodeEngine, kv_bytes_per_token, weight_bytes
+from kvpop.policies import make_policy
+
+GB = 1e9
+
+
+def qwen3_4b(small: bool):
+    from transformers import Qwen3Config
+
+    if small:
+        return Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                           num_key_value_heads=2, head_dim=32, max_position_embeddings=1 << 18, tie_word_embeddings=True)
+    return Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, max_position_embeddings=1 << 18, tie_word_embeddings=True,
+                       rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(dev, nbytes: int) -> float:
+    """Bytes per second moved by a device-to-device copy (read + write)."""
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    sync(dev)
+    t0 = time.perf_counter()
+    n = 20
+    for _ in range(n):
+        y.copy_(x)
+    sync(dev)
+    return 2 * nbytes * n / (time.perf_counter() - t0)
+
+
+WARMUP_S: list[float] = []
+
+
+def time_steps(eng: DecodeEngine, steps: int, warmup: int) -> float:
+    """Seconds per decode step (after warm-up: compilation and CUDA-graph recording)."""
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        eng.step()
+    sync(eng.device)
+    WARMUP_S.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    sync(eng.device)
+    return (time.perf_counter() - t0) / steps
+
+
+def peak(dev) -> float:
+    return torch.cuda.max_memory_allocated(dev) / GB if dev.type == "cuda" else float("nan")
+
+
+def random_ids(B: int, S: int, vocab: int, seed: int, dev) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (B, S), generator=g).to(dev)
+
+
+def eager_generate(model, ctx: int, new: int, dev) -> float:
+    """Seconds per new token of transformers' eager greedy generate after a ctx-token prompt."""
+    ids = random_ids(1, ctx, model.config.vocab_size, 1, dev)
+
+    def run(n):
+        sync(dev)
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        sync(dev)
+        return time.perf_counter() - t0
+
+    run(2)  # warm-up
+    return (run(new + 1) - run(1)) / new
+
+
+def grow(eng: DecodeEngine, target: int, vocab: int, seed: int) -> float:
+    """Prefill (in chunks) until the cache has seen ``target`` tokens; returns seconds."""
+    n = target - eng.seen
+    if n <= 0:
+        return 0.0
+    t0 = time.perf_counter()
+    eng.prefill(random_ids(eng.B, n, vocab, seed, eng.device))
+    sync(eng.device)
+    return time.perf_counter() - t0
+
+
+def row(name, *, B, ctx, budget, s_step, eng, floor_bytes, bw, base_bytes, dev, prefill_s, extra=None):
+    return {
+        "engine": name, "batch": B, "context": ctx, "budget": budget,
+        "ms_per_step": round(s_step * 1e3, 3), "tokens_per_s": round(B / s_step, 1),
+        "peak_gb": round(peak(dev), 3), "peak_above_weights_gb": round(peak(dev) - base_bytes / GB, 3),
+        "cache_gb": round(eng.cache_bytes() / GB, 3),
+        "floor_ms": round(floor_bytes / bw * 1e3, 3), "floor_fraction": round(floor_bytes / bw / s_step, 3),
+        "prefill_s": round(prefill_s, 1), "warmup_s": round(WARMUP_S[-1], 1), **(extra or {}),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--small", action="store_true", help="tiny Qwen3 config and short contexts (smoke test)")
+    ap.add_argument("--parts", default="b1,batch", help="comma list of: b1 (eager + batch-1 rows), batch (batch 16/64 at --batch-context)")
+    ap.add_argument("--contexts", default="4096,32768,131072")
+    ap.add_argument("--budgets", default="2048,4096")
+    ap.add_argument("--batches", default="16,64")
+    ap.add_argument("--batch-context", type=int, default=32768)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--eager-new", type=int, default=32, help="new tokens timed for eager generate")
+    ap.add_argument("--chunk", type=int, default=2048)
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    for name in ("cache_size_limit", "recompile_limit"):  # one compiled step per engine
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    contexts = [int(c) for c in args.contexts.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    parts = set(args.parts.split(","))
+    if args.small:
+        contexts, budgets, batches, args.batch_context = [512, 1024], [384], [4], 1024
+        args.chunk, args.steps, args.eager_new = 256, 8, 4
+    cfg = qwen3_4b(args.small)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").eval()
+    L, Hk, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    policy = make_policy("kvpop_mlp", num_layers=L, num_kv_heads=Hk, head_dim=D)
+    for layer in policy.scorer.layers:  # a scorer that ranks tokens (the zero-initialized one ranks by age only)
+        torch.nn.init.normal_(layer.w2, std=0.5)
+    policy.to(dev)
+    wbytes = weight_bytes(model)
+    per_tok = kv_bytes_per_token(model)
+    bw = copy_bandwidth(dev, 1 << 32 if dev.type == "cuda" else 1 << 26)
+    sync(dev)
+    base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+    info = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "date": dt.date.today().isoformat(), "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "model": "qwen3-small" if args.small else "Qwen3-4B architecture (random weights)", "dtype": str(dtype),
+        "weight_gb": round(wbytes / GB, 3), "kv_bytes_per_token": per_tok, "copy_bandwidth_tb_s": round(bw / 1e12, 3),
+        "steps": args.steps, "chunk": args.chunk, "policy": "kvpop_mlp (random scorer weights)",
+    }
+    print(json.dumps(info, indent=1), flush=True)
+    rows: list[dict] = []
+
+    def done(r):
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"info": info, "rows": rows}, indent=1) + "\n")
+
+    vocab = cfg.vocab_size
+    if "b1" in parts:
+        ctx0 = contexts[0]
+        s = eager_generate(model, ctx0, args.eager_new, dev)
+        done({"engine": "hf_eager_generate", "batch": 1, "context": ctx0, "budget": None, "ms_per_step": round(s * 1e3, 3),
+              "tokens_per_s": round(1 / s, 1), "floor_ms": round((wbytes + ctx0 * per_tok) / bw * 1e3, 3),
+              "floor_fraction": round((wbytes + ctx0 * per_tok) / bw / s, 3)})
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+        for budget in budgets:
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            eng = DecodeEngine(model, policy, budget=budget, sinks=4, window=256, batch_size=1, chunk=args.chunk)
+            for ctx in contexts:
+                pre = grow(eng, ctx, vocab, ctx)
+                s = time_steps(eng, args.steps, args.warmup)
+                held = min(ctx, eng.slots)
+                done(row("bounded", B=1, ctx=ctx, budget=budget, s_step=s, eng=eng, floor_bytes=wbytes + held * per_tok, bw=bw,
+                         base_bytes=base, dev=dev, prefill_s=pre))
+            del eng
+            torch.cuda.empty_cache() if dev.type == "cuda" else None
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        max_len = -(-(contexts[-1] + len(contexts) * (args.steps + args.warmup) + 1) // 128) * 128
+        eng = DecodeEngine(model, None, max_len=max_len, batch_size=1, chunk=args.chunk)
+        for ctx in contexts:
+            pre = grow(eng, ctx, vocab, ctx)
+            s = time_steps(eng, args.steps, args.warmup)
+            done(row("dense", B=1, ctx=ctx, budget=None, s_step=s, eng=eng, floor_bytes=wbytes + ctx * per_tok, bw=bw,
+                     base_bytes=base, dev=dev, prefill_s=pre, extra={"static_cache_len": max_len, "kv_gb_at_context": round(ctx * per_tok / GB, 3)}))
+        del eng
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+
+    if "batch" in parts:
+        ctx = args.batch_context
+        for B in batches:
+            for budget in budgets:
+                if dev.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(dev)
+                eng = DecodeEngine(model, policy, budget=budget, sinks=4, window=256, batch_size=B, chunk=args.chunk)
+                pre = grow(eng, ctx, vocab, ctx + B)
+                s = time_steps(eng, args.steps, args.warmup)
+                done(row("bounded", B=B, ctx=ctx, budget=budget, s_step=s, eng=eng, floor_bytes=wbytes + B * min(ctx, eng.slots) * per_tok,
+                         bw=bw, base_bytes=base, dev=dev, prefill_s=pre))
+                del eng
+                torch.cuda.empty_cache() if dev.type == "cuda" else None
+            max_len = -(-(ctx + args.steps + args.warmup + 1) // 128) * 128
+            need = B * max_len * per_tok
+            free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else float("inf")
+            if need > 0.9 * free:
+                done({"engine": "dense", "batch": B, "context": ctx, "budget": None, "fits": False,
+                      "needs_cache_gb": round(need / GB, 1), "free_gb": round(free / GB, 1)})
+                continue
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            eng = DecodeEngine(model, None, max_len=max_len, batch_size=B, chunk=args.chunk)
+            pre = grow(eng, ctx, vocab, ctx + B)
+            s = time_steps(eng, args.steps, args.warmup)
+            done(row("dense", B=B, ctx=ctx, budget=None, s_step=s, eng=eng, floor_bytes=wbytes + B * ctx * per_tok, bw=bw,
+                     base_bytes=base, dev=dev, prefill_s=pre, extra={"fits": True}))
+            del eng
+            torch.cuda.empty_cache() if dev.type == "cuda" else None
+
+    summarize(info, rows)
+
+
+def summarize(info: dict, rows: list[dict]) -> None:
+    """One table: absolute figures with the ratios beside them."""
+    eager = next((r for r in rows if r["engine"] == "hf_eager_generate"), None)
+    dense = {(r["batch"], r["context"]): r for r in rows if r["engine"] == "dense" and "ms_per_step" in r}
+    print(f"\n{info['device']}, {info['model']}, copy bandwidth {info['copy_bandwidth_tb_s']} TB/s, weights {info['weight_gb']} GB")
+    hdr = f"{'engine':<18}{'B':>4}{'context':>9}{'budget':>7}{'ms/step':>9}{'tok/s':>9}{'floor%':>8}{'peak GB':>9}{'vs eager':>9}{'vs dense':>9}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        if "ms_per_step" not in r:
+            print(f"{r['engine']:<18}{r['batch']:>4}{r['context']:>9}{'':>7}  does not fit: needs {r['needs_cache_gb']} GB of cache, {r['free_gb']} GB free")
+            continue
+        ve = f"{eager['ms_per_step'] / r['ms_per_step']:.1f}x" if eager and r["batch"] == 1 and r is not eager else ""
+        d = dense.get((r["batch"], r["context"]))
+        vd = f"{d['ms_per_step'] / r['ms_per_step']:.2f}x" if d and r["engine"] == "bounded" else ""
+        pk = r.get("peak_gb", float("nan"))
+        print(f"{r['engine']:<18}{r['batch']:>4}{r['context']:>9}{r['budget'] or '':>7}{r['ms_per_step']:>9.2f}{r['tokens_per_s']:>9.1f}"
+              f"{100 * r['floor_fraction']:>7.0f}%{pk:>9.2f}{ve:>9}{vd:>9}")
+
+
+if __name__ == "__main__":
+    main()

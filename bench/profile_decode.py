@@ -1,0 +1,46 @@
+"""Kernel breakdown of one bounded decode step (Qwen3-4B architecture, budget 2048, batch 1).
+
+    PYTHONPATH=src:bench python3 bench/profile_decode.py --out results/profile_decode_h200.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench_decode import qwen3_4b, random_ids
+from kvpop.engine import DecodeEngine
+from kvpop.policies import make_policy
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--small", action="store_true")
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    dev = torch.device("cuda")
+    cfg = qwen3_4b(args.small)
+    with dev:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    policy = make_policy("kvpop_mlp", num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim).to(dev)
+    eng = DecodeEngine(model, policy, budget=2048, sinks=4, window=256, batch_size=1)
+    eng.prefill(random_ids(1, 4096, cfg.vocab_size, 0, dev))
+    for _ in range(3):
+        eng.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            eng.step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+    print(table)
+    args.out.write_text(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,436 @@
+"""Fast decoding: one static-shape decode step over a preallocated KV cache, CUDA-graphed.
+
+gpt-fast's split: :meth:`DecodeEngine.prefill` (chunked, eager, any length) and
+:meth:`DecodeEngine.step` (one token for every row; on CUDA compiled with ``torch.compile`` and
+captured once as a CUDA graph that every later step replays) are separate functions. Two cache layouts run through the same engine and the same step:
+
+* ``bounded`` -- the :class:`kvpop.cache.BoundedCache` layout per layer ``(B, Hk, T, D)``:
+  ``sinks`` slots, a ring of ``window`` slots, ``k`` long-range slots. Eviction happens inside the
+  step with tensor indices only (no host synchronization, no data-dependent shapes): the token
+  at position ``p`` goes to ring slot ``sinks + (p - sinks) % window``; the occupant it replaces
+  (token ``p - window``) competes for the long-range slot of lowest (priority, position) and
+  takes it iff it ranks at least as high. Same rule, same tie-break, same results as
+  :class:`kvpop.cache.BoundedLayer` (the slow twin that tests compare against);
+* ``dense`` -- a static cache of ``max_len`` slots (the dense baseline in the same engine).
+
+Attention of the step is FlexAttention's decoding kernel on CUDA (split over the KV length,
+fp32 accumulation, GQA), and SDPA with the same mask evaluated densely on CPU; one
+``mask_mod`` (``slot filled and not in the future``) serves both layouts. Priorities of
+static rules (``streaming_llm``, ``kvpop_mlp``) are computed inside the step when a token
+enters; a delayed rule (``kvpop``, the mLSTM) writes every entering token into its recurrent
+state and scores the ring's leaver from it, inside the step too.
+
+Prefill takes a prompt in chunks: each chunk attends, under the training pattern, to the cache's
+current contents plus itself, with exact eviction times over that candidate set
+(:func:`kvpop.selection.candidate_eviction_times`), and the cache then keeps the tokens that the
+chunk's last query attends. The bounded cache therefore evicts as chunks arrive and its memory
+stays flat, so prompts that would not fit densely work too. A delayed rule reads every token in
+order through its recurrence, so its prompt goes through the decode step token by token (exact,
+slower). Rules that need the attention weights (TOVA, H2O) decode through
+:class:`kvpop.cache.BoundedCache` instead.
+
+Supported architectures: the Llama family as implemented by transformers (``llama``,
+``mistral`` without sliding windows, ``qwen2``, ``qwen3``); the step calls the model's own
+modules (norms, projections, MLP, rotary embedding), so the arithmetic is the model's.
+
+Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, C chunk, N candidates, T cache slots
+(padded to a multiple of the 128-wide attention block), D head dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from kvpop.cache import DecodePolicy, as_decode_policy
+from kvpop.policies import Policy
+from kvpop.selection import NEVER, candidate_eviction_times
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+BLOCK = 128  # FlexAttention block width; cache slots are padded to a multiple of it
+NEG_INF = float("-inf")
+I64_MAX = torch.iinfo(torch.int64).max
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """q (B, H, S, D), k (B, Hk, S, D), cos/sin (B, S, D) -> rotated q, k."""
+    cos, sin = cos[:, None], sin[:, None]
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def slot_mask_mod(kv_pos: Tensor, q_pos0: Tensor | int, group: int, sinks: int = 0, evict: Tensor | None = None):
+    """The attention pattern over cache slots / chunk candidates, as a FlexAttention ``mask_mod``.
+
+    kv_pos (B, Hk, N) position of the token in each candidate slot (-1: empty); queries are
+    positions ``q_pos0 + q_idx``; with ``evict`` (B, Hk, N) a token is attended only before its
+    eviction time (sinks always) -- the training pattern of :mod:`kvpop.masks` over a candidate set."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        kp = kv_pos[b, h // group, kv_idx]
+        qp = q_pos0 + q_idx
+        ok = (kp >= 0) & (kp <= qp)
+        if evict is not None:
+            ok = ok & ((kp < sinks) | (qp < evict[b, h // group, kv_idx]))
+        return ok
+
+    return mask_mod
+
+
+def dense_grid(mask_mod, B: int, H: int, Q: int, N: int, device) -> Tensor:
+    """Evaluate a mask_mod on the (Q x N) grid: (B, H, Q, N) bool."""
+    b = torch.arange(B, device=device).view(B, 1, 1, 1)
+    h = torch.arange(H, device=device).view(1, H, 1, 1)
+    q = torch.arange(Q, device=device).view(1, 1, Q, 1)
+    kv = torch.arange(N, device=device).view(1, 1, 1, N)
+    return mask_mod(b, h, q, kv).expand(B, H, Q, N)
+
+
+def block_mask(mask_mod, kv_blocks: Tensor, Q: int, N: int, kv_indices: Tensor | None = None):
+    """A forward-only BlockMask whose query block ``i`` visits KV blocks ``[0, kv_blocks[i])``, all
+    as partial blocks (the mask_mod decides per element): kv_blocks (Qb,) int32; ``kv_indices``
+    (1, 1, Qb, Kb) int32 ``arange(Kb)`` rows, if already at hand."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    Qb, Kb = kv_blocks.shape[0], -(-N // BLOCK)
+    if kv_indices is None:
+        kv_indices = torch.arange(Kb, device=kv_blocks.device, dtype=torch.int32).expand(1, 1, Qb, Kb)
+    return BlockMask.from_kv_blocks(
+        kv_blocks.view(1, 1, Qb).to(torch.int32), kv_indices, BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(Q, N), compute_q_blocks=False
+    )
+
+
+class DecodeEngine:
+    """A model, a cache layout and a policy, with preallocated buffers for ``batch_size`` rows.
+
+    ``DecodeEngine(model, policy, budget=2048, sinks=4, window=256, batch_size=1)`` -- a bounded
+    cache (``policy``: any :class:`kvpop.policies.Policy` or static/delayed
+    :class:`kvpop.cache.DecodePolicy`; ``budget`` is nominal, as in BoundedCache);
+    ``DecodeEngine(model, None, max_len=L, batch_size=1)`` -- the dense static cache.
+
+    ``prefill(ids)`` then ``step()`` repeatedly: the step reads the token in :attr:`tok` (B, 1),
+    writes the greedy next token back into it (or the caller copies its own sample in) and
+    returns the logits (B, V) float32. ``compile=None`` compiles on CUDA only.
+    """
+
+    def __init__(
+        self, model, policy: Policy | DecodePolicy | None = None, *, budget: int | None = None, sinks: int = 4, window: int = 256,
+        max_len: int | None = None, batch_size: int = 1, chunk: int = 2048, compile: bool | None = None,
+    ):
+        cfg = model.config.get_text_config(decoder=True)
+        if cfg.model_type not in SUPPORTED:
+            raise NotImplementedError(f"DecodeEngine supports {SUPPORTED}, not {cfg.model_type!r}; decode it with kvpop.cache.BoundedCache")
+        if "sliding_attention" in (getattr(cfg, "layer_types", None) or []) or getattr(cfg, "sliding_window", None) and cfg.model_type == "mistral":
+            raise NotImplementedError("DecodeEngine does not support sliding-window attention layers")
+        if chunk % BLOCK:
+            raise ValueError(f"chunk must be a multiple of {BLOCK}, got {chunk}")
+        self.model = model.eval()
+        self.layers = model.model.layers
+        p0 = next(model.parameters())
+        self.device, self.dtype = p0.device, p0.dtype
+        self.B, self.chunk = batch_size, chunk
+        self.H, self.Hk = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.G = self.H // self.Hk
+        self.scale = self.layers[0].self_attn.scaling
+        self.policy = None if policy is None or not getattr(policy, "evicts", True) else as_decode_policy(policy)
+        if self.policy is None:
+            if max_len is None or max_len < 1:
+                raise ValueError("a dense engine needs max_len >= 1 (the static cache length)")
+            self.kind: Literal["bounded", "dense"] = "dense"
+            self.sinks, self.window, self.k, self.slots = 0, max_len, 0, max_len
+        else:
+            if self.policy.needs_attention:
+                raise NotImplementedError(f"policy {self.policy.name!r} needs attention weights: decode it with kvpop.cache.BoundedCache")
+            if budget is None or window < 1 or sinks < 0 or budget < sinks + window:
+                raise ValueError(f"need budget >= sinks + window and window >= 1; got budget={budget}, sinks={sinks}, window={window}")
+            self.kind = "bounded"
+            self.k = self.policy.long_range_slots(budget=budget, sinks=sinks, window=window, head_dim=self.D)
+            self.sinks, self.window = sinks, window
+            self.slots = sinks + window + self.k
+        self.delayed = self.policy is not None and self.policy.scores_on_exit
+        self.lr = self.sinks + self.window  # first long-range slot
+        self.T = -(-self.slots // BLOCK) * BLOCK
+        B, Hk, T, D, dev = self.B, self.Hk, self.T, self.D, self.device
+        L = len(self.layers)
+        self.keys = [torch.zeros(B, Hk, T, D, dtype=self.dtype, device=dev) for _ in range(L)]
+        self.values = [torch.zeros(B, Hk, T, D, dtype=self.dtype, device=dev) for _ in range(L)]
+        self.pos = [torch.full((B, Hk, T), -1, dtype=torch.int64, device=dev) for _ in range(L)]
+        self.prio = [torch.full((B, Hk, T), NEG_INF, dtype=torch.float64, device=dev) for _ in range(L)] if self.kind == "bounded" else []
+        self.state = [self.policy.init_state(i, B, dev) for i in range(L)] if self.delayed else []
+        self.p = torch.zeros((), dtype=torch.int64, device=dev)  # tokens seen = position of the next token
+        self.tok = torch.zeros(B, 1, dtype=torch.int64, device=dev)  # the step's input token
+        self.seen = 0  # host mirror of p (the step never reads it)
+        self._full_blocks = torch.full((1,), T // BLOCK, dtype=torch.int32, device=dev)
+        self._kv_indices = torch.arange(T // BLOCK, dtype=torch.int32, device=dev).view(1, 1, 1, -1)
+        if compile is None:
+            compile = dev.type == "cuda"
+        if compile and dev.type != "cuda":
+            raise ValueError("compile=True needs a CUDA device (the step is replayed as a CUDA graph)")
+        self.compiled = compile
+        self._compiled_step = torch.compile(self._decode_step, fullgraph=True, dynamic=False) if compile else None
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graph_out: Tensor | None = None
+        self._warm = False
+
+    # --- buffers --------------------------------------------------------------------------------
+    def _buffers(self) -> list[Tensor]:
+        return [*self.keys, *self.values, *self.pos, *self.prio, *(t for s in self.state for t in s), self.p, self.tok]
+
+    def cache_bytes(self) -> int:
+        """Bytes of the cache: keys, values, positions, priorities and recurrent states."""
+        bufs = [*self.keys, *self.values, *self.pos, *self.prio, *(t for s in self.state for t in s)]
+        return sum(t.numel() * t.element_size() for t in bufs)
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        for i in range(len(self.layers)):
+            self.keys[i].zero_()
+            self.values[i].zero_()
+            self.pos[i].fill_(-1)
+            if self.prio:
+                self.prio[i].fill_(NEG_INF)
+            if self.state:
+                for buf, x in zip(self.state[i], self.policy.init_state(i, self.B, self.device), strict=True):
+                    buf.copy_(x)
+        self.p.zero_()
+        self.seen = 0
+
+    # --- shared pieces ----------------------------------------------------------------------------
+    def _qkv(self, layer, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """h (B, S, hidden) normed -> q (B, H, S, D), k, v (B, Hk, S, D), rotary applied."""
+        attn = layer.self_attn
+        B, S, _ = h.shape
+        q = attn.q_proj(h).view(B, S, self.H, self.D)
+        k = attn.k_proj(h).view(B, S, self.Hk, self.D)
+        v = attn.v_proj(h).view(B, S, self.Hk, self.D).transpose(1, 2)
+        if hasattr(attn, "q_norm"):  # Qwen3
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return q, k, v
+
+    def _finish_layer(self, layer, x: Tensor, out: Tensor) -> Tensor:
+        """x (B, S, hidden), attention out (B, H, S, D) -> the layer's output."""
+        B, _, S, _ = out.shape
+        x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(B, S, self.H * self.D))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask_mod, kv_blocks: Tensor, kv_indices: Tensor | None = None) -> Tensor:
+        """q (B, H, Q, D) over k, v (B, Hk, N, D) under mask_mod -> (B, H, Q, D)."""
+        B, H, Q, _ = q.shape
+        N = k.shape[2]
+        if q.is_cuda:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            from kvpop.attention import _compiled_flex
+
+            fn = flex_attention if self.compiled and Q == 1 else _compiled_flex()  # the step is compiled as a whole
+            bm = block_mask(mask_mod, kv_blocks, Q, N, kv_indices)
+            return fn(q, k, v, block_mask=bm, scale=self.scale, enable_gqa=True)
+        allowed = dense_grid(mask_mod, B, H, Q, N, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale, enable_gqa=True)
+
+    # --- the decode step ----------------------------------------------------------------------
+    def step(self) -> Tensor:
+        """One token per row: reads :attr:`tok`, writes the greedy next token into it; -> logits (B, V).
+
+        Compiled on CUDA: the first call compiles the step and runs it on a side stream, the second
+        captures it as one CUDA graph (every buffer it touches is preallocated, so the graph's
+        addresses stay valid), every call replays it. The returned tensor then lives in the graph's
+        memory and is overwritten by the next step: copy what you keep."""
+        self.seen += 1
+        if not self.compiled:
+            return self._decode_step()
+        if self._graph is not None:
+            self._graph.replay()
+            return self._graph_out
+        if not self._warm:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                out = self._compiled_step()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            self._warm = True
+            return out
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # records, does not run
+            self._graph_out = self._compiled_step()
+        self._graph = graph
+        graph.replay()
+        return self._graph_out
+
+    @torch.no_grad()
+    def _decode_step(self) -> Tensor:
+        p = self.p
+        B = self.B
+        x = self.model.model.embed_tokens(self.tok)  # (B, 1, hidden)
+        position_ids = p.view(1, 1).expand(B, 1)
+        cos, sin = self.model.model.rotary_emb(x, position_ids)  # (B, 1, D)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, layer.input_layernorm(x), cos, sin)  # (B, H, 1, D), (B, Hk, 1, D)
+            if self.kind == "bounded":
+                self._insert(i, k, v, p)
+                kv_blocks = self._full_blocks
+            else:
+                self._write_dense(i, k, v, p)
+                kv_blocks = (p // BLOCK + 1).to(torch.int32).view(1)  # only the filled blocks
+            mm = slot_mask_mod(self.pos[i], p, self.G)
+            x = self._finish_layer(layer, x, self._attend(q, self.keys[i], self.values[i], mm, kv_blocks, self._kv_indices))
+        logits = self.model.lm_head(self.model.model.norm(x))[:, -1].float()  # (B, V)
+        self.tok.copy_(logits.argmax(-1, keepdim=True))
+        self.p.add_(1)
+        return logits
+
+    def _write_dense(self, i: int, k: Tensor, v: Tensor, p: Tensor) -> None:
+        idx = p.view(1)
+        self.keys[i].index_copy_(2, idx, k)
+        self.values[i].index_copy_(2, idx, v)
+        self.pos[i].index_copy_(2, idx, p.view(1, 1, 1).expand(self.B, self.Hk, 1))
+
+    def _insert(self, i: int, k: Tensor, v: Tensor, p: Tensor) -> None:
+        """The bounded cache's arrival of token p (k, v (B, Hk, 1, D)), all in tensor ops."""
+        keys, values, pos, prio = self.keys[i], self.values[i], self.pos[i], self.prio[i]
+        B, Hk = self.B, self.Hk
+        slot = torch.where(p < self.sinks, p, self.sinks + (p - self.sinks).remainder(self.window)).view(1)
+        if self.delayed:
+            new_state = self.policy.step(i, self.state[i], k[:, :, 0], v[:, :, 0])
+            for buf, s in zip(self.state[i], new_state, strict=True):
+                buf.copy_(s)
+            new_prio = torch.full((B, Hk, 1), float("nan"), dtype=torch.float64, device=k.device)  # scored when it leaves
+        else:
+            new_prio = self.policy.token_scores(i, k, v, p.view(1, 1).expand(B, 1)).double()  # (B, Hk, 1)
+        if self.k > 0:
+            leaving = p >= self.sinks + self.window  # the occupant of `slot` (token p - window) leaves the window
+            cand_prio = prio.index_select(2, slot)  # (B, Hk, 1)
+            if self.delayed:
+                occ_k, occ_v = keys.index_select(2, slot)[:, :, 0], values.index_select(2, slot)[:, :, 0]
+                cand_prio = self.policy.exit_scores(i, self.state[i], occ_k, occ_v, p - self.window)[..., None].double()
+            lr_prio, lr_pos = prio[:, :, self.lr : self.slots], pos[:, :, self.lr : self.slots]  # (B, Hk, k)
+            low = lr_prio.amin(-1, keepdim=True)  # (B, Hk, 1); empty slots are -inf
+            victim = torch.where(lr_prio == low, lr_pos, I64_MAX).argmin(-1, keepdim=True) + self.lr  # (B, Hk, 1)
+            wins = leaving & (cand_prio >= low)  # the leaver is newer than every slot: it wins ties
+            for buf, cand in ((keys, keys.index_select(2, slot)), (values, values.index_select(2, slot)), (pos, pos.index_select(2, slot)), (prio, cand_prio)):
+                idx = victim if buf.dim() == 3 else victim[..., None].expand(-1, -1, -1, buf.shape[-1])
+                keep = wins if buf.dim() == 3 else wins[..., None]
+                buf.scatter_(2, idx, torch.where(keep, cand, buf.gather(2, idx)))
+        keys.index_copy_(2, slot, k)
+        values.index_copy_(2, slot, v)
+        pos.index_copy_(2, slot, p.view(1, 1, 1).expand(B, Hk, 1))
+        prio.index_copy_(2, slot, new_prio)
+
+    # --- prefill ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, ids: Tensor) -> Tensor:
+        """Append a prompt ids (B, S) to the cache, chunk by chunk -> logits (B, V) float32 of its
+        last token. :attr:`tok` is set to the greedy next token."""
+        if ids.dim() != 2 or ids.shape[0] != self.B:
+            raise ValueError(f"prefill takes ids of shape ({self.B}, S), got {tuple(ids.shape)}")
+        if self.kind == "dense" and self.seen + ids.shape[1] > self.slots:
+            raise ValueError(f"the dense cache holds {self.slots} tokens; {self.seen} + {ids.shape[1]} would overflow it")
+        ids = ids.to(self.device)
+        if self.delayed:  # a recurrence reads tokens in order: through the step, one at a time
+            for t in range(ids.shape[1]):
+                self.tok.copy_(ids[:, t : t + 1])
+                logits = self.step().clone()
+            return logits
+        for c0 in range(0, ids.shape[1], self.chunk):
+            logits = self._prefill_chunk(ids[:, c0 : c0 + self.chunk])
+        self.tok.copy_(logits.argmax(-1, keepdim=True))
+        return logits
+
+    def _prefill_chunk(self, ids: Tensor) -> Tensor:
+        B, C = ids.shape
+        c0 = self.seen
+        pos = torch.arange(c0, c0 + C, device=self.device).expand(B, C)
+        x = self.model.model.embed_tokens(ids)
+        cos, sin = self.model.model.rotary_emb(x, pos)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, layer.input_layernorm(x), cos, sin)  # (B, H, C, D), (B, Hk, C, D)
+            if self.kind == "dense":
+                sl = slice(c0, c0 + C)
+                self.keys[i][:, :, sl], self.values[i][:, :, sl] = k, v
+                self.pos[i][:, :, sl] = pos[:, None]
+                qb = torch.arange(-(-C // BLOCK), device=self.device)
+                kv_blocks = ((c0 + (qb + 1) * BLOCK + BLOCK - 1) // BLOCK).clamp(max=self.T // BLOCK).to(torch.int32)
+                out = self._attend(q, self.keys[i], self.values[i], slot_mask_mod(self.pos[i], pos[0, 0], self.G), kv_blocks)
+            else:
+                out = self._bounded_chunk(i, q, k, v, pos)
+            x = self._finish_layer(layer, x, out)
+        self.seen = c0 + C
+        self.p.fill_(self.seen)
+        return self.model.lm_head(self.model.model.norm(x[:, -1:]))[:, -1].float()
+
+    def _bounded_chunk(self, i: int, q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
+        """Chunk q (B, H, C, D), k, v (B, Hk, C, D) at positions pos (B, C) over the cache's
+        survivors plus itself, under exact eviction times; then keep what its last query attends."""
+        B, Hk, C, _ = k.shape
+        T = self.T
+        c1 = self.seen + C
+        prio_c = self.policy.token_scores(i, k, v, pos).double()  # (B, Hk, C)
+        cand_k = torch.cat([self.keys[i], k], 2)  # (B, Hk, N = T + C, D)
+        cand_v = torch.cat([self.values[i], v], 2)
+        cand_pos = torch.cat([self.pos[i], pos[:, None].expand(B, Hk, C)], 2)  # (B, Hk, N)
+        cand_prio = torch.cat([self.prio[i], prio_c], 2)
+        evict = candidate_eviction_times(cand_prio, cand_pos, sinks=self.sinks, window=self.window, k=self.k, bits=max(1, c1.bit_length()))
+        evict = evict.clamp(max=NEVER)
+        mm = slot_mask_mod(cand_pos, pos[0, 0], self.G, sinks=self.sinks, evict=evict)  # a tensor: no recompilation per chunk
+        full = torch.full((-(-C // BLOCK),), -(-(T + C) // BLOCK), dtype=torch.int32, device=q.device)
+        out = self._attend(q, cand_k, cand_v, mm, full)
+        # survivors at query c1 - 1: sinks, the window, and the long-range tokens not yet evicted
+        keep = (cand_pos >= 0) & ((cand_pos < self.sinks) | (evict >= c1))
+        fixed = keep & ((cand_pos < self.sinks) | (cand_pos >= c1 - self.window))
+        long = keep & ~fixed
+        ring = self.sinks + (cand_pos - self.sinks).remainder(self.window)
+        rank = long.long().cumsum(-1) - 1
+        dest = torch.where(fixed, torch.where(cand_pos < self.sinks, cand_pos, ring), torch.where(long, self.lr + rank, T))  # T: discarded
+        self._scatter_layout(i, dest, cand_k, cand_v, cand_pos, cand_prio)
+        return out
+
+    def _scatter_layout(self, i: int, dest: Tensor, k: Tensor, v: Tensor, pos: Tensor, prio: Tensor) -> None:
+        """Rewrite layer i's buffers: candidate n goes to slot dest[n] (T = dropped)."""
+        T = self.T
+        for buf, src, empty in ((self.keys[i], k, 0.0), (self.values[i], v, 0.0), (self.pos[i], pos, -1), (self.prio[i], prio, NEG_INF)):
+            shape = (*buf.shape[:2], T + 1, *buf.shape[3:])
+            new = torch.full(shape, empty, dtype=buf.dtype, device=buf.device)
+            idx = dest if buf.dim() == 3 else dest[..., None].expand(-1, -1, -1, buf.shape[-1])
+            new.scatter_(2, idx, src)
+            buf.copy_(new[:, :, :T])
+
+    # --- generation ------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, ids: Tensor, max_new_tokens: int) -> Tensor:
+        """Greedy continuation of ids (B, S) -> new tokens (B, max_new_tokens)."""
+        self.reset()
+        self.prefill(ids)
+        out = [self.tok.clone()]
+        for _ in range(max_new_tokens - 1):
+            self.step()
+            out.append(self.tok.clone())
+        return torch.cat(out, 1)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's distinct parameters (tied embeddings counted once): what a decode step reads."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_token(model) -> int:
+    """Keys and values of one token in every layer."""
+    cfg = model.config.get_text_config(decoder=True)
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * d * next(model.parameters()).element_size()
+
+
+__all__ = ["DecodeEngine", "kv_bytes_per_token", "weight_bytes"]

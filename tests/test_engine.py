@@ -1,0 +1,161 @@
+"""The decode engine (static-shape step, chunked prefill) against its slow twins on CPU.
+
+Twins: the HF model with :class:`kvpop.cache.BoundedCache` (token-by-token reference of the bounded
+layout and its eviction rule), the training-time masked forward (one definition of the pattern),
+and the plain dense forward. The compiled/CUDA-graph step is checked against the eager step on a
+GPU in tests/test_gpu.py.
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvpop.cache import BoundedCache, as_decode_policy, enable
+from kvpop.decode import TOVA, teacher_forced_logits
+from kvpop.engine import DecodeEngine, kv_bytes_per_token, weight_bytes
+from kvpop.modeling import tiny_config
+from kvpop.policies import Policy, Scores, make_policy
+from kvpop.selection import candidate_eviction_times, eviction_times
+
+SINKS, WINDOW, K = 4, 16, 12
+BUDGET = SINKS + WINDOW + K
+S = 160
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model(request):
+    torch.manual_seed(0)
+    return enable(AutoModelForCausalLM.from_config(tiny_config(request.param)).eval())
+
+
+def trained_like(name: str):
+    """A policy whose scorer ranks tokens (random weights instead of the zero-initialized output)."""
+    torch.manual_seed(3)
+    policy = make_policy(name, num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
+    for p in policy.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return policy
+
+
+class Tied(Policy):
+    """Three priority levels by position: most decisions are ties, broken by recency (newer wins)."""
+
+    name = "tied"
+
+    def scores(self, layer, k, v, pos, **_):
+        return Scores(prio=(pos[:, None, :] % 3).expand(k.shape[0], k.shape[1], -1).to(torch.float64))
+
+
+def make(name: str):
+    if name == "tied":
+        return Tied()
+    if name == "streaming_llm":
+        return make_policy(name, num_layers=2, num_kv_heads=2, head_dim=16)
+    return trained_like(name)
+
+
+def ids(B=2, n=S, seed=1):
+    return torch.randint(0, 96, (B, n), generator=torch.Generator().manual_seed(seed))
+
+
+def engine_logits(eng: DecodeEngine, tokens: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Prefill ``prefill`` tokens, then teacher-force the rest one step at a time -> (B, n - prefill + 1, V)."""
+    out = [eng.prefill(tokens[:, :prefill])]
+    for t in range(prefill, tokens.shape[1]):
+        eng.tok.copy_(tokens[:, t : t + 1])
+        out.append(eng.step().clone())
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("name", ["streaming_llm", "tied", "kvpop_mlp", "kvpop"])
+@pytest.mark.parametrize("prefill,chunk", [(1, 128), (100, 128), (160, 128), (100, 256)])
+def test_engine_equals_bounded_cache(model, name, prefill, chunk):
+    policy = make(name)
+    x = ids()
+    ref = teacher_forced_logits(model, as_decode_policy(policy), x, budget=BUDGET, sinks=SINKS, window=WINDOW, prefill=1)
+    eng = DecodeEngine(model, policy, budget=BUDGET, sinks=SINKS, window=WINDOW, batch_size=2, chunk=chunk)
+    got = engine_logits(eng, x, prefill)
+    assert (got - ref[:, prefill - 1 :]).abs().max() < 1e-4
+    assert eng.seen == S
+
+
+@pytest.mark.parametrize("name", ["tied", "kvpop_mlp"])
+def test_chunked_prefill_keeps_the_cache_contents(model, name):
+    """After a chunked prefill the engine stores, per KV head, exactly the tokens BoundedCache keeps."""
+    policy = make(name)
+    x = ids()
+    cache = BoundedCache(model.config, policy, budget=BUDGET, sinks=SINKS, window=WINDOW)
+    with torch.no_grad():
+        model(input_ids=x[:, :1], past_key_values=cache)
+        for t in range(1, S):
+            model(input_ids=x[:, t : t + 1], past_key_values=cache)
+    eng = DecodeEngine(model, policy, budget=BUDGET, sinks=SINKS, window=WINDOW, batch_size=2, chunk=128)
+    eng.prefill(x)  # a 128-token chunk, then a 32-token one
+    for i, layer in enumerate(cache.layers):
+        want = layer.pos.sort(-1).values
+        got = eng.pos[i][..., : eng.slots].sort(-1).values
+        assert torch.equal(got, want)
+        # slot for slot the same layout: sinks first, the ring by position
+        assert torch.equal(eng.pos[i][..., : eng.lr], layer.pos[..., : eng.lr])
+
+
+def test_dense_engine_equals_the_full_forward(model):
+    x = ids()
+    with torch.no_grad():
+        full = model(input_ids=x).logits
+    eng = DecodeEngine(model, None, max_len=256, batch_size=2, chunk=128)
+    got = engine_logits(eng, x, 100)
+    assert (got - full[:, 99:]).abs().max() < 1e-4
+
+
+def test_generate_and_reset(model):
+    policy = trained_like("kvpop_mlp")
+    eng = DecodeEngine(model, policy, budget=BUDGET, sinks=SINKS, window=WINDOW, batch_size=2, chunk=128)
+    a = eng.generate(ids(n=60), 8)
+    b = eng.generate(ids(n=60), 8)  # generate resets: the same prompt gives the same tokens
+    assert a.shape == (2, 8) and torch.equal(a, b)
+    with torch.no_grad():
+        ref = model.generate(ids(n=60), max_new_tokens=8, do_sample=False,
+                             past_key_values=BoundedCache(model.config, policy, budget=BUDGET, sinks=SINKS, window=WINDOW))[:, 60:]
+    assert torch.equal(a, ref)
+
+
+def test_memory_is_flat_and_counted(model):
+    policy = trained_like("kvpop_mlp")
+    eng = DecodeEngine(model, policy, budget=BUDGET, sinks=SINKS, window=WINDOW, batch_size=2, chunk=128)
+    before = eng.cache_bytes()
+    engine_logits(eng, ids(n=300), 200)
+    assert eng.cache_bytes() == before
+    cfg = model.config
+    assert kv_bytes_per_token(model) == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    assert weight_bytes(model) == sum(p.numel() * 4 for p in model.parameters())  # tied: counted once
+
+
+def test_candidate_eviction_times_equal_the_sequence_formula():
+    """Over a full prefix (any order), candidate eviction times are the selection's eviction times."""
+    torch.manual_seed(0)
+    B, Hk, n = 2, 3, 200
+    prio = torch.randn(B, Hk, n, dtype=torch.float64)
+    prio[..., 10:20] = prio[..., 10:11]  # ties: the newer token wins
+    pos = torch.arange(n).expand(B, n)
+    ref = eviction_times(prio, torch.zeros(B, n, dtype=torch.long), pos, sinks=SINKS, window=WINDOW, k=K).long()
+    perm = torch.randperm(n)
+    got = candidate_eviction_times(prio[..., perm], pos[:, None, perm].expand(B, Hk, n).contiguous(), sinks=SINKS, window=WINDOW, k=K)
+    assert torch.equal(got, ref[..., perm])
+    assert (ref[..., :SINKS] == torch.iinfo(torch.int32).max).all()
+
+
+def test_bad_use_is_refused(model):
+    with pytest.raises(ValueError, match="max_len"):
+        DecodeEngine(model, None)
+    with pytest.raises(NotImplementedError, match="attention weights"):
+        DecodeEngine(model, TOVA(), budget=BUDGET, sinks=SINKS, window=WINDOW)
+    with pytest.raises(ValueError, match="budget"):
+        DecodeEngine(model, make_policy("streaming_llm", num_layers=2, num_kv_heads=2, head_dim=16), budget=10, sinks=SINKS, window=WINDOW)
+    with pytest.raises(ValueError, match="compile=True"):
+        DecodeEngine(model, None, max_len=64, compile=True)
+    eng = DecodeEngine(model, None, max_len=64, batch_size=2, chunk=128)
+    with pytest.raises(ValueError, match="overflow"):
+        eng.prefill(ids(n=80))
+    with pytest.raises(ValueError, match="shape"):
+        eng.prefill(ids(B=3, n=8))
