@@ -31,9 +31,8 @@ from kvpop.export import CheckpointError
 from kvpop.modeling import load_model, model_shape
 from kvpop.pack import load_packed
 from kvpop.policies import long_range_slots, make_policy
-from kvpop.train import (
-    DistillModule, PackedDataset, ResumeCheckpoint, TrainSettings, begin_run, checkpoint_step, find_resume_checkpoint, finish_run, make_loader,
-)
+from kvpop.resume import ResumeCheckpoint, begin_run, checkpoint_step, find_resume_checkpoint, finish_run
+from kvpop.train import DistillModule, PackedDataset, TrainSettings, make_loader
 
 #: train keys that do not change the result: a resumed run may differ in them
 _NOT_IN_RESULT = ("policies", "log_every", "checkpoint_every")

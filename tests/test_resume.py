@@ -25,10 +25,8 @@ from conftest import build_tiny_tokenizer
 
 from kvpop.export import CheckpointError
 from kvpop.pack import pack_records, save_packed
-from kvpop.train import (
-    EpochBatches, PackedDataset, ResumableLoader, begin_run, checkpoint_name, complete_checkpoints,
-    find_resume_checkpoint,
-)
+from kvpop.resume import begin_run, checkpoint_name, complete_checkpoints, find_resume_checkpoint
+from kvpop.train import EpochBatches, PackedDataset, ResumableLoader
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = "kvpop_mlp"

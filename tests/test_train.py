@@ -80,3 +80,18 @@ def test_lightning_fit_updates_the_right_parameters(policy_name, tmp_path):
         assert any(not torch.equal(p_before[k], v) for k, v in policy.state_dict().items())
         assert "train/score_loss" in trainer.callback_metrics
     assert all(torch.equal(t_before[k], v) for k, v in teacher.state_dict().items())  # the teacher stays frozen
+
+
+def test_chunked_topk_kl_equals_the_whole_computation():
+    """Chunks (with recomputation in backward) give the same KL and the same gradient."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 37, 50, generator=g, requires_grad=True)
+    t = torch.randn(2, 37, 50, generator=g)
+    vals, idx = t.topk(8, dim=-1)
+    mask = torch.rand(2, 37, generator=g) > 0.3
+    whole = topk_kl(logits, vals, idx, mask, chunk=10**6)
+    (g_whole,) = torch.autograd.grad(whole, logits)
+    chunked = topk_kl(logits, vals, idx, mask, chunk=7)
+    (g_chunked,) = torch.autograd.grad(chunked, logits)
+    assert torch.allclose(whole, chunked, atol=1e-6) and torch.allclose(g_whole, g_chunked, atol=1e-7)
+    assert g_whole.abs().sum() > 0
