@@ -260,3 +260,29 @@ def test_trains_inside_sparse_context(tiny_llama_dir):
     torch.stack(ctx.losses).sum().backward()
     for layer in range(shape["num_layers"]):
         assert pol.scorer.layers[layer].w_q.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(("dtype", "gate_std", "tol"), [(torch.float32, 0.2, 1e-5), (torch.float64, 1.0, 1e-10)])
+@pytest.mark.parametrize("forget_gate", ["sigmoid", "exp"])
+@pytest.mark.parametrize("carried", [0, 20])
+def test_chunk_equals_recurrent(forget_gate, carried, dtype, gate_std, tol):
+    """The chunk form (carried state + C new tokens, read-outs at any tau) equals step-by-step."""
+    S, window = 50, 10
+    k, v = (t.to(dtype) for t in _kv(B, HK, S, D, seed=4))
+    cell = _scorer(forget_gate=forget_gate, gate_std=gate_std).to(dtype).layers[0]
+    with torch.no_grad():
+        state = cell.init_state(B, dtype=dtype)
+        for t in range(carried):
+            state = cell.step(state, k[:, :, t], v[:, :, t])
+        states, s = [], state
+        for t in range(carried, S):
+            s = cell.step(s, k[:, :, t], v[:, :, t])
+            states.append(s)
+        readers = torch.arange(max(0, carried - window), S - window)  # positions leaving during the chunk
+        tau = readers + window - carried
+        ref = torch.stack([cell.readout(states[int(ta)], k[:, :, int(p)], v[:, :, int(p)]) for p, ta in zip(readers, tau)], -1)
+        got, end = cell.chunk(state, k[:, :, carried:], v[:, :, carried:], k[:, :, readers], v[:, :, readers], tau)
+        torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+        probe_k, probe_v = _kv(B, HK, 1, D, seed=5)
+        probe_k, probe_v = probe_k[:, :, 0].to(dtype), probe_v[:, :, 0].to(dtype)
+        torch.testing.assert_close(cell.readout(end, probe_k, probe_v), cell.readout(s, probe_k, probe_v), atol=tol, rtol=tol)

@@ -89,6 +89,7 @@ class DecodePolicy:
     evicts: bool = True  # False: dense decoding, no bounded cache at all
     needs_attention: bool = False  # True: slot_scores receives the attention of every query
     scores_on_exit: bool = False  # True: delayed scoring from a recurrent state, when a token leaves the window
+    chunked_prefill: bool = False  # delayed rules: True if prefill_chunk reads a chunk at once
 
     def long_range_slots(self, *, budget: int, sinks: int, window: int, head_dim: int) -> int:
         """k at a nominal budget; a stateful rule may spend slots on its state."""
@@ -115,6 +116,13 @@ class DecodePolicy:
     def exit_scores(self, layer: int, state: tuple, k_t: Tensor, v_t: Tensor, pos: int | Tensor) -> Tensor:
         """Priority (B, Hk) float64 of token ``pos`` (an int or a 0-dim tensor, the same for every
         row; k_t, v_t (B, Hk, D)) as it leaves the window; ``state`` has read tokens ``0 .. pos + window``."""
+        raise NotImplementedError
+
+    def prefill_chunk(self, layer: int, state: tuple, k: Tensor, v: Tensor, rk: Tensor, rv: Tensor, rpos: Tensor, tau: Tensor) -> tuple[Tensor, tuple]:
+        """Chunked prefill (``chunked_prefill = True``): read C tokens k, v (B, Hk, C, D) into ``state``
+        and score the R tokens rk, rv (B, Hk, R, D) at positions rpos (R,) that leave the window
+        meanwhile, each after the chunk's tokens ``0 .. tau`` (R,) -> (priority (B, Hk, R) float64,
+        the state after the chunk)."""
         raise NotImplementedError
 
     def prefill(self, layer: int, k: Tensor, v: Tensor, pos: Tensor, *, window: int) -> tuple[Tensor, tuple]:
@@ -179,6 +187,8 @@ class DelayedPolicy(DecodePolicy):
         self.policy = policy
         self.scorer = policy.scorer
         self.name = policy.name
+        layers = getattr(self.scorer, "layers", None)
+        self.chunked_prefill = bool(layers) and all(callable(getattr(cell, "chunk", None)) for cell in layers)
 
     def long_range_slots(self, *, budget, sinks, window, head_dim):
         return long_range_slots(self.policy, budget=budget, sinks=sinks, window=window, head_dim=head_dim)
@@ -193,6 +203,11 @@ class DelayedPolicy(DecodePolicy):
         r_hat = self.scorer.readout(layer, state, k_t, v_t)  # (B, Hk)
         p = torch.as_tensor(pos, dtype=torch.int64, device=r_hat.device).reshape(1, 1).expand(r_hat.shape[0], 1)
         return static_priority(r_hat[..., None], p, self.scorer.decay.log_gamma(layer))[..., 0]
+
+    def prefill_chunk(self, layer, state, k, v, rk, rv, rpos, tau):
+        r_hat, new = self.scorer.layers[layer].chunk(state, k, v, rk, rv, tau)  # (B, Hk, R)
+        p = rpos.view(1, -1).expand(r_hat.shape[0], -1)
+        return static_priority(r_hat, p, self.scorer.decay.log_gamma(layer)), new
 
     def prefill(self, layer, k, v, pos, *, window):
         prio = self.policy.scores(layer, k, v, pos, doc_ids=torch.zeros_like(pos), window=window).prio

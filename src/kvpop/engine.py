@@ -24,10 +24,11 @@ Prefill takes a prompt in chunks: each chunk attends, under the training pattern
 current contents plus itself, with exact eviction times over that candidate set
 (:func:`kvpop.selection.candidate_eviction_times`), and the cache then keeps the tokens that the
 chunk's last query attends. The bounded cache therefore evicts as chunks arrive and its memory
-stays flat, so prompts that would not fit densely work too. A delayed rule reads every token in
-order through its recurrence, so its prompt goes through the decode step token by token (exact,
-slower). Rules that need the attention weights (TOVA, H2O) decode through
-:class:`kvpop.cache.BoundedCache` instead.
+stays flat, so prompts that would not fit densely work too. A delayed rule (the mLSTM) reads the
+chunk into its state in closed form (:meth:`kvpop.mlstm.HeadwiseMLSTM.chunk`) and scores, each at
+its exit time, the tokens that leave the window during the chunk; a delayed rule without such a
+form goes through the decode step token by token (exact, slower). Rules that need the attention
+weights (TOVA, H2O) decode through :class:`kvpop.cache.BoundedCache` instead.
 
 Supported architectures: the Llama family as implemented by transformers (``llama``,
 ``mistral`` without sliding windows, ``qwen2``, ``qwen3``); the step calls the model's own
@@ -335,7 +336,7 @@ class DecodeEngine:
         if self.kind == "dense" and self.seen + ids.shape[1] > self.slots:
             raise ValueError(f"the dense cache holds {self.slots} tokens; {self.seen} + {ids.shape[1]} would overflow it")
         ids = ids.to(self.device)
-        if self.delayed:  # a recurrence reads tokens in order: through the step, one at a time
+        if self.delayed and not self.policy.chunked_prefill:  # a recurrence without a chunk form: one token at a time
             for t in range(ids.shape[1]):
                 self.tok.copy_(ids[:, t : t + 1])
                 logits = self.step().clone()
@@ -372,12 +373,15 @@ class DecodeEngine:
         survivors plus itself, under exact eviction times; then keep what its last query attends."""
         B, Hk, C, _ = k.shape
         T = self.T
-        c1 = self.seen + C
-        prio_c = self.policy.token_scores(i, k, v, pos).double()  # (B, Hk, C)
+        c0 = self.seen
+        c1 = c0 + C
         cand_k = torch.cat([self.keys[i], k], 2)  # (B, Hk, N = T + C, D)
         cand_v = torch.cat([self.values[i], v], 2)
         cand_pos = torch.cat([self.pos[i], pos[:, None].expand(B, Hk, C)], 2)  # (B, Hk, N)
-        cand_prio = torch.cat([self.prio[i], prio_c], 2)
+        if self.delayed:
+            cand_prio = self._delayed_chunk_priorities(i, k, v, cand_k, cand_v, c0, c1)
+        else:
+            cand_prio = torch.cat([self.prio[i], self.policy.token_scores(i, k, v, pos).double()], 2)  # (B, Hk, N)
         evict = candidate_eviction_times(cand_prio, cand_pos, sinks=self.sinks, window=self.window, k=self.k, bits=max(1, c1.bit_length()))
         evict = evict.clamp(max=NEVER)
         mm = slot_mask_mod(cand_pos, pos[0, 0], self.G, sinks=self.sinks, evict=evict)  # a tensor: no recompilation per chunk
@@ -392,6 +396,26 @@ class DecodeEngine:
         dest = torch.where(fixed, torch.where(cand_pos < self.sinks, cand_pos, ring), torch.where(long, self.lr + rank, T))  # T: discarded
         self._scatter_layout(i, dest, cand_k, cand_v, cand_pos, cand_prio)
         return out
+
+    def _delayed_chunk_priorities(self, i: int, k: Tensor, v: Tensor, cand_k: Tensor, cand_v: Tensor, c0: int, c1: int) -> Tensor:
+        """Candidate priorities (B, Hk, N) for a delayed rule, and its state advanced over the chunk.
+
+        The tokens that leave the window during the chunk (positions ``[max(sinks, c0 - window),
+        c1 - window)``: the ring's oldest, then the chunk's own) are scored after reading up to
+        ``t + window``, exactly as the decode step would; the long-range slots keep their scores;
+        every other token is not yet eligible before ``c1``, and ``-inf`` as a placeholder changes
+        no eviction before ``c1`` (it only ranks last), so it is scored when it leaves later."""
+        T = self.T
+        a = max(self.sinks, c0 - self.window)
+        rpos = torch.arange(a, max(a, c1 - self.window), device=k.device)  # (R,) positions of the leavers
+        idx = torch.where(rpos < c0, self.sinks + (rpos - self.sinks).remainder(self.window), T + rpos - c0)  # candidate index
+        prio, state = self.policy.prefill_chunk(i, self.state[i], k, v, cand_k[:, :, idx], cand_v[:, :, idx], rpos, rpos + self.window - c0)
+        for buf, x in zip(self.state[i], state, strict=True):
+            buf.copy_(x)
+        B, Hk = k.shape[:2]
+        cand_prio = torch.full((B, Hk, T + k.shape[2]), NEG_INF, dtype=torch.float64, device=k.device)
+        cand_prio[:, :, self.lr : self.slots] = self.prio[i][:, :, self.lr : self.slots]
+        return cand_prio.index_copy_(2, idx, prio.double())
 
     def _scatter_layout(self, i: int, dest: Tensor, k: Tensor, v: Tensor, pos: Tensor, prio: Tensor) -> None:
         """Rewrite layer i's buffers: candidate n goes to slot dest[n] (T = dropped)."""

@@ -150,6 +150,43 @@ class HeadwiseMLSTM(nn.Module):
         den = torch.maximum(torch.einsum("bhk,bhk->bh", state.n, f.q).abs(), torch.exp(-state.m))  # (B, Hk)
         return self.head(num / den[..., None], f.direct)
 
+    def chunk(self, state: MLSTMState, k: Tensor, v: Tensor, rk: Tensor, rv: Tensor, tau: Tensor) -> tuple[Tensor, MLSTMState]:
+        """Read ``C`` tokens into ``state`` at once, scoring ``R`` tokens on the way (chunked prefill).
+
+        k, v (B, Hk, C, D) the new tokens; rk, rv (B, Hk, R, D) the tokens to score, each at its
+        read-out time ``tau`` (R,) int in [0, C) (after reading new tokens ``0 .. tau``). With
+        ``F_j = sum_{u <= j} log f_u`` over the new tokens and ``C~ = C exp(m)`` the unstabilized
+        memory, ``C~_tau = exp(F_tau) C~_0 + sum_{s <= tau} exp(F_tau - F_s + i~_s) k~_s v~_s^T``
+        (likewise ``n``): the parallel form plus one term for the carried state. Returns
+        (r_hat (B, Hk, R), the state after all C tokens), equal to :meth:`step` token by token
+        followed by :meth:`readout`, up to rounding.
+        """
+        f, fr = self.features(k, v), self.features(rk, rv)
+        dt = f.k.dtype
+        cum = f.log_f.double().cumsum(-1)  # (B, Hk, C)
+        m0 = state.m.double()[..., None]  # (B, Hk, 1); -inf for an empty state
+        C = k.shape[2]
+        # read-outs: log-weights of the carried state (B, Hk, R) and of the new tokens (B, Hk, R, C)
+        f_tau = cum[..., tau]  # (B, Hk, R)
+        lw0 = f_tau + m0
+        lw = f_tau[..., None] - cum[..., None, :] + f.i_pre.double()[..., None, :]
+        lw = lw.masked_fill(torch.arange(C, device=k.device) > tau[:, None], float("-inf"))
+        m = torch.maximum(lw.amax(-1), lw0)  # (B, Hk, R), finite: s = tau is always valid
+        w = torch.exp(lw - m[..., None]).to(dt) * torch.einsum("bhrd,bhcd->bhrc", fr.q, f.k)  # (B, Hk, R, C)
+        w0 = torch.exp(lw0 - m).to(dt)  # (B, Hk, R)
+        num = torch.einsum("bhrc,bhcv->bhrv", w, f.v) + w0[..., None] * torch.einsum("bhkv,bhrk->bhrv", state.C, fr.q)
+        den = w.sum(-1) + w0 * torch.einsum("bhk,bhrk->bhr", state.n, fr.q)
+        den = torch.maximum(den.abs(), torch.exp(-m).to(dt))
+        r_hat = self.head(num / den[..., None], fr.direct)  # (B, Hk, R)
+        # the state after the whole chunk (tau = C - 1)
+        le = cum[..., -1:] - cum + f.i_pre.double()  # (B, Hk, C)
+        le0 = cum[..., -1] + m0[..., 0]  # (B, Hk)
+        m_end = torch.maximum(le.amax(-1), le0)
+        we, we0 = torch.exp(le - m_end[..., None]).to(dt), torch.exp(le0 - m_end).to(dt)
+        C_end = we0[..., None, None] * state.C + torch.einsum("bhs,bhsk,bhsv->bhkv", we, f.k, f.v)
+        n_end = we0[..., None] * state.n + torch.einsum("bhs,bhsk->bhk", we, f.k)
+        return r_hat, MLSTMState(C_end, n_end, m_end.to(state.m.dtype))
+
     # ------------------------------------------------------------------ parallel form
     def parallel(self, k: Tensor, v: Tensor, start: Tensor, tau: Tensor, chunk: int = 256, use_checkpoint: bool | None = None) -> Tensor:
         """k, v (B, Hk, S, D); start, tau (B, S) int -> r_hat (B, Hk, S).
