@@ -71,21 +71,18 @@ def copy_bandwidth(dev, nbytes: int) -> float:
     return 2 * nbytes * n / (time.perf_counter() - t0)
 
 
-WARMUP_S: list[float] = []
-
-
-def time_steps(eng: DecodeEngine, steps: int, warmup: int) -> float:
-    """Seconds per decode step (after warm-up: compilation and CUDA-graph recording)."""
+def time_steps(eng: DecodeEngine, steps: int, warmup: int) -> tuple[float, float]:
+    """(seconds per decode step, seconds of the warm-up: compilation and CUDA-graph capture)."""
     t0 = time.perf_counter()
     for _ in range(warmup):
         eng.step()
     sync(eng.device)
-    WARMUP_S.append(time.perf_counter() - t0)
+    warm = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(steps):
         eng.step()
     sync(eng.device)
-    return (time.perf_counter() - t0) / steps
+    return (time.perf_counter() - t0) / steps, warm
 
 
 def peak(dev) -> float:
@@ -123,14 +120,15 @@ def grow(eng: DecodeEngine, target: int, vocab: int, seed: int) -> float:
     return time.perf_counter() - t0
 
 
-def row(name, *, B, ctx, budget, s_step, eng, floor_bytes, bw, base_bytes, dev, prefill_s, extra=None):
+def row(name, *, B, ctx, budget, timed, eng, floor_bytes, bw, base_bytes, dev, prefill_s, extra=None):
+    s_step, warm = timed
     return {
         "engine": name, "batch": B, "context": ctx, "budget": budget,
         "ms_per_step": round(s_step * 1e3, 3), "tokens_per_s": round(B / s_step, 1),
         "peak_gb": round(peak(dev), 3), "peak_above_weights_gb": round(peak(dev) - base_bytes / GB, 3),
         "cache_gb": round(eng.cache_bytes() / GB, 3),
         "floor_ms": round(floor_bytes / bw * 1e3, 3), "floor_fraction": round(floor_bytes / bw / s_step, 3),
-        "prefill_s": round(prefill_s, 1), "warmup_s": round(WARMUP_S[-1], 1), **(extra or {}),
+        "prefill_s": round(prefill_s, 1), "warmup_s": round(warm, 1), **(extra or {}),
     }
 
 
@@ -207,9 +205,9 @@ def main() -> None:
             eng = DecodeEngine(model, policy, budget=budget, sinks=4, window=256, batch_size=1, chunk=args.chunk)
             for ctx in contexts:
                 pre = grow(eng, ctx, vocab, ctx)
-                s = time_steps(eng, args.steps, args.warmup)
+                timed = time_steps(eng, args.steps, args.warmup)
                 held = min(ctx, eng.slots)
-                done(row("bounded", B=1, ctx=ctx, budget=budget, s_step=s, eng=eng, floor_bytes=wbytes + held * per_tok, bw=bw,
+                done(row("bounded", B=1, ctx=ctx, budget=budget, timed=timed, eng=eng, floor_bytes=wbytes + held * per_tok, bw=bw,
                          base_bytes=base, dev=dev, prefill_s=pre))
             del eng
             torch.cuda.empty_cache() if dev.type == "cuda" else None
@@ -219,8 +217,8 @@ def main() -> None:
         eng = DecodeEngine(model, None, max_len=max_len, batch_size=1, chunk=args.chunk)
         for ctx in contexts:
             pre = grow(eng, ctx, vocab, ctx)
-            s = time_steps(eng, args.steps, args.warmup)
-            done(row("dense", B=1, ctx=ctx, budget=None, s_step=s, eng=eng, floor_bytes=wbytes + ctx * per_tok, bw=bw,
+            timed = time_steps(eng, args.steps, args.warmup)
+            done(row("dense", B=1, ctx=ctx, budget=None, timed=timed, eng=eng, floor_bytes=wbytes + ctx * per_tok, bw=bw,
                      base_bytes=base, dev=dev, prefill_s=pre, extra={"static_cache_len": max_len, "kv_gb_at_context": round(ctx * per_tok / GB, 3)}))
         del eng
         torch.cuda.empty_cache() if dev.type == "cuda" else None
@@ -233,8 +231,8 @@ def main() -> None:
                     torch.cuda.reset_peak_memory_stats(dev)
                 eng = DecodeEngine(model, policy, budget=budget, sinks=4, window=256, batch_size=B, chunk=args.chunk)
                 pre = grow(eng, ctx, vocab, ctx + B)
-                s = time_steps(eng, args.steps, args.warmup)
-                done(row("bounded", B=B, ctx=ctx, budget=budget, s_step=s, eng=eng, floor_bytes=wbytes + B * min(ctx, eng.slots) * per_tok,
+                timed = time_steps(eng, args.steps, args.warmup)
+                done(row("bounded", B=B, ctx=ctx, budget=budget, timed=timed, eng=eng, floor_bytes=wbytes + B * min(ctx, eng.slots) * per_tok,
                          bw=bw, base_bytes=base, dev=dev, prefill_s=pre))
                 del eng
                 torch.cuda.empty_cache() if dev.type == "cuda" else None
@@ -249,8 +247,8 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats(dev)
             eng = DecodeEngine(model, None, max_len=max_len, batch_size=B, chunk=args.chunk)
             pre = grow(eng, ctx, vocab, ctx + B)
-            s = time_steps(eng, args.steps, args.warmup)
-            done(row("dense", B=B, ctx=ctx, budget=None, s_step=s, eng=eng, floor_bytes=wbytes + B * ctx * per_tok, bw=bw,
+            timed = time_steps(eng, args.steps, args.warmup)
+            done(row("dense", B=B, ctx=ctx, budget=None, timed=timed, eng=eng, floor_bytes=wbytes + B * ctx * per_tok, bw=bw,
                      base_bytes=base, dev=dev, prefill_s=pre, extra={"fits": True}))
             del eng
             torch.cuda.empty_cache() if dev.type == "cuda" else None

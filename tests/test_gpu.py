@@ -47,29 +47,29 @@ def executor_inputs(S: int = S, seed: int = 0):
     return doc, pos, evict, q, k, v, dout
 
 
-def run_sdpa(device, doc, pos, evict, q, k, v, dout, backward: bool = True):
+def run_executor(kind: str, device, doc, pos, evict, q, k, v, dout, backward: bool = True):
+    """One executor ("sdpa": dense boolean mask; "flex": our BlockMask) -> (out, lse, grads, pattern)."""
     doc, pos, evict = doc.to(device), pos.to(device), evict.to(device)
     qq, kk, vv = (t.detach().to(device).clone().requires_grad_(backward) for t in (q, k, v))
-    mm = make_eviction_mask_mod(doc, pos, evict, sinks=SINKS, group=H // HK)
-    allowed = dense_mask(mm, B, H, q.shape[2], device)
-    out, lse = sdpa_execute(qq, kk, vv, allowed, D**-0.5, need_lse=True)
+    if kind == "sdpa":
+        pattern = dense_mask(make_eviction_mask_mod(doc, pos, evict, sinks=SINKS, group=H // HK), B, H, q.shape[2], device)
+        out, lse = sdpa_execute(qq, kk, vv, pattern, D**-0.5, need_lse=True)
+    else:
+        pattern = block_mask_from_eviction_times(doc, pos, evict, sinks=SINKS, num_heads=H)
+        out, lse = flex_execute(qq, kk, vv, pattern, D**-0.5, need_lse=True)
     grads = None
     if backward:
         out.backward(dout.to(device))
         grads = (qq.grad, kk.grad, vv.grad)
-    return out.detach(), lse, grads, allowed
+    return out.detach(), lse, grads, pattern
 
 
-def run_flex(device, doc, pos, evict, q, k, v, dout, backward: bool = True):
-    doc, pos, evict = doc.to(device), pos.to(device), evict.to(device)
-    qq, kk, vv = (t.detach().to(device).clone().requires_grad_(backward) for t in (q, k, v))
-    bm = block_mask_from_eviction_times(doc, pos, evict, sinks=SINKS, num_heads=H)
-    out, lse = flex_execute(qq, kk, vv, bm, D**-0.5, need_lse=True)
-    grads = None
-    if backward:
-        out.backward(dout.to(device))
-        grads = (qq.grad, kk.grad, vv.grad)
-    return out.detach(), lse, grads, bm
+def run_sdpa(device, *args, **kw):
+    return run_executor("sdpa", device, *args, **kw)
+
+
+def run_flex(device, *args, **kw):
+    return run_executor("flex", device, *args, **kw)
 
 
 def compare_executors(sdpa_device, flex_device, backward: bool = True, S_: int = S, atol: float = 2e-3):

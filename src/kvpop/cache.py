@@ -90,6 +90,7 @@ class DecodePolicy:
     needs_attention: bool = False  # True: slot_scores receives the attention of every query
     scores_on_exit: bool = False  # True: delayed scoring from a recurrent state, when a token leaves the window
     chunked_prefill: bool = False  # delayed rules: True if prefill_chunk reads a chunk at once
+    layer_independent: bool = False  # True: the same priorities in every layer (static rules that ignore k, v)
 
     def long_range_slots(self, *, budget: int, sinks: int, window: int, head_dim: int) -> int:
         """k at a nominal budget; a stateful rule may spend slots on its state."""
@@ -156,6 +157,7 @@ class StaticPolicy(DecodePolicy):
             raise ValueError(f"policy {policy.name!r} scores with a delay: decode it with DelayedPolicy (or as_decode_policy)")
         self.policy = policy
         self.name = policy.name
+        self.layer_independent = policy.layer_independent
 
     def long_range_slots(self, *, budget, sinks, window, head_dim):
         return long_range_slots(self.policy, budget=budget, sinks=sinks, window=window, head_dim=head_dim)
@@ -214,18 +216,9 @@ class DelayedPolicy(DecodePolicy):
         return prio, self._prompt_state(layer, k, v)
 
     def _prompt_state(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
-        """The mLSTM state after reading the prompt k, v (B, Hk, S, D), in closed form (the parallel
-        form's weights at tau = S - 1): with ``w_s = F_{S-1} - F_s + i~_s`` (F the cumulative log
-        forget gate), ``m = max_s w_s``, ``C = sum_s exp(w_s - m) k~_s v~_s^T``,
-        ``n = sum_s exp(w_s - m) k~_s`` -- what ``step`` reaches token by token, up to rounding."""
-        f = self.scorer.layers[layer].features(k, v)  # each (B, Hk, S, ...)
-        cum = f.log_f.double().cumsum(-1)  # (B, Hk, S)
-        logw = cum[..., -1:] - cum + f.i_pre.double()  # (B, Hk, S)
-        m = logw.amax(-1)  # (B, Hk)
-        w = torch.exp(logw - m[..., None]).to(f.k.dtype)  # (B, Hk, S)
-        C = torch.einsum("bhs,bhsk,bhsv->bhkv", w, f.k, f.v)
-        n = torch.einsum("bhs,bhsk->bhk", w, f.k)
-        return (C, n, m.to(f.k.dtype))
+        """The mLSTM state after reading the prompt k, v (B, Hk, S, D), in closed form."""
+        cell = self.scorer.layers[layer]
+        return cell.absorb(cell.init_state(k.shape[0], k.device), k, v)
 
     def to(self, *args, **kwargs):
         self.policy.to(*args, **kwargs)

@@ -46,7 +46,10 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
 from kvpop.cache import DecodePolicy, as_decode_policy
+from kvpop.masks import dense_mask
 from kvpop.policies import Policy
 from kvpop.selection import NEVER, candidate_eviction_times
 
@@ -54,17 +57,6 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 BLOCK = 128  # FlexAttention block width; cache slots are padded to a multiple of it
 NEG_INF = float("-inf")
 I64_MAX = torch.iinfo(torch.int64).max
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """q (B, H, S, D), k (B, Hk, S, D), cos/sin (B, S, D) -> rotated q, k."""
-    cos, sin = cos[:, None], sin[:, None]
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 def slot_mask_mod(kv_pos: Tensor, q_pos0: Tensor | int, group: int, sinks: int = 0, evict: Tensor | None = None):
@@ -83,15 +75,6 @@ def slot_mask_mod(kv_pos: Tensor, q_pos0: Tensor | int, group: int, sinks: int =
         return ok
 
     return mask_mod
-
-
-def dense_grid(mask_mod, B: int, H: int, Q: int, N: int, device) -> Tensor:
-    """Evaluate a mask_mod on the (Q x N) grid: (B, H, Q, N) bool."""
-    b = torch.arange(B, device=device).view(B, 1, 1, 1)
-    h = torch.arange(H, device=device).view(1, H, 1, 1)
-    q = torch.arange(Q, device=device).view(1, 1, Q, 1)
-    kv = torch.arange(N, device=device).view(1, 1, 1, N)
-    return mask_mod(b, h, q, kv).expand(B, H, Q, N)
 
 
 def block_mask(mask_mod, kv_blocks: Tensor, Q: int, N: int, kv_indices: Tensor | None = None):
@@ -180,6 +163,7 @@ class DecodeEngine:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_out: Tensor | None = None
         self._warm = False
+        self._chunk_shared: tuple[Tensor, Tensor] | None = None
 
     # --- buffers --------------------------------------------------------------------------------
     def _buffers(self) -> list[Tensor]:
@@ -214,7 +198,7 @@ class DecodeEngine:
         v = attn.v_proj(h).view(B, S, self.Hk, self.D).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # Qwen3
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # the Llama-family rotary, shared by all SUPPORTED
         return q, k, v
 
     def _finish_layer(self, layer, x: Tensor, out: Tensor) -> Tensor:
@@ -235,7 +219,7 @@ class DecodeEngine:
             fn = flex_attention if self.compiled and Q == 1 else _compiled_flex()  # the step is compiled as a whole
             bm = block_mask(mask_mod, kv_blocks, Q, N, kv_indices)
             return fn(q, k, v, block_mask=bm, scale=self.scale, enable_gqa=True)
-        allowed = dense_grid(mask_mod, B, H, Q, N, q.device)
+        allowed = dense_mask(mask_mod, B, H, Q, q.device, kv_len=N)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale, enable_gqa=True)
 
     # --- the decode step ----------------------------------------------------------------------
@@ -348,6 +332,7 @@ class DecodeEngine:
 
     def _prefill_chunk(self, ids: Tensor) -> Tensor:
         B, C = ids.shape
+        self._chunk_shared = None  # (priorities, eviction times) of a layer-independent rule, shared by the layers
         c0 = self.seen
         pos = torch.arange(c0, c0 + C, device=self.device).expand(B, C)
         x = self.model.model.embed_tokens(ids)
@@ -378,12 +363,17 @@ class DecodeEngine:
         cand_k = torch.cat([self.keys[i], k], 2)  # (B, Hk, N = T + C, D)
         cand_v = torch.cat([self.values[i], v], 2)
         cand_pos = torch.cat([self.pos[i], pos[:, None].expand(B, Hk, C)], 2)  # (B, Hk, N)
-        if self.delayed:
-            cand_prio = self._delayed_chunk_priorities(i, k, v, cand_k, cand_v, c0, c1)
+        if self._chunk_shared is not None:  # a layer-independent rule: every layer holds the same tokens
+            cand_prio, evict = self._chunk_shared
         else:
-            cand_prio = torch.cat([self.prio[i], self.policy.token_scores(i, k, v, pos).double()], 2)  # (B, Hk, N)
-        evict = candidate_eviction_times(cand_prio, cand_pos, sinks=self.sinks, window=self.window, k=self.k, bits=max(1, c1.bit_length()))
-        evict = evict.clamp(max=NEVER)
+            if self.delayed:
+                cand_prio = self._delayed_chunk_priorities(i, k, v, cand_k, cand_v, c0, c1)
+            else:
+                cand_prio = torch.cat([self.prio[i], self.policy.token_scores(i, k, v, pos).double()], 2)  # (B, Hk, N)
+            evict = candidate_eviction_times(cand_prio, cand_pos, sinks=self.sinks, window=self.window, k=self.k, bits=max(1, c1.bit_length()))
+            evict = evict.clamp(max=NEVER)
+            if self.policy.layer_independent:
+                self._chunk_shared = (cand_prio, evict)
         mm = slot_mask_mod(cand_pos, pos[0, 0], self.G, sinks=self.sinks, evict=evict)  # a tensor: no recompilation per chunk
         full = torch.full((-(-C // BLOCK),), -(-(T + C) // BLOCK), dtype=torch.int32, device=q.device)
         out = self._attend(q, cand_k, cand_v, mm, full)

@@ -50,13 +50,14 @@ def make_eviction_mask_mod(
     return mask_mod
 
 
-def dense_mask(mask_mod: MaskMod, B: int, H: int, S: int, device: torch.device | str) -> Tensor:
-    """Evaluate ``mask_mod`` on the full grid: (B, H, S, S) bool (True = attend)."""
+def dense_mask(mask_mod: MaskMod, B: int, H: int, S: int, device: torch.device | str, kv_len: int | None = None) -> Tensor:
+    """Evaluate ``mask_mod`` on the full grid: (B, H, S, N) bool (True = attend), N = ``kv_len`` or S."""
+    N = S if kv_len is None else kv_len
     b = torch.arange(B, device=device).view(B, 1, 1, 1)
     h = torch.arange(H, device=device).view(1, H, 1, 1)
     q = torch.arange(S, device=device).view(1, 1, S, 1)
-    kv = torch.arange(S, device=device).view(1, 1, 1, S)
-    return mask_mod(b, h, q, kv).expand(B, H, S, S)
+    kv = torch.arange(N, device=device).view(1, 1, 1, N)
+    return mask_mod(b, h, q, kv).expand(B, H, S, N)
 
 
 def block_mask_from_eviction_times(

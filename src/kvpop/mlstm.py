@@ -178,14 +178,26 @@ class HeadwiseMLSTM(nn.Module):
         den = w.sum(-1) + w0 * torch.einsum("bhk,bhrk->bhr", state.n, fr.q)
         den = torch.maximum(den.abs(), torch.exp(-m).to(dt))
         r_hat = self.head(num / den[..., None], fr.direct)  # (B, Hk, R)
-        # the state after the whole chunk (tau = C - 1)
+        return r_hat, self._absorb(state, f, cum)
+
+    def absorb(self, state: MLSTMState, k: Tensor, v: Tensor) -> MLSTMState:
+        """The state after reading k, v (B, Hk, C, D) into ``state``, in closed form (what
+        :meth:`step` reaches token by token, up to rounding)."""
+        f = self.features(k, v)
+        return self._absorb(state, f, f.log_f.double().cumsum(-1))
+
+    @staticmethod
+    def _absorb(state: MLSTMState, f: Features, cum: Tensor) -> MLSTMState:
+        """``C~_end = exp(F_end) C~_0 + sum_s exp(F_end - F_s + i~_s) k~_s v~_s^T`` (likewise n),
+        stabilized by its largest log-weight; cum (B, Hk, C) float64 = F."""
+        dt = f.k.dtype
         le = cum[..., -1:] - cum + f.i_pre.double()  # (B, Hk, C)
-        le0 = cum[..., -1] + m0[..., 0]  # (B, Hk)
+        le0 = cum[..., -1] + state.m.double()  # (B, Hk); -inf for an empty state
         m_end = torch.maximum(le.amax(-1), le0)
         we, we0 = torch.exp(le - m_end[..., None]).to(dt), torch.exp(le0 - m_end).to(dt)
         C_end = we0[..., None, None] * state.C + torch.einsum("bhs,bhsk,bhsv->bhkv", we, f.k, f.v)
         n_end = we0[..., None] * state.n + torch.einsum("bhs,bhsk->bhk", we, f.k)
-        return r_hat, MLSTMState(C_end, n_end, m_end.to(state.m.dtype))
+        return MLSTMState(C_end, n_end, m_end.to(state.m.dtype))
 
     # ------------------------------------------------------------------ parallel form
     def parallel(self, k: Tensor, v: Tensor, start: Tensor, tau: Tensor, chunk: int = 256, use_checkpoint: bool | None = None) -> Tensor:
