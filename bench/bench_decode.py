@@ -12,7 +12,9 @@ invocation:
   memory is the running maximum since the engine was built;
 * the same engine with a dense static cache (preallocated for the longest context, reading only
   the filled blocks), at the same contexts;
-* batch 16 and 64 at 32K for the bounded cache, and dense where it fits (said where it does not).
+* batch 16 and 64 at 32K for the bounded cache, and dense where it fits (said where it does not);
+  the cache is put straight into its state at 32K (:func:`fill`; ``--batch-fill prefill`` prefills
+  B * 32K tokens instead), since a step does the same work whatever the entries hold.
 
 For each row: ms per step, tokens/s, peak memory, the bandwidth floor
 ``(weight bytes + B * KV bytes of the held entries) / copy bandwidth`` and the fraction of it
@@ -120,6 +122,43 @@ def grow(eng: DecodeEngine, target: int, vocab: int, seed: int) -> float:
     return time.perf_counter() - t0
 
 
+@torch.no_grad()
+def fill(eng: DecodeEngine, ctx: int, seed: int) -> float:
+    """Put the cache directly into the state it has after ``ctx`` tokens (random keys, values and
+    priorities; the positions a bounded cache holds then: the sinks, the last ``window`` tokens in
+    their ring slots, ``k`` long-range tokens) -> seconds. A step does the same work whatever the
+    entries hold, so this times decoding at ``ctx`` without prefilling B * ctx tokens (prefill is
+    timed at batch 1)."""
+    t0 = time.perf_counter()
+    g = torch.Generator(eng.device).manual_seed(seed)
+    B, Hk, dev = eng.B, eng.Hk, eng.device
+    if eng.kind == "dense":
+        held = torch.arange(ctx, device=dev).expand(B, Hk, ctx)
+        slots = held
+    else:
+        lr_n = min(eng.k, max(0, ctx - eng.window - eng.sinks))
+        ring = torch.arange(max(eng.sinks, ctx - eng.window), ctx, device=dev)
+        held, slots = [torch.arange(min(ctx, eng.sinks), device=dev)], [torch.arange(min(ctx, eng.sinks), device=dev)]
+        held.append(ring)
+        slots.append(eng.sinks + (ring - eng.sinks).remainder(eng.window))
+        lr = torch.rand(B * Hk, max(0, ctx - eng.window - eng.sinks), generator=g, device=dev).argsort(-1)[:, :lr_n].sort(-1).values + eng.sinks
+        held = torch.cat([torch.cat(held).expand(B * Hk, -1), lr], -1).view(B, Hk, -1)
+        slots = torch.cat([*slots, torch.arange(eng.lr, eng.lr + lr_n, device=dev)]).expand(B, Hk, -1)
+    n = held.shape[-1]
+    for i in range(len(eng.layers)):
+        eng.pos[i].fill_(-1).scatter_(2, slots, held)
+        for buf in (eng.keys[i], eng.values[i]):
+            x = torch.randn(B, Hk, n, eng.D, generator=g, device=dev, dtype=torch.float32).to(buf.dtype)
+            buf.zero_().scatter_(2, slots[..., None].expand(-1, -1, -1, eng.D), x)
+        if eng.prio:
+            eng.prio[i].fill_(float("-inf")).scatter_(2, slots, torch.randn(B, Hk, n, generator=g, device=dev, dtype=torch.float64))
+    eng.p.fill_(ctx)
+    eng.seen = ctx
+    eng.tok.copy_(torch.randint(0, 1000, (B, 1), generator=g, device=dev))
+    sync(dev)
+    return time.perf_counter() - t0
+
+
 def row(name, *, B, ctx, budget, timed, eng, floor_bytes, bw, base_bytes, dev, prefill_s, extra=None):
     s_step, warm = timed
     return {
@@ -141,6 +180,8 @@ def main() -> None:
     ap.add_argument("--budgets", default="2048,4096")
     ap.add_argument("--batches", default="16,64")
     ap.add_argument("--batch-context", type=int, default=32768)
+    ap.add_argument("--batch-fill", choices=("fill", "prefill"), default="fill",
+                    help="batch rows: put the cache straight into its state at --batch-context (default) or prefill B * context tokens")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--eager-new", type=int, default=32, help="new tokens timed for eager generate")
@@ -180,7 +221,7 @@ def main() -> None:
         "transformers": __import__("transformers").__version__,
         "model": "qwen3-small" if args.small else "Qwen3-4B architecture (random weights)", "dtype": str(dtype),
         "weight_gb": round(wbytes / GB, 3), "kv_bytes_per_token": per_tok, "copy_bandwidth_tb_s": round(bw / 1e12, 3),
-        "steps": args.steps, "chunk": args.chunk, "policy": "kvpop_mlp (random scorer weights)",
+        "steps": args.steps, "chunk": args.chunk, "policy": "kvpop_mlp (random scorer weights)", "batch_fill": args.batch_fill,
     }
     print(json.dumps(info, indent=1), flush=True)
     rows: list[dict] = []
@@ -230,7 +271,7 @@ def main() -> None:
                 if dev.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(dev)
                 eng = DecodeEngine(model, policy, budget=budget, sinks=4, window=256, batch_size=B, chunk=args.chunk)
-                pre = grow(eng, ctx, vocab, ctx + B)
+                pre = grow(eng, ctx, vocab, ctx + B) if args.batch_fill == "prefill" else fill(eng, ctx, ctx + B)
                 timed = time_steps(eng, args.steps, args.warmup)
                 done(row("bounded", B=B, ctx=ctx, budget=budget, timed=timed, eng=eng, floor_bytes=wbytes + B * min(ctx, eng.slots) * per_tok,
                          bw=bw, base_bytes=base, dev=dev, prefill_s=pre))
@@ -246,7 +287,7 @@ def main() -> None:
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             eng = DecodeEngine(model, None, max_len=max_len, batch_size=B, chunk=args.chunk)
-            pre = grow(eng, ctx, vocab, ctx + B)
+            pre = grow(eng, ctx, vocab, ctx + B) if args.batch_fill == "prefill" else fill(eng, ctx, ctx + B)
             timed = time_steps(eng, args.steps, args.warmup)
             done(row("dense", B=B, ctx=ctx, budget=None, timed=timed, eng=eng, floor_bytes=wbytes + B * ctx * per_tok, bw=bw,
                      base_bytes=base, dev=dev, prefill_s=pre, extra={"fits": True}))
