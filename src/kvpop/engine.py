@@ -155,7 +155,7 @@ class DecodeEngine:
         self.p = torch.zeros((), dtype=torch.int64, device=dev)  # tokens seen = position of the next token
         self.tok = torch.zeros(B, 1, dtype=torch.int64, device=dev)  # the step's input token
         self.seen = 0  # host mirror of p (the step never reads it)
-        self._row0 = torch.arange(B * Hk, device=dev) * T  # (B * Hk,) first flat row of each (row, head) in a layer's buffers
+        self._bh = (torch.arange(B, device=dev).repeat_interleave(Hk), torch.arange(Hk, device=dev).repeat(B))  # (B * Hk,) each
         self._full_blocks = torch.full((1,), T // BLOCK, dtype=torch.int32, device=dev)
         self._kv_indices = torch.arange(T // BLOCK, dtype=torch.int32, device=dev).view(1, 1, 1, -1)
         if compile is None:
@@ -292,11 +292,13 @@ class DecodeEngine:
         """The bounded cache's arrival of token p (k, v (B, Hk, 1, D)), all in tensor ops.
 
         Every buffer changes in at most two slots per (row, head): the ring slot that takes the new
-        token and the long-range slot of the victim. Both are written by one ``index_put_`` over the
-        flattened buffer (rows ``(b * Hk + h) * T + slot``), which the compiler does in place; a
-        ``scatter_`` into a slice rebuilt the whole cache and copied it back in every layer."""
+        token and the long-range slot of the victim. Both are written by one ``index_put_`` on the
+        buffer itself (indices (row, head, slot)), which the compiler does in place; a ``scatter_``,
+        or a write through a reshaped view, made it rebuild and copy back the whole cache in every
+        layer (measured: 2.2x slower steps at batch 16)."""
         keys, values, pos, prio = self.keys[i], self.values[i], self.pos[i], self.prio[i]
         B, Hk = self.B, self.Hk
+        bi, hi = self._bh  # (B * Hk,) row and head of each (row, head)
         slot = torch.where(p < self.sinks, p, self.sinks + (p - self.sinks).remainder(self.window))
         if self.delayed:
             new_state = self.policy.step(i, self.state[i], k[:, :, 0], v[:, :, 0])
@@ -305,29 +307,28 @@ class DecodeEngine:
             new_prio = torch.full((B * Hk,), float("nan"), dtype=torch.float64, device=k.device)  # scored when it leaves
         else:
             new_prio = self.policy.token_scores(i, k, v, p.view(1, 1).expand(B, 1)).double().reshape(B * Hk)
-        at = self._row0 + slot  # (B * Hk,) flat row of the slot that takes token p
+        at = slot.expand(B * Hk)  # the slot that takes token p
         new = (k.reshape(B * Hk, -1), v.reshape(B * Hk, -1), p.expand(B * Hk), new_prio)
-        flat = (keys.view(-1, self.D), values.view(-1, self.D), pos.view(-1), prio.view(-1))
-        if self.k > 0:
-            leaving = p >= self.sinks + self.window  # the occupant of `slot` (token p - window) leaves the window
-            if self.delayed:
-                occ_k, occ_v = flat[0][at].view(B, Hk, -1), flat[1][at].view(B, Hk, -1)
-                cand_prio = self.policy.exit_scores(i, self.state[i], occ_k, occ_v, p - self.window).double().reshape(B * Hk)
-            else:
-                cand_prio = flat[3][at]  # (B * Hk,)
-            lr_prio, lr_pos = prio[:, :, self.lr : self.slots], pos[:, :, self.lr : self.slots]  # (B, Hk, k)
-            low = lr_prio.amin(-1, keepdim=True)  # (B, Hk, 1); empty slots are -inf
-            victim = torch.where(lr_prio == low, lr_pos, I64_MAX).argmin(-1) + self.lr  # (B, Hk)
-            wins = leaving & (cand_prio >= low.view(-1))  # (B * Hk,); the leaver is newer than every slot: it wins ties
-            vic = self._row0 + victim.view(-1)  # (B * Hk,) flat row of the victim
-            src = torch.where(wins, at, vic)  # the victim slot then holds the leaver, or keeps its own token
-            moved = (flat[0][src], flat[1][src], flat[2][src], torch.where(wins, cand_prio, flat[3][vic]))
-            rows = torch.cat([vic, at])  # distinct: the victim is a long-range slot, `at` a sink or ring slot
-            for buf, m, n in zip(flat, moved, new, strict=True):
-                buf.index_put_((rows,), torch.cat([m, n]))
+        bufs = (keys, values, pos, prio)
+        if self.k == 0:
+            for buf, n in zip(bufs, new, strict=True):
+                buf.index_put_((bi, hi, at), n)
+            return
+        leaving = p >= self.sinks + self.window  # the occupant of `slot` (token p - window) leaves the window
+        if self.delayed:
+            occ_k, occ_v = keys[bi, hi, at].view(B, Hk, -1), values[bi, hi, at].view(B, Hk, -1)
+            cand_prio = self.policy.exit_scores(i, self.state[i], occ_k, occ_v, p - self.window).double().reshape(B * Hk)
         else:
-            for buf, n in zip(flat, new, strict=True):
-                buf.index_put_((at,), n)
+            cand_prio = prio[bi, hi, at]  # (B * Hk,)
+        lr_prio, lr_pos = prio[:, :, self.lr : self.slots], pos[:, :, self.lr : self.slots]  # (B, Hk, k)
+        low = lr_prio.amin(-1, keepdim=True)  # (B, Hk, 1); empty slots are -inf
+        victim = (torch.where(lr_prio == low, lr_pos, I64_MAX).argmin(-1) + self.lr).view(B * Hk)  # (B * Hk,)
+        wins = leaving & (cand_prio >= low.view(-1))  # (B * Hk,); the leaver is newer than every slot: it wins ties
+        src = torch.where(wins, at, victim)  # the victim slot then holds the leaver, or keeps its own token
+        moved = (keys[bi, hi, src], values[bi, hi, src], pos[bi, hi, src], torch.where(wins, cand_prio, prio[bi, hi, victim]))
+        b2, h2, s2 = torch.cat([bi, bi]), torch.cat([hi, hi]), torch.cat([victim, at])  # distinct: a long-range slot, a sink/ring slot
+        for buf, m, n in zip(bufs, moved, new, strict=True):
+            buf.index_put_((b2, h2, s2), torch.cat([m, n]))
 
     # --- prefill ----------------------------------------------------------------------------
     @torch.no_grad()
