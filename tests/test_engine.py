@@ -159,3 +159,38 @@ def test_bad_use_is_refused(model):
         eng.prefill(ids(n=80))
     with pytest.raises(ValueError, match="shape"):
         eng.prefill(ids(B=3, n=8))
+
+
+def test_packed_projections_are_views_and_compute_the_same():
+    """The engine packs q/k/v (with Qwen2's biases) and gate/up into one matrix each: the modules
+    become views of it (no weight held twice), the model's outputs do not change, and a second
+    engine on the same model reuses the packed storage."""
+    from transformers import Qwen2Config
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True)
+    m = AutoModelForCausalLM.from_config(cfg).eval()
+    x = ids(n=40)
+    with torch.no_grad():
+        want = m(input_ids=x).logits
+    before = weight_bytes(m)
+    eng = DecodeEngine(m, None, max_len=64, batch_size=2, chunk=128)
+    attn, mlp = m.model.layers[1].self_attn, m.model.layers[1].mlp
+    w, b = eng._wqkv[1]
+    assert w.shape == (64 + 2 * 32, 64) and b.shape == (128,)
+    assert w.untyped_storage().data_ptr() == attn.v_proj.weight.untyped_storage().data_ptr()
+    assert torch.equal(w[64:96], attn.k_proj.weight) and torch.equal(b[96:], attn.v_proj.bias)
+    gu, none = eng._wgu[1]
+    assert none is None and torch.equal(gu[128:], mlp.up_proj.weight)
+    old = gu[128, 0].item()
+    with torch.no_grad():
+        gu[128, 0] = old + 1.0  # one storage: the module sees the write
+        assert mlp.up_proj.weight[0, 0] == old + 1.0
+        gu[128, 0] = old
+        assert torch.equal(m(input_ids=x).logits, want)
+    assert weight_bytes(m) == before
+    eng2 = DecodeEngine(m, None, max_len=64, batch_size=2, chunk=128)
+    assert eng2._wqkv[1][0].data_ptr() == w.data_ptr() and eng2._wgu[0][0].data_ptr() == eng._wgu[0][0].data_ptr()
+    got = engine_logits(eng2, x, 20)
+    assert (got - want[:, 19:]).abs().max() < 1e-4
