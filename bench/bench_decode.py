@@ -129,21 +129,22 @@ def fill(eng: DecodeEngine, ctx: int, seed: int) -> float:
     their ring slots, ``k`` long-range tokens) -> seconds. A step does the same work whatever the
     entries hold, so this times decoding at ``ctx`` without prefilling B * ctx tokens (prefill is
     timed at batch 1)."""
+    if eng.delayed:
+        raise ValueError("fill: a delayed rule's recurrent state cannot be filled at random; use --batch-fill prefill")
+    if ctx > eng.slots and eng.kind == "dense":
+        raise ValueError(f"fill: the dense cache holds {eng.slots} tokens, not {ctx}")
     t0 = time.perf_counter()
     g = torch.Generator(eng.device).manual_seed(seed)
     B, Hk, dev = eng.B, eng.Hk, eng.device
     if eng.kind == "dense":
-        held = torch.arange(ctx, device=dev).expand(B, Hk, ctx)
-        slots = held
+        held = slots = torch.arange(ctx, device=dev).expand(B, Hk, ctx)  # (B, Hk, n) positions, and their slots
     else:
-        lr_n = min(eng.k, max(0, ctx - eng.window - eng.sinks))
-        ring = torch.arange(max(eng.sinks, ctx - eng.window), ctx, device=dev)
-        held, slots = [torch.arange(min(ctx, eng.sinks), device=dev)], [torch.arange(min(ctx, eng.sinks), device=dev)]
-        held.append(ring)
-        slots.append(eng.sinks + (ring - eng.sinks).remainder(eng.window))
-        lr = torch.rand(B * Hk, max(0, ctx - eng.window - eng.sinks), generator=g, device=dev).argsort(-1)[:, :lr_n].sort(-1).values + eng.sinks
-        held = torch.cat([torch.cat(held).expand(B * Hk, -1), lr], -1).view(B, Hk, -1)
-        slots = torch.cat([*slots, torch.arange(eng.lr, eng.lr + lr_n, device=dev)]).expand(B, Hk, -1)
+        fixed = torch.cat([torch.arange(min(ctx, eng.sinks), device=dev), torch.arange(max(eng.sinks, ctx - eng.window), ctx, device=dev)])
+        older = max(0, ctx - eng.window - eng.sinks)  # tokens that have left the window
+        lr_n = min(eng.k, older)
+        lr = torch.rand(B * Hk, older, generator=g, device=dev).argsort(-1)[:, :lr_n].sort(-1).values + eng.sinks  # random survivors
+        held = torch.cat([fixed.expand(B * Hk, -1), lr], -1).view(B, Hk, -1)
+        slots = torch.cat([eng.home_slot(fixed), torch.arange(eng.lr, eng.lr + lr_n, device=dev)]).expand(B, Hk, -1)
     n = held.shape[-1]
     for i in range(len(eng.layers)):
         eng.pos[i].fill_(-1).scatter_(2, slots, held)

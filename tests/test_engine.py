@@ -175,6 +175,10 @@ def test_packed_projections_are_views_and_compute_the_same():
     with torch.no_grad():
         want = m(input_ids=x).logits
     before = weight_bytes(m)
+    attn, mlp = m.model.layers[1].self_attn, m.model.layers[1].mlp
+    with pytest.raises(ValueError, match="budget"):  # a refused engine leaves the model as it was
+        DecodeEngine(m, make_policy("streaming_llm", num_layers=2, num_kv_heads=2, head_dim=16), budget=10, sinks=SINKS, window=WINDOW)
+    assert attn.q_proj.weight.untyped_storage().data_ptr() != attn.k_proj.weight.untyped_storage().data_ptr()
     eng = DecodeEngine(m, None, max_len=64, batch_size=2, chunk=128)
     attn, mlp = m.model.layers[1].self_attn, m.model.layers[1].mlp
     w, b = eng._wqkv[1]

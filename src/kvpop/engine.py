@@ -126,9 +126,6 @@ class DecodeEngine:
         self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.G = self.H // self.Hk
         self.scale = self.layers[0].self_attn.scaling
-        # (weight, bias) of each layer's q/k/v and gate/up projections, packed into one matrix each
-        self._wqkv = [pack_linears(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj) for l in self.layers]
-        self._wgu = [pack_linears(l.mlp.gate_proj, l.mlp.up_proj) for l in self.layers]
         self.policy = None if policy is None or not getattr(policy, "evicts", True) else as_decode_policy(policy)
         if self.policy is None:
             if max_len is None or max_len < 1:
@@ -145,6 +142,10 @@ class DecodeEngine:
             self.sinks, self.window = sinks, window
             self.slots = sinks + window + self.k
         self.delayed = self.policy is not None and self.policy.scores_on_exit
+        # (weight, bias) of each layer's q/k/v and gate/up projections, packed into one matrix each
+        # (after every check above: a refused engine leaves the model as it was)
+        self._wqkv = [pack_linears(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj) for l in self.layers]
+        self._wgu = [pack_linears(l.mlp.gate_proj, l.mlp.up_proj) for l in self.layers]
         self.lr = self.sinks + self.window  # first long-range slot
         self.T = -(-self.slots // BLOCK) * BLOCK
         B, Hk, T, D, dev = self.B, self.Hk, self.T, self.D, self.device
@@ -158,6 +159,7 @@ class DecodeEngine:
         self.tok = torch.zeros(B, 1, dtype=torch.int64, device=dev)  # the step's input token
         self.seen = 0  # host mirror of p (the step never reads it)
         self._bh = (torch.arange(B, device=dev).repeat_interleave(Hk), torch.arange(Hk, device=dev).repeat(B))  # (B * Hk,) each
+        self._bh2 = tuple(torch.cat([x, x]) for x in self._bh)  # (2 * B * Hk,): the victims' rows, then the new token's
         self._full_blocks = torch.full((1,), T // BLOCK, dtype=torch.int32, device=dev)
         self._kv_indices = torch.arange(T // BLOCK, dtype=torch.int32, device=dev).view(1, 1, 1, -1)
         if compile is None:
@@ -172,9 +174,6 @@ class DecodeEngine:
         self._chunk_shared: tuple[Tensor, Tensor] | None = None
 
     # --- buffers --------------------------------------------------------------------------------
-    def _buffers(self) -> list[Tensor]:
-        return [*self.keys, *self.values, *self.pos, *self.prio, *(t for s in self.state for t in s), self.p, self.tok]
-
     def cache_bytes(self) -> int:
         """Bytes of the cache: keys, values, positions, priorities and recurrent states."""
         bufs = [*self.keys, *self.values, *self.pos, *self.prio, *(t for s in self.state for t in s)]
@@ -195,6 +194,11 @@ class DecodeEngine:
         self.seen = 0
 
     # --- shared pieces ----------------------------------------------------------------------------
+    def home_slot(self, pos: Tensor) -> Tensor:
+        """The slot of a sink or window token at position(s) ``pos`` (int64): the sinks first, then
+        the ring (``sinks + (pos - sinks) % window``); long-range slots are assigned by eviction."""
+        return torch.where(pos < self.sinks, pos, self.sinks + (pos - self.sinks).remainder(self.window))
+
     def _qkv(self, i: int, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """h (B, S, hidden) normed -> q (B, H, S, D), k, v (B, Hk, S, D), rotary applied; one GEMM."""
         attn = self.layers[i].self_attn
@@ -301,7 +305,7 @@ class DecodeEngine:
         keys, values, pos, prio = self.keys[i], self.values[i], self.pos[i], self.prio[i]
         B, Hk = self.B, self.Hk
         bi, hi = self._bh  # (B * Hk,) row and head of each (row, head)
-        slot = torch.where(p < self.sinks, p, self.sinks + (p - self.sinks).remainder(self.window))
+        slot = self.home_slot(p)
         if self.delayed:
             new_state = self.policy.step(i, self.state[i], k[:, :, 0], v[:, :, 0])
             for buf, s in zip(self.state[i], new_state, strict=True):
@@ -328,9 +332,9 @@ class DecodeEngine:
         wins = leaving & (cand_prio >= low.view(-1))  # (B * Hk,); the leaver is newer than every slot: it wins ties
         src = torch.where(wins, at, victim)  # the victim slot then holds the leaver, or keeps its own token
         moved = (keys[bi, hi, src], values[bi, hi, src], pos[bi, hi, src], torch.where(wins, cand_prio, prio[bi, hi, victim]))
-        b2, h2, s2 = torch.cat([bi, bi]), torch.cat([hi, hi]), torch.cat([victim, at])  # distinct: a long-range slot, a sink/ring slot
+        rows = (*self._bh2, torch.cat([victim, at]))  # distinct slots: a long-range one, a sink/ring one
         for buf, m, n in zip(bufs, moved, new, strict=True):
-            buf.index_put_((b2, h2, s2), torch.cat([m, n]))
+            buf.index_put_(rows, torch.cat([m, n]))
 
     # --- prefill ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -403,9 +407,8 @@ class DecodeEngine:
         keep = (cand_pos >= 0) & ((cand_pos < self.sinks) | (evict >= c1))
         fixed = keep & ((cand_pos < self.sinks) | (cand_pos >= c1 - self.window))
         long = keep & ~fixed
-        ring = self.sinks + (cand_pos - self.sinks).remainder(self.window)
         rank = long.long().cumsum(-1) - 1
-        dest = torch.where(fixed, torch.where(cand_pos < self.sinks, cand_pos, ring), torch.where(long, self.lr + rank, T))  # T: discarded
+        dest = torch.where(fixed, self.home_slot(cand_pos), torch.where(long, self.lr + rank, T))  # T: discarded
         self._scatter_layout(i, dest, cand_k, cand_v, cand_pos, cand_prio)
         return out
 
@@ -420,7 +423,7 @@ class DecodeEngine:
         T = self.T
         a = max(self.sinks, c0 - self.window)
         rpos = torch.arange(a, max(a, c1 - self.window), device=k.device)  # (R,) positions of the leavers
-        idx = torch.where(rpos < c0, self.sinks + (rpos - self.sinks).remainder(self.window), T + rpos - c0)  # candidate index
+        idx = torch.where(rpos < c0, self.home_slot(rpos), T + rpos - c0)  # candidate index (rpos >= sinks: a ring slot)
         prio, state = self.policy.prefill_chunk(i, self.state[i], k, v, cand_k[:, :, idx], cand_v[:, :, idx], rpos, rpos + self.window - c0)
         for buf, x in zip(self.state[i], state, strict=True):
             buf.copy_(x)
@@ -460,26 +463,21 @@ def pack_linears(*mods: torch.nn.Linear) -> tuple[Tensor, Tensor | None]:
     modules are repointed in place at views of the packed storage, so the model computes exactly
     as before and no weight is held twice; packing an already packed group returns the same
     storage (engines built one after another on a model share it)."""
-    ws = [m.weight for m in mods]
-    bs = [m.bias for m in mods]
-    if any(b is None for b in bs) and any(b is not None for b in bs):
+    biased = [m.bias is not None for m in mods]
+    if any(biased) and not all(biased):
         raise ValueError("pack_linears: either all or none of the projections have a bias")
-    packed = []
-    for i, ts in enumerate((ws, None if bs[0] is None else bs)):
-        if ts is None:
-            packed.append(None)
-            continue
-        whole = _adjacent(ts)
-        if whole is None:
-            whole = torch.cat([t.detach() for t in ts], 0)
-            for m, part in zip(mods, whole.split([t.shape[0] for t in ts], 0), strict=True):
-                new = torch.nn.Parameter(part, requires_grad=ts[0].requires_grad)
-                if i == 0:
-                    m.weight = new
-                else:
-                    m.bias = new
-        packed.append(whole.detach())
-    return packed[0], packed[1]
+    return _pack(mods, "weight"), _pack(mods, "bias") if biased[0] else None
+
+
+def _pack(mods, name: str) -> Tensor:
+    """The parameters ``name`` of ``mods`` stacked along dim 0, the modules repointed at views of it."""
+    ts = [getattr(m, name) for m in mods]
+    whole = _adjacent(ts)
+    if whole is None:
+        whole = torch.cat([t.detach() for t in ts], 0)
+        for m, t, part in zip(mods, ts, whole.split([t.shape[0] for t in ts], 0), strict=True):
+            setattr(m, name, torch.nn.Parameter(part, requires_grad=t.requires_grad))
+    return whole.detach()
 
 
 def _adjacent(ts: list[Tensor]) -> Tensor | None:
