@@ -85,7 +85,7 @@ def bench_size(S: int, args, dev: str, res: dict) -> dict:
     print(f"--- S={S}: budget {budget} (sinks {sinks}, window {window}, k {k}), H={H} Hk={Hk} D={D} {dtype}", flush=True)
 
     # (i) cutoffs
-    t_ours = timeit(lambda: eviction_times(prio, doc, pos, sinks=sinks, window=window, k=k), warmup=W, reps=R, cuda=cuda)
+    t_ours = timeit(lambda: eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=k), warmup=W, reps=R, cuda=cuda)
     n_chunks = math.ceil(S / args.q_chunk)
     if n_chunks > args.max_bf_chunks:  # time an evenly spread subset of chunks and extrapolate
         step = n_chunks / args.max_bf_chunks
@@ -101,7 +101,7 @@ def bench_size(S: int, args, dev: str, res: dict) -> dict:
     row["i_ratio"] = t_bf / t_ours
     print(f"(i) eviction_times {t_ours * 1e3:.2f} ms, brute force {t_bf * 1e3:.1f} ms ({row['i_bruteforce_chunks_timed']})", flush=True)
 
-    evict = eviction_times(prio, doc, pos, sinks=sinks, window=window, k=k)
+    evict = eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=k)
 
     # (ii) BlockMask build
     t_bm = timeit(lambda: block_mask_from_eviction_times(doc, pos, evict, sinks=sinks, num_heads=H), warmup=W, reps=R, cuda=cuda)

@@ -351,7 +351,7 @@ def run_model(name: str, args, dev, cuda: bool, res: dict, out: Path) -> None:
             for layer in policy.scorer.layers:  # scattered selection (see the module docstring)
                 torch.nn.init.normal_(layer.w2)
             st = ScorerTraining(generator=torch.Generator().manual_seed(0))
-        settings = TrainSettings(sinks=args.sinks, window=args.window, k=k, steps=1000, model_lr=1e-6, scorer_lr=1e-4,
+        settings = TrainSettings(sinks=args.sinks, window=args.window, long_range=k, steps=1000, model_lr=1e-6, scorer_lr=1e-4,
                                  top_logits=args.top_logits, scorer_training=st)
         res["variants"][label] = run_variant(label, teacher, student, policy, settings, rows, args, cuda)
         del policy

@@ -171,7 +171,7 @@ def train_policy(name: str, teacher, shape, packed, args, *, max_steps: int, tim
     policy = build_policy(name, shape, args)
     k = long_range_slots(policy, budget=args.budget, sinks=args.sinks, window=args.window, head_dim=shape["head_dim"])
     settings = TrainSettings(
-        sinks=args.sinks, window=args.window, k=k, steps=args.steps,  # steps: the scorer's cosine-schedule length
+        sinks=args.sinks, window=args.window, long_range=k, steps=args.steps,  # steps: the scorer's cosine-schedule length
         model_lr=args.model_lr, scorer_lr=args.scorer_lr, top_logits=256,
         scorer_training=ScorerTraining(tau=1.0, tie_margin=0.5, generator=torch.Generator().manual_seed(args.seed)),
     )

@@ -84,7 +84,7 @@ def worker(args) -> None:
     student = copy.deepcopy(teacher).train()
     policy = make_policy("kvpop_mlp", num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, scorer_hidden=64)
     k = long_range_slots(policy, budget=args.budget, sinks=args.sinks, window=args.window, head_dim=cfg.head_dim)
-    settings = TrainSettings(sinks=args.sinks, window=args.window, k=k, steps=args.steps, model_lr=1e-5, scorer_lr=1e-2,
+    settings = TrainSettings(sinks=args.sinks, window=args.window, long_range=k, steps=args.steps, model_lr=1e-5, scorer_lr=1e-2,
                              top_logits=256 if cuda else 16, scorer_training=ScorerTraining(generator=torch.Generator().manual_seed(args.seed)))
     module = DistillModule(student, teacher, policy, settings)
     global_batch = 2

@@ -98,7 +98,7 @@ def main() -> None:
     policy = make_policy(args.policy, **{k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}, scorer_hidden=cfg.scorer_hidden)
     k = long_range_slots(policy, budget=p.budget, sinks=p.sinks, window=p.window, head_dim=shape["head_dim"])
     settings = TrainSettings(
-        sinks=p.sinks, window=p.window, k=k, steps=cfg.steps, model_lr=cfg.model_lr, scorer_lr=cfg.scorer_lr,
+        sinks=p.sinks, window=p.window, long_range=k, steps=cfg.steps, model_lr=cfg.model_lr, scorer_lr=cfg.scorer_lr,
         scorer_warmup=cfg.scorer_warmup, weight_decay=cfg.weight_decay, top_logits=cfg.top_logits,
         scorer_training=ScorerTraining(
             tau=cfg.tau, tie_margin=cfg.tie_margin, query_samples=cfg.query_samples,

@@ -38,7 +38,7 @@ def test_labels_match_brute_force(ties, k):
     log_gamma = torch.log(torch.tensor([0.999, 0.9999, 0.999999], dtype=torch.float64))
     if ties:
         log_gamma = torch.zeros(3, dtype=torch.float64)  # keep exact ties in the priority
-    lab = boundary_labels(r, log_gamma, doc, pos, sinks=sinks, window=window, k=k)
+    lab = boundary_labels(r, log_gamma, doc, pos, sinks=sinks, window=window, long_range=k)
     got = {(int(a), int(t)): (int(bd), float(y)) for a, t, bd, y in zip(lab.row, lab.t_new, lab.t_bnd, lab.y)}
     ref = brute_labels(r, log_gamma, doc, pos, sinks, window, k)
     assert ref, "the toy must have decided queries"
@@ -52,7 +52,7 @@ def test_loss_gradients_reach_only_scorer_inputs_and_decay():
     theta = torch.zeros(Hk, dtype=torch.float64, requires_grad=True)
     log_gamma = torch.log(0.999 + 0.000999 * torch.sigmoid(theta))
     r_tgt = torch.randn(B, Hk, S)
-    loss, stats = boundary_loss(r_hat, r_tgt, log_gamma, doc, pos, sinks=2, window=4, k=3)
+    loss, stats = boundary_loss(r_hat, r_tgt, log_gamma, doc, pos, sinks=2, window=4, long_range=3)
     loss.backward()
     assert stats["decisions"] > 0
     assert r_hat.grad.abs().sum() > 0 and theta.grad.abs().sum() > 0
@@ -63,7 +63,7 @@ def test_loss_is_small_when_student_matches_teacher():
     _, doc, pos = packed_toy(B, S)
     r_tgt = torch.randn(B, Hk, S)
     lg = torch.full((Hk,), -1e-4, dtype=torch.float64)
-    good, s_good = boundary_loss(r_tgt * 50, r_tgt, lg, doc, pos, sinks=2, window=4, k=3, tie_margin=0.0)
-    bad, s_bad = boundary_loss(-r_tgt * 50, r_tgt, lg, doc, pos, sinks=2, window=4, k=3, tie_margin=0.0)
+    good, s_good = boundary_loss(r_tgt * 50, r_tgt, lg, doc, pos, sinks=2, window=4, long_range=3, tie_margin=0.0)
+    bad, s_bad = boundary_loss(-r_tgt * 50, r_tgt, lg, doc, pos, sinks=2, window=4, long_range=3, tie_margin=0.0)
     assert s_good["agreement"] > 0.95 and s_bad["agreement"] < 0.05
     assert good < 0.05 < bad

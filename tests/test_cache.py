@@ -31,7 +31,7 @@ def training_logits(model, policy, ids, *, sinks=SINKS, window=WINDOW, k=K):
     """The training-time masked forward: one document, pos = arange, SDPA executor."""
     B, S = ids.shape
     pos = torch.arange(S).expand(B, S)
-    ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, sinks=sinks, window=window, k=k, executor="sdpa")
+    ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, sinks=sinks, window=window, long_range=k, executor="sdpa")
     with torch.no_grad():
         return model(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits
 
@@ -82,7 +82,7 @@ def test_stored_tokens_follow_eviction_times(prefill, sinks, window, k):
     keys, values = torch.randn(B, Hk, S, D, generator=g), torch.randn(B, Hk, S, D, generator=g)
     for policy in (Ties(), Recency()):
         pos = torch.arange(S).expand(B, S)
-        evict = eviction_times(policy.scores(0, keys, values, pos).prio, torch.zeros_like(pos), pos, sinks=sinks, window=window, k=k)
+        evict = eviction_times(policy.scores(0, keys, values, pos).prio, torch.zeros_like(pos), pos, sinks=sinks, window=window, long_range=k)
         layer = BoundedLayer(0, StaticPolicy(policy), budget=sinks + window + k, sinks=sinks, window=window)
         q = torch.randn(B, 2 * Hk, 1, D)
         kk, vv = layer.update(keys[:, :, :prefill], values[:, :, :prefill])

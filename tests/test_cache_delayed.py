@@ -67,7 +67,7 @@ def test_stored_tokens_follow_eviction_times(prefill, sinks, window, k):
     doc = torch.zeros_like(pos)
     layer_idx = 1
     prio = policy.scores(layer_idx, keys, values, pos, doc_ids=doc, window=window).prio
-    evict = eviction_times(prio, doc, pos, sinks=sinks, window=window, k=k)
+    evict = eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=k)
     layer = BoundedLayer(layer_idx, DelayedPolicy(policy), budget=sinks + window + k, sinks=sinks, window=window)
     q = torch.randn(B, 2 * Hk, 1, D, dtype=torch.float64)
     kk, vv = layer.update(keys[:, :, :prefill], values[:, :, :prefill])

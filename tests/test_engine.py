@@ -138,9 +138,9 @@ def test_candidate_eviction_times_equal_the_sequence_formula():
     prio = torch.randn(B, Hk, n, dtype=torch.float64)
     prio[..., 10:20] = prio[..., 10:11]  # ties: the newer token wins
     pos = torch.arange(n).expand(B, n)
-    ref = eviction_times(prio, torch.zeros(B, n, dtype=torch.long), pos, sinks=SINKS, window=WINDOW, k=K).long()
+    ref = eviction_times(prio, torch.zeros(B, n, dtype=torch.long), pos, sinks=SINKS, window=WINDOW, long_range=K).long()
     perm = torch.randperm(n)
-    got = candidate_eviction_times(prio[..., perm], pos[:, None, perm].expand(B, Hk, n).contiguous(), sinks=SINKS, window=WINDOW, k=K)
+    got = candidate_eviction_times(prio[..., perm], pos[:, None, perm].expand(B, Hk, n).contiguous(), sinks=SINKS, window=WINDOW, long_range=K)
     assert torch.equal(got, ref[..., perm])
     assert (ref[..., :SINKS] == torch.iinfo(torch.int32).max).all()
 

@@ -61,7 +61,7 @@ def _module(model_dir):
     policy = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
     for layer in policy.scorer.layers:  # past the zero-initialized start
         torch.nn.init.normal_(layer.w2)
-    s = TrainSettings(sinks=2, window=6, k=5, steps=1, model_lr=1e-3, scorer_lr=1e-2, top_logits=16, scorer_training=ScorerTraining())
+    s = TrainSettings(sinks=2, window=6, long_range=5, steps=1, model_lr=1e-3, scorer_lr=1e-2, top_logits=16, scorer_training=ScorerTraining())
     return DistillModule(student, load_model(model_dir), policy, s)
 
 

@@ -39,7 +39,7 @@ def executor_inputs(S: int = S, seed: int = 0):
     _, doc, pos = packed_toy(B, S, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     prio = torch.rand(B, HK, S, generator=g)
-    evict = eviction_times(prio, doc, pos, sinks=SINKS, window=WINDOW, k=K)
+    evict = eviction_times(prio, doc, pos, sinks=SINKS, window=WINDOW, long_range=K)
     q = torch.randn(B, H, S, D, generator=g)
     k = torch.randn(B, HK, S, D, generator=g)
     v = torch.randn(B, HK, S, D, generator=g)
@@ -132,7 +132,7 @@ def tiny_model_case(model_dir, device: str, S_: int = 512, sinks: int = 4, windo
         m = copy.deepcopy(model)
         pol = copy.deepcopy(policy0)
         backward = executor == "sdpa" or flex_backward
-        ctx = SparseContext.for_rows(pol, doc, pos, sinks=sinks, window=window, k=k, executor=executor,
+        ctx = SparseContext.for_rows(pol, doc, pos, sinks=sinks, window=window, long_range=k, executor=executor,
                                      scorer_training=ScorerTraining(tau=1.0, tie_margin=0.5))
         with torch.set_grad_enabled(backward):
             logits = m(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits
@@ -184,13 +184,13 @@ def test_eviction_times_cuda_equals_cpu():
         _, doc, pos = packed_toy(B, S_, seed=seed)
         prio = torch.rand(B, HK, S_, generator=torch.Generator().manual_seed(seed))
         for k in (0, 1, K, 700):
-            cpu = eviction_times(prio, doc, pos, sinks=SINKS, window=WINDOW, k=k)
-            gpu = eviction_times(prio.cuda(), doc.cuda(), pos.cuda(), sinks=SINKS, window=WINDOW, k=k)
+            cpu = eviction_times(prio, doc, pos, sinks=SINKS, window=WINDOW, long_range=k)
+            gpu = eviction_times(prio.cuda(), doc.cuda(), pos.cuda(), sinks=SINKS, window=WINDOW, long_range=k)
             assert torch.equal(cpu, gpu.cpu()), (seed, S_, k)
         # ties: quantized priorities, broken by recency on both devices
         prio_t = (prio * 8).floor()
-        cpu = eviction_times(prio_t, doc, pos, sinks=SINKS, window=WINDOW, k=K)
-        gpu = eviction_times(prio_t.cuda(), doc.cuda(), pos.cuda(), sinks=SINKS, window=WINDOW, k=K)
+        cpu = eviction_times(prio_t, doc, pos, sinks=SINKS, window=WINDOW, long_range=K)
+        gpu = eviction_times(prio_t.cuda(), doc.cuda(), pos.cuda(), sinks=SINKS, window=WINDOW, long_range=K)
         assert torch.equal(cpu, gpu.cpu())
 
 
@@ -199,8 +199,8 @@ def test_boundary_labels_cuda_equal_cpu():
     g = torch.Generator().manual_seed(5)
     r_tgt = torch.randn(B, HK, S, generator=g)
     log_gamma = torch.log(torch.tensor([0.9999, 0.99999, 0.9995], dtype=torch.float64))
-    cpu = boundary_labels(r_tgt, log_gamma, doc, pos, sinks=SINKS, window=WINDOW, k=K)
-    gpu = boundary_labels(r_tgt.cuda(), log_gamma.cuda(), doc.cuda(), pos.cuda(), sinks=SINKS, window=WINDOW, k=K)
+    cpu = boundary_labels(r_tgt, log_gamma, doc, pos, sinks=SINKS, window=WINDOW, long_range=K)
+    gpu = boundary_labels(r_tgt.cuda(), log_gamma.cuda(), doc.cuda(), pos.cuda(), sinks=SINKS, window=WINDOW, long_range=K)
     assert cpu.row.numel() > 0
     for f in ("row", "t_new", "t_bnd", "y"):
         assert torch.equal(getattr(cpu, f), getattr(gpu, f).cpu()), f
@@ -228,7 +228,7 @@ def test_bounded_cache_decoding_equals_flex_training_forward(model_type, policy_
     k = long_range_slots(policy, budget=budget, sinks=sinks, window=window, head_dim=16)
     ids = torch.randint(0, 96, (2, S), generator=torch.Generator().manual_seed(1)).to(dev)
     pos = torch.arange(S, device=dev).expand(2, S)
-    ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, sinks=sinks, window=window, k=k, executor="flex")
+    ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, sinks=sinks, window=window, long_range=k, executor="flex")
     with torch.no_grad():
         ref = model(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits
     trained = policy if policy_name != "streaming_llm" else None

@@ -11,7 +11,7 @@ from kvpop.selection import NEVER, eviction_times
 def _evict(B, Hk, S, doc, pos, sinks, window, k, seed=0, ties=False):
     g = torch.Generator().manual_seed(seed)
     prio = torch.randint(0, 3, (B, Hk, S), generator=g).double() if ties else torch.randn(B, Hk, S, generator=g, dtype=torch.float64)
-    return eviction_times(prio, doc, pos, sinks=sinks, window=window, k=k)
+    return eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=k)
 
 
 @pytest.mark.parametrize("block", [4, 8, 16])

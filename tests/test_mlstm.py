@@ -162,7 +162,7 @@ def test_boundary_loss_gradients_reach_every_parameter_and_no_input():
     pol = LearnedMLSTM(MLSTMScorer(1, HK, D, d_k=4, d_v=4, chunk=16))
     scores = pol.scores(0, k, v, pos, doc_ids=doc, window=4)
     r_tgt = torch.randn(B, HK, S)
-    loss, stats = boundary_loss(scores.r_hat, r_tgt, scores.log_gamma, doc, pos, sinks=1, window=4, k=3)
+    loss, stats = boundary_loss(scores.r_hat, r_tgt, scores.log_gamma, doc, pos, sinks=1, window=4, long_range=3)
     assert stats["decisions"] > 0
     loss.backward()
     for name, p in pol.named_parameters():
@@ -254,7 +254,7 @@ def test_trains_inside_sparse_context(tiny_llama_dir):
     k = kvpop_k(sinks + window + 16, sinks, window, shape["head_dim"], d_k=16, d_v=16)
     assert 0 < k < 16
     pol.bind(doc_ids=doc, window=window)
-    ctx = SparseContext.for_rows(pol, doc, pos, sinks=sinks, window=window, k=k, scorer_training=ScorerTraining())
+    ctx = SparseContext.for_rows(pol, doc, pos, sinks=sinks, window=window, long_range=k, scorer_training=ScorerTraining())
     model(input_ids=ids, position_ids=pos, kvpop_ctx=ctx)
     assert len(ctx.losses) == shape["num_layers"]
     torch.stack(ctx.losses).sum().backward()

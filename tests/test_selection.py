@@ -72,7 +72,7 @@ def test_eviction_times_match_brute_force(case_id):
     else:  # many exact ties
         prio = torch.randint(0, levels, (B, Hk, S), generator=gen).float()
 
-    e = eviction_times(prio, doc_ids, pos, sinks=sinks, window=window, k=k)
+    e = eviction_times(prio, doc_ids, pos, sinks=sinks, window=window, long_range=k)
     assert e.shape == (B, Hk, S)
     kept = brute_force_kept(prio, doc_ids, pos, sinks, window, k)
 
@@ -121,7 +121,7 @@ def test_recency_priority_is_streaming_llm():
     S, sinks, window, k = 40, 2, 4, 5
     doc_ids = torch.zeros(1, S, dtype=torch.long)
     pos = torch.arange(S)[None]
-    e = eviction_times(recency_priority(1, 1, S), doc_ids, pos, sinks=sinks, window=window, k=k)
+    e = eviction_times(recency_priority(1, 1, S), doc_ids, pos, sinks=sinks, window=window, long_range=k)
     t = torch.arange(S)
     expected = torch.where((t < sinks) | (t >= S - k), NEVER, t + window + k)
     assert torch.equal(e[0, 0].long(), expected)
@@ -141,7 +141,7 @@ def test_large_runs():
     doc_ids, pos = random_packing(B, S, [1000, 5000, 16384], 100, gen)
     prio = torch.randn(B, Hk, S, generator=gen)
     t0 = time.perf_counter()
-    e = eviction_times(prio, doc_ids, pos, sinks=4, window=64, k=512)
+    e = eviction_times(prio, doc_ids, pos, sinks=4, window=64, long_range=512)
     print(f"eviction_times S={S} Hk={Hk}: {time.perf_counter() - t0:.3f}s")
     assert e.shape == (B, Hk, S)
 
@@ -152,7 +152,7 @@ def test_cuda_matches_cpu():
     gen = torch.Generator().manual_seed(0)
     doc_ids, pos = random_packing(B, S, [1000, 5000, 16384], 100, gen)
     prio = torch.randint(0, 50, (B, Hk, S), generator=gen).float()
-    kw = dict(sinks=4, window=64, k=512)
+    kw = dict(sinks=4, window=64, long_range=512)
     e_cpu = eviction_times(prio, doc_ids, pos, **kw)
     for _ in range(2):
         torch.cuda.synchronize()

@@ -45,7 +45,7 @@ def test_gradients_are_isolated():
     policy = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
     for layer in policy.scorer.layers:  # a scorer past its zero-initialized start
         torch.nn.init.normal_(layer.w2)
-    ctx = SparseContext.for_rows(policy, doc, pos, sinks=2, window=6, k=5, scorer_training=ScorerTraining())
+    ctx = SparseContext.for_rows(policy, doc, pos, sinks=2, window=6, long_range=5, scorer_training=ScorerTraining())
     logits = student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits
     assert len(ctx.losses) == 2  # one boundary loss per layer
     torch.stack(ctx.losses).mean().backward(retain_graph=True)
@@ -53,7 +53,7 @@ def test_gradients_are_isolated():
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())
     policy.zero_grad(set_to_none=True)
     with torch.no_grad():
-        vals, idx = teacher(input_ids=ids, position_ids=pos, kvpop_ctx=SparseContext.for_rows(make_policy("dense", num_layers=2, num_kv_heads=2, head_dim=16), doc, pos, sinks=2, window=6, k=5)).logits.topk(16, -1)
+        vals, idx = teacher(input_ids=ids, position_ids=pos, kvpop_ctx=SparseContext.for_rows(make_policy("dense", num_layers=2, num_kv_heads=2, head_dim=16), doc, pos, sinks=2, window=6, long_range=5)).logits.topk(16, -1)
     topk_kl(logits, vals, idx, torch.ones(2, 64)).backward()
     assert all(p.grad is None for p in policy.parameters())
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in student.parameters())
@@ -70,7 +70,7 @@ def test_lightning_fit_updates_the_right_parameters(policy_name, tmp_path):
     p_before = copy.deepcopy(policy.state_dict())
     ids, doc, pos = packed_toy(4, 64)
     ds = PackedDataset(ids, doc, pos, (doc >= 0).long())
-    s = TrainSettings(sinks=2, window=6, k=5, steps=2, model_lr=1e-3, scorer_lr=1e-2, top_logits=16, scorer_training=ScorerTraining())
+    s = TrainSettings(sinks=2, window=6, long_range=5, steps=2, model_lr=1e-3, scorer_lr=1e-2, top_logits=16, scorer_training=ScorerTraining())
     module = DistillModule(student, teacher, policy, s)
     trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
     trainer.fit(module, make_loader(ds, 2, 0))

@@ -135,7 +135,7 @@ class SparseContext:
     pos: Tensor  # (B, S) int, position inside the document
     sinks: int
     window: int
-    k: int  # long-range slots: budget - sinks - window
+    long_range: int  # long-range slots k = budget - sinks - window
     executor: Executor = "sdpa"
     scorer_training: ScorerTraining | None = None
     losses: list[Tensor] = field(default_factory=list)  # boundary loss per layer
@@ -144,8 +144,8 @@ class SparseContext:
     _layers: dict[int, _LayerRecord] = field(default_factory=dict)  # first call of each layer
 
     @classmethod
-    def for_rows(cls, policy: Policy, doc_ids: Tensor, pos: Tensor, *, sinks: int, window: int, k: int, **kw) -> SparseContext:
-        return cls(policy=policy, doc_ids=doc_ids, pos=pos, sinks=sinks, window=window, k=k, **kw)
+    def for_rows(cls, policy: Policy, doc_ids: Tensor, pos: Tensor, *, sinks: int, window: int, long_range: int, **kw) -> SparseContext:
+        return cls(policy=policy, doc_ids=doc_ids, pos=pos, sinks=sinks, window=window, long_range=long_range, **kw)
 
     def evictions(self, layer: int, k: Tensor, v: Tensor):
         """(eviction times (B, Hk, S), Scores or None) for one layer."""
@@ -157,7 +157,7 @@ class SparseContext:
         if scores is None:
             evict = torch.full((B, Hk, S), NEVER, dtype=torch.int64, device=k.device)
         else:
-            evict = eviction_times(scores.prio, self.doc_ids, self.pos, sinks=self.sinks, window=self.window, k=self.k)
+            evict = eviction_times(scores.prio, self.doc_ids, self.pos, sinks=self.sinks, window=self.window, long_range=self.long_range)
         if self.policy.layer_independent:
             self._cache["evict"] = evict
         return evict, scores
@@ -211,7 +211,7 @@ class SparseContext:
             with _kept_saved_tensors():
                 loss, stats = boundary_loss(
                     scores.r_hat, r_tgt, scores.log_gamma, self.doc_ids, self.pos,
-                    sinks=self.sinks, window=self.window, k=self.k, tau=st.tau, tie_margin=st.tie_margin,
+                    sinks=self.sinks, window=self.window, long_range=self.long_range, tau=st.tau, tie_margin=st.tie_margin,
                     query_samples=st.query_samples, generator=st.generator,
                 )
             self.losses.append(loss)

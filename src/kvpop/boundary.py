@@ -57,9 +57,10 @@ def boundary_labels(
     *,
     sinks: int,
     window: int,
-    k: int,
+    long_range: int,
 ) -> BoundaryLabels:
     """The teacher's keep/drop decision for t_new at every decided query, and its competitor."""
+    k = long_range
     B, Hk, S = r_tgt.shape
     dev = r_tgt.device
     ok = eligible_tokens(doc_ids, pos, sinks)  # (B, S)
@@ -95,7 +96,7 @@ def boundary_loss(
     *,
     sinks: int,
     window: int,
-    k: int,
+    long_range: int,
     tau: float = 1.0,
     tie_margin: float = 0.5,
     query_samples: int = 0,
@@ -108,7 +109,7 @@ def boundary_loss(
     keep and drop labels each carry half the weight of their head.
     """
     B, Hk, S = r_hat.shape
-    lab = boundary_labels(r_tgt, log_gamma, doc_ids, pos, sinks=sinks, window=window, k=k)
+    lab = boundary_labels(r_tgt, log_gamma, doc_ids, pos, sinks=sinks, window=window, long_range=long_range)
     if query_samples > 0 and lab.row.numel() > query_samples * B * Hk:
         keep = torch.randperm(lab.row.numel(), generator=generator, device="cpu")[: query_samples * B * Hk]
         keep = keep.to(lab.row.device)

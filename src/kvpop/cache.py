@@ -463,7 +463,7 @@ class BoundedLayer(CacheLayerMixin):
         """The training pattern over the prompt (one document): out (B, H, S, D)."""
         B, H, S, _ = q.shape
         doc = torch.zeros_like(pos)
-        evict = eviction_times(prio, doc, pos, sinks=self.sinks, window=self.window, k=self.k)
+        evict = eviction_times(prio, doc, pos, sinks=self.sinks, window=self.window, long_range=self.k)
         if q.is_cuda:
             bm = block_mask_from_eviction_times(doc, pos, evict, sinks=self.sinks, num_heads=H)
             return flex_execute(q, k, v, bm, scale, need_lse=False)[0]

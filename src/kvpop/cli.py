@@ -167,7 +167,7 @@ def cmd_score(args) -> int:
         kl = agree = n = 0.0
         for r in records:
             ids = torch.tensor(r["input_ids"], device=device)[None]
-            ref = forward_logits(lo.model, Dense(), ids, k=lo.budget, **geometry)[:-1].log_softmax(-1)  # (S-1, V)
+            ref = forward_logits(lo.model, Dense(), ids, long_range=lo.budget, **geometry)[:-1].log_softmax(-1)  # (S-1, V)
             got = teacher_forced_logits(lo.model, lo.policy, ids, budget=lo.budget, **geometry)[0, :-1].float().log_softmax(-1)
             kl += (ref.exp() * (ref - got)).sum().item()
             agree += (ref.argmax(-1) == got.argmax(-1)).sum().item()

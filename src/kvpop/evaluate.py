@@ -61,12 +61,12 @@ class _Acc:
 
 
 @torch.no_grad()
-def forward_logits(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: int, k: int) -> Tensor:
+def forward_logits(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: int, long_range: int) -> Tensor:
     """One trace (1, S) under a policy -> logits (S, V) float32."""
     S = input_ids.shape[1]
     pos = torch.arange(S, device=input_ids.device)[None]
     doc = torch.zeros_like(pos)
-    ctx = SparseContext.for_rows(policy, doc, pos, sinks=sinks, window=window, k=k, executor="flex" if input_ids.is_cuda else "sdpa")
+    ctx = SparseContext.for_rows(policy, doc, pos, sinks=sinks, window=window, long_range=long_range, executor="flex" if input_ids.is_cuda else "sdpa")
     return model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx).logits[0].float()
 
 
@@ -103,7 +103,7 @@ def evaluate_fidelity(
         ids = torch.tensor(rec["input_ids"], device=device)[None]
         scored, quotes = score_positions(rec)
         scored, quotes = scored.to(device), quotes.to(device)
-        ref = forward_logits(teacher, dense, ids, sinks=sinks, window=window, k=budget)  # (S, V)
+        ref = forward_logits(teacher, dense, ids, sinks=sinks, window=window, long_range=budget)  # (S, V)
         ref_logp = torch.log_softmax(ref, -1)
         ref_top = ref.argmax(-1)
         targets = ids[0, 1:]
@@ -119,7 +119,7 @@ def evaluate_fidelity(
             elif c.policy.name == "dense" and c.model is teacher:
                 logits = ref
             else:
-                logits = forward_logits(c.model, c.policy, ids, sinks=sinks, window=window, k=slots[c.name])
+                logits = forward_logits(c.model, c.policy, ids, sinks=sinks, window=window, long_range=slots[c.name])
             logp = torch.log_softmax(logits, -1)
             kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # (S,)
             a = acc[c.name]

@@ -42,6 +42,10 @@ class Policy(nn.Module):
         """
         raise NotImplementedError
 
+    def long_range_slots(self, *, budget: int, sinks: int, window: int, head_dim: int) -> int:
+        """k at a nominal budget; a stateful scorer may spend slots on its state."""
+        return long_range_slots(self, budget=budget, sinks=sinks, window=window, head_dim=head_dim)
+
 
 class Dense(Policy):
     """No eviction: the teacher's pattern (causal within each document)."""

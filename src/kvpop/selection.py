@@ -102,7 +102,7 @@ def eviction_times(
     *,
     sinks: int,
     window: int,
-    k: int,
+    long_range: int,
 ) -> torch.Tensor:
     """Exact eviction time of every token under the static top-k policy.
 
@@ -120,13 +120,14 @@ def eviction_times(
         pos: ``(B, S)`` int position inside the document (0 at its start).
         sinks: number of always-kept tokens at the start of each document.
         window: size ``w`` of the recent window (token ``t`` protected while ``q - t < w``).
-        k: number of long-range slots.
+        long_range: number of long-range slots ``k``.
 
     Returns:
         ``(B, Hk, S)`` int32 eviction times (``NEVER`` if never evicted).
     """
     B, Hk, S = prio.shape
     device = prio.device
+    k = long_range
     idx = torch.arange(S, device=device)
     eligible = eligible_tokens(doc_ids, pos, sinks)  # (B, S)
     never = torch.full((B, Hk, S), NEVER, dtype=torch.int64, device=device)
@@ -163,7 +164,7 @@ def candidate_eviction_times(
     *,
     sinks: int,
     window: int,
-    k: int,
+    long_range: int,
     bits: int | None = None,
 ) -> torch.Tensor:
     """:func:`eviction_times` of one document's *candidates*, each head with its own token set.
@@ -191,6 +192,7 @@ def candidate_eviction_times(
         and tokens with fewer than ``k`` outrankers).
     """
     B, Hk, N = prio.shape
+    k = long_range
     eligible = pos >= sinks
     never = torch.full_like(pos, NEVER, dtype=torch.int64)
     if k == 0:

@@ -102,7 +102,7 @@ class PackedDataset(Dataset):
 class TrainSettings:
     sinks: int
     window: int
-    k: int
+    long_range: int  # long-range slots k
     steps: int
     model_lr: float
     scorer_lr: float
@@ -148,7 +148,7 @@ class DistillModule(L.LightningModule):
 
     def _ctx(self, policy: Policy, batch, scorer_training=None) -> SparseContext:
         return SparseContext.for_rows(
-            policy, batch["doc_ids"], batch["position_ids"], sinks=self.s.sinks, window=self.s.window, k=self.s.k,
+            policy, batch["doc_ids"], batch["position_ids"], sinks=self.s.sinks, window=self.s.window, long_range=self.s.long_range,
             executor="flex" if batch["input_ids"].is_cuda else "sdpa", scorer_training=scorer_training,
         )
 
