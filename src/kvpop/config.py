@@ -16,13 +16,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kvpop.policies import names
+
 #: The embedded default teacher: SmolLM2-135M-Instruct, shipped as GGUF inside a PyPI wheel.
 EMBEDDED_MODEL = "embedded"
 
-#: Policies that are trained (the student is fine-tuned under their pattern).
-TRAINED_POLICIES = ("streaming_llm_plus", "kvpop_mlp", "kvpop")
-#: Every policy name the evaluation knows (training-free ones run on the base model).
-ALL_POLICIES = ("dense", "streaming_llm", "tova", "h2o", *TRAINED_POLICIES)
+#: Policies that are trained (the student is fine-tuned under their pattern), from the registry.
+TRAINED_POLICIES = names(trained=True)
+#: Training-free policies, evaluated on the base model.
+FREE_POLICIES = names(trained=False)
 
 
 class _Section(BaseModel):
@@ -99,8 +101,8 @@ class FilterConfig(_Section):
 class TrainConfig(_Section):
     """Stage ``train``: KL distillation of the student under a sparse pattern."""
 
-    policies: list[Literal["streaming_llm_plus", "kvpop_mlp", "kvpop"]] = Field(
-        default_factory=lambda: ["streaming_llm_plus", "kvpop_mlp", "kvpop"],
+    policies: list[str] = Field(
+        default_factory=lambda: list(TRAINED_POLICIES),
         description="trained policies; DVC runs one train stage per entry",
     )
     seq_len: int = Field(1024, gt=0, description="tokens per packed training row")
@@ -122,7 +124,10 @@ class TrainConfig(_Section):
     target_normalizer: Literal["sparse", "dense"] = Field(
         "sparse", description="log-normalizers of the target: the student's sparse ones, or dense"
     )
-    precision: Literal["32-true", "bf16-mixed", "bf16-true"] = "bf16-mixed"
+    precision: Literal["auto", "32-true", "bf16-mixed", "bf16-true"] = Field(
+        "auto", description="'auto': bf16-mixed where the hardware runs bf16 natively (CUDA, or a CPU with "
+        "AVX512_BF16/AMX), 32-true elsewhere"
+    )
     accelerator: Literal["auto", "cpu", "cuda"] = "auto"
     strategy: Literal["single", "ddp", "fsdp"] = Field(
         "single",
@@ -143,6 +148,14 @@ class TrainConfig(_Section):
     )
     grad_clip: float = Field(1.0, gt=0)
     log_every: int = Field(1, gt=0)
+
+    @field_validator("policies")
+    @classmethod
+    def _trained(cls, v: list[str]) -> list[str]:
+        bad = [p for p in v if p not in TRAINED_POLICIES]
+        if bad:
+            raise ValueError(f"unknown or training-free policies {bad}; trained ones: {', '.join(TRAINED_POLICIES)}")
+        return v
 
     @model_validator(mode="after")
     def _check_scale_out(self) -> TrainConfig:
@@ -172,7 +185,7 @@ class EvaluateConfig(_Section):
     """Stage ``evaluate``: fidelity, generation and cost of every policy on held-out data."""
 
     policies: list[str] = Field(
-        default_factory=lambda: ["dense", "streaming_llm", "tova", "h2o"],
+        default_factory=lambda: list(FREE_POLICIES),
         description="training-free policies evaluated on the base model (trained ones are added)",
     )
     max_traces: int = Field(8, gt=0, description="held-out traces for teacher-forced fidelity")
@@ -192,9 +205,9 @@ class EvaluateConfig(_Section):
     @field_validator("policies")
     @classmethod
     def _known(cls, v: list[str]) -> list[str]:
-        bad = [p for p in v if p not in ALL_POLICIES or p in TRAINED_POLICIES]
+        bad = [p for p in v if p not in FREE_POLICIES]
         if bad:
-            raise ValueError(f"unknown or trained policies {bad}; training-free ones: dense, streaming_llm, tova, h2o")
+            raise ValueError(f"unknown or trained policies {bad}; training-free ones: {', '.join(FREE_POLICIES)}")
         return v
 
 
@@ -220,8 +233,8 @@ class Params(_Section):
         return self
 
     @property
-    def k(self) -> int:
-        """Long-range slots per KV head."""
+    def long_range(self) -> int:
+        """Long-range slots per KV head at the nominal budget (a stateful policy may take fewer)."""
         return self.budget - self.sinks - self.window
 
 

@@ -21,22 +21,21 @@ from torch import Tensor
 
 from kvpop.attention import SparseContext
 from kvpop.modeling import model_shape
-from kvpop.policies import Dense, Policy, long_range_slots
+from kvpop.policies import Dense, Policy
 
 
 @dataclass
 class Candidate:
     """A policy with the model it runs on.
 
-    ``policy`` is the full-sequence pattern (fast, one masked forward per trace); rules that exist
-    only at decode time (TOVA, H2O: they need each step's attention) have ``policy=None`` and are
-    scored by teacher-forced decoding through the bounded cache with ``decode``.
+    A policy with a full-sequence pattern runs one masked forward per trace (fast); rules that
+    exist only at decode time (``needs_attention``: TOVA, H2O) are scored by teacher-forced
+    decoding through the reference cache.
     """
 
     name: str
     model: object
-    policy: Policy | None
-    decode: object | None = None  # kvpop.cache.DecodePolicy
+    policy: Policy
     max_traces: int | None = None  # score only the first records (token-by-token decoding is slow)
 
 
@@ -93,9 +92,9 @@ def evaluate_fidelity(
     """Per-policy fidelity metrics over the records at one nominal budget (see module docstring)."""
     candidates = list(candidates)
     slots = {
-        c.name: long_range_slots(c.policy, budget=budget, sinks=sinks, window=window, head_dim=model_shape(c.model)["head_dim"])
+        c.name: c.policy.long_range_slots(budget=budget, sinks=sinks, window=window, head_dim=model_shape(c.model)["head_dim"])
         for c in candidates
-        if c.policy is not None
+        if not c.policy.needs_attention
     }
     acc = {c.name: _Acc() for c in candidates}
     dense = Dense()
@@ -111,11 +110,11 @@ def evaluate_fidelity(
             if c.max_traces is not None and n >= c.max_traces:
                 continue
             acc[c.name].traces += 1
-            if c.policy is None:
+            if c.policy.needs_attention:
                 from kvpop.decode import teacher_forced_logits
 
                 prefill = min(budget, ids.shape[1])  # nothing is evicted before the cache is full
-                logits = teacher_forced_logits(c.model, c.decode, ids, budget=budget, sinks=sinks, window=window, prefill=prefill)[0].float()
+                logits = teacher_forced_logits(c.model, c.policy, ids, budget=budget, sinks=sinks, window=window, prefill=prefill)[0].float()
             elif c.policy.name == "dense" and c.model is teacher:
                 logits = ref
             else:

@@ -46,8 +46,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from kvpop.policies import Policy, Scores
-from kvpop.scorer import LearnedDecay, static_priority
+from kvpop.scorer import LearnedDecay
 from kvpop.selection import document_spans
 
 ForgetGate = Literal["sigmoid", "exp"]
@@ -304,44 +303,6 @@ class MLSTMScorer(nn.Module):
     def readout(self, layer: int, state: MLSTMState, k_t: Tensor, v_t: Tensor) -> Tensor:
         """r_hat (B, Hk) of token t when it leaves the window: ``state`` has read tokens up to t + window."""
         return self.layers[layer].readout(state, k_t, v_t)
-
-
-class LearnedMLSTM(Policy):
-    """KVpop: the delayed mLSTM scorer per (layer, KV head), plus a learned decay.
-
-    ``scores`` needs the document boundaries and the window. They come as keyword arguments
-    (``scores(layer, k, v, pos, doc_ids=..., window=...)``) or, for callers that only pass
-    ``(layer, k, v, pos)``, from :meth:`bind` called before the forward; keywords win.
-    """
-
-    name = "kvpop"
-    learned = True
-    scores_on_exit = True  # decode: scored when the token leaves the window
-    layer_independent = False
-
-    def __init__(self, scorer: MLSTMScorer, window: int | None = None):
-        super().__init__()
-        self.scorer = scorer
-        self.window = window
-        self.doc_ids: Tensor | None = None
-
-    def bind(self, *, doc_ids: Tensor | None, window: int | None = None) -> LearnedMLSTM:
-        """Set the boundaries (B, S) (and window) for the next forward passes; returns self."""
-        self.doc_ids = doc_ids
-        if window is not None:
-            self.window = window
-        return self
-
-    def scores(self, layer, k, v, pos, *, doc_ids: Tensor | None = None, window: int | None = None):
-        doc_ids = doc_ids if doc_ids is not None else self.doc_ids
-        window = window if window is not None else self.window
-        if window is None:
-            raise RuntimeError("LearnedMLSTM needs the window: pass window= or call bind(...) first")
-        if doc_ids is not None and doc_ids.shape != pos.shape:
-            raise RuntimeError(f"bound doc_ids {tuple(doc_ids.shape)} do not match pos {tuple(pos.shape)}")
-        r_hat = self.scorer.raw_scores(layer, k, v, doc_ids=doc_ids, pos=pos, window=window)  # (B, Hk, S)
-        log_gamma = self.scorer.decay.log_gamma(layer)  # (Hk,)
-        return Scores(prio=static_priority(r_hat.detach(), pos, log_gamma.detach()), r_hat=r_hat, log_gamma=log_gamma)
 
 
 def state_numbers(d_k: int, d_v: int) -> int:

@@ -25,6 +25,12 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32"):
         raise RuntimeError(f"cannot load the model at {path}: {err}") from err
 
 
+def head_dim_of(config) -> int:
+    """The attention head dim of a (text) config: its ``head_dim``, else hidden size / heads."""
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
 def model_shape(model) -> dict[str, int]:
     """Layers, heads and head dim of a loaded model."""
     cfg = model.config
@@ -32,7 +38,7 @@ def model_shape(model) -> dict[str, int]:
         "num_layers": cfg.num_hidden_layers,
         "num_heads": cfg.num_attention_heads,
         "num_kv_heads": cfg.num_key_value_heads,
-        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        "head_dim": head_dim_of(cfg),
     }
 
 

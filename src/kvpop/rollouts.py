@@ -44,8 +44,8 @@ from pathlib import Path
 
 import torch
 
-from kvpop.cache import DecodePolicy, cache_bytes, enable
-from kvpop.decode import _device, generate, new_cache
+from kvpop.decode import cache_bytes, enable, generate, model_device, new_cache
+from kvpop.policies import Policy
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 ANSWER_KINDS = ("boxed", "value")
@@ -228,7 +228,7 @@ def _text_of(row: list[int], stop: set[int], tokenizer) -> str:
 def pass_at_1(
     model,
     tokenizer,
-    policy: DecodePolicy,
+    policy: Policy,
     problems: Sequence[Problem],
     *,
     n: int,
@@ -255,13 +255,15 @@ def pass_at_1(
     Returns ``pass_at_1`` (mean accuracy over all rollouts, every problem weighted equally),
     ``per_problem`` ({id: accuracy}), ``tokens_per_s`` (mean decode throughput of the generate
     calls), ``peak_cache_mb`` (max over calls), ``n_problems``, ``rollouts_per_problem``,
-    ``n_rollouts``, and with ``keep_texts`` ``samples`` ([{id, text, pred, gold, correct}])."""
+    ``n_rollouts``, ``path`` (the decode path of :func:`kvpop.decode.generate`), and with ``keep_texts``
+    ``samples`` ([{id, text, pred, gold, correct}])."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     per_row = 1 if temperature <= 0 else n
     stop = _stop_ids(model, tokenizer)
     per_problem: dict[str, float] = {}
     speeds: list[float] = []
+    paths: set[str] = set()
     peak = 0.0
     samples: list[dict] = []
     for pi, prob in enumerate(problems):
@@ -276,6 +278,7 @@ def pass_at_1(
                 seed=seed + 1000 * pi + bi,
             )
             speeds.append(stats.tokens_per_s)
+            paths.add(stats.path)
             peak = max(peak, stats.peak_cache_mb)
             for row in new.tolist():
                 text = _text_of(row, stop, tokenizer)
@@ -296,6 +299,7 @@ def pass_at_1(
         "n_problems": len(per_problem),
         "rollouts_per_problem": per_row,
         "n_rollouts": per_row * len(per_problem),
+        "path": "+".join(sorted(paths)),
     }
     if keep_texts:
         out["samples"] = samples
@@ -306,7 +310,7 @@ def pass_at_1(
 def memory_curve(
     model,
     tokenizer,
-    policy: DecodePolicy,
+    policy: Policy,
     prompt_ids: Sequence[int] | torch.Tensor,
     *,
     budget: int,
@@ -315,13 +319,13 @@ def memory_curve(
     lengths: Iterable[int],
 ) -> list[tuple[int, float]]:
     """Allocated cache memory (MiB) after generating each of ``lengths`` tokens (0: after the
-    prefill): one greedy decode of ``max(lengths)`` tokens (no EOS stop) on the policy's cache.
-    Dense grows linearly with the sequence; a bounded cache stays flat."""
+    prefill): one greedy decode of ``max(lengths)`` tokens (no EOS stop) on the policy's reference
+    cache (a DynamicCache for dense, which allocates as it grows). Dense grows linearly with the sequence; a bounded cache stays flat."""
     lengths = sorted(set(int(x) for x in lengths))
     if not lengths or lengths[0] < 0:
         raise ValueError(f"lengths must be non-negative and non-empty, got {lengths}")
     enable(model)
-    device = _device(model)
+    device = model_device(model)
     policy.to(device)
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
     ids = ids[None] if ids.dim() == 1 else ids[:1]

@@ -22,13 +22,22 @@ Scale-out and resume (see also :mod:`kvpop.distributed`):
   the uninterrupted run would have, mid-epoch included.
 - Periodic, atomic resume checkpoints and their checks live in :mod:`kvpop.resume`.
 
+One builder, :func:`build_training`, turns a ``TrainConfig`` (``params.yaml``'s ``train`` section or
+one built in code) into the module, the loader and the Lightning trainer; the train stage and every
+bench script use it, so a setting is read in one place. :func:`resolve_precision` maps
+``train.precision: auto`` to the precision the hardware runs natively.
+
 Shapes: B batch, S sequence, V vocabulary, K kept teacher logits.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
@@ -37,9 +46,13 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from kvpop.attention import ScorerTraining, SparseContext
-from kvpop.distributed import place_teacher
+from kvpop.distributed import decoder_layer_classes, make_strategy, place_teacher
 from kvpop.export import CheckpointError
-from kvpop.policies import Dense, Policy
+from kvpop.modeling import model_shape
+from kvpop.policies import Dense, Policy, make_policy
+
+if TYPE_CHECKING:  # kvpop.config needs pydantic; this module does not
+    from kvpop.config import TrainConfig
 
 
 def _kl_rows(student_logits: Tensor, t_logp: Tensor, top_idx: Tensor) -> Tensor:
@@ -111,6 +124,19 @@ class TrainSettings:
     top_logits: int = 256
     scorer_training: ScorerTraining | None = None
     activation_checkpointing: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, *, sinks: int, window: int, long_range: int, seed: int) -> TrainSettings:
+        """The settings of ``cfg``; the boundary loss samples its queries from a generator seeded with ``seed``."""
+        return cls(
+            sinks=sinks, window=window, long_range=long_range, steps=cfg.steps, model_lr=cfg.model_lr, scorer_lr=cfg.scorer_lr,
+            scorer_warmup=cfg.scorer_warmup, weight_decay=cfg.weight_decay, top_logits=cfg.top_logits,
+            scorer_training=ScorerTraining(
+                tau=cfg.tau, tie_margin=cfg.tie_margin, query_samples=cfg.query_samples,
+                target_normalizer=cfg.target_normalizer, generator=torch.Generator().manual_seed(seed),
+            ),
+            activation_checkpointing=cfg.activation_checkpointing,
+        )
 
 
 class DistillModule(L.LightningModule):
@@ -306,3 +332,111 @@ class ResumableLoader(DataLoader):
 def make_loader(ds: PackedDataset, batch_size: int, seed: int, **kw) -> ResumableLoader:
     """The training loader: seeded shuffling, full batches, resumable mid-epoch."""
     return ResumableLoader(ds, batch_size, seed, **kw)
+
+
+# --- precision and the training builder ------------------------------------------------------------
+
+#: /proc/cpuinfo flags of CPUs with native bf16 arithmetic (AVX512-BF16, AMX)
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_flags(path: str | Path = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags (the first ``flags`` line); empty where the file is absent or has none."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return set(value.split())
+    return set()
+
+
+def resolve_precision(precision: str, accelerator: str) -> str:
+    """Lightning precision for ``train.precision`` and ``train.accelerator``.
+
+    ``"auto"`` is ``"bf16-mixed"`` where bf16 is native: CUDA (``accelerator`` cuda, or auto with a
+    visible CUDA device) or a CPU with AVX512-BF16 or AMX; elsewhere ``"32-true"`` (emulated bf16
+    is slower than float32). Any other value is returned unchanged.
+    """
+    if precision != "auto":
+        return precision
+    cuda = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
+    native = cuda or bool(BF16_CPU_FLAGS & cpu_flags())
+    return "bf16-mixed" if native else "32-true"
+
+
+@dataclass
+class Training:
+    """A built training run: the module and loader, and the trainer settings of its config."""
+
+    module: DistillModule
+    loader: ResumableLoader
+    cfg: TrainConfig
+    long_range: int  # long-range slots k of the policy at the budget
+    precision: str  # resolved Lightning precision (never "auto")
+
+    @property
+    def policy(self) -> Policy:
+        return self.module.policy
+
+    @property
+    def student(self):
+        return self.module.student
+
+    def make_trainer(self, *, callbacks: Iterable[L.Callback] = (), logger: Any = False, **overrides) -> L.Trainer:
+        """The Lightning trainer of ``cfg`` (steps, devices, strategy, precision, clipping); ``overrides``
+        are further ``L.Trainer`` arguments and win (``max_steps``, ``enable_progress_bar``, ...)."""
+        cfg = self.cfg
+        layers = decoder_layer_classes(self.student) if cfg.strategy == "fsdp" else None
+        strategy = make_strategy(cfg.strategy, layer_classes=layers, checkpoint_format=cfg.checkpoint_format, precision=self.precision)
+        kw = dict(
+            max_steps=cfg.steps, accelerator=cfg.accelerator, strategy=strategy, devices=cfg.devices, precision=self.precision,
+            gradient_clip_val=cfg.grad_clip, log_every_n_steps=cfg.log_every, logger=logger, callbacks=list(callbacks),
+            enable_checkpointing=False,  # resume checkpoints are kvpop.resume's (atomic)
+            use_distributed_sampler=False,  # the loader shards the global batch itself
+            enable_model_summary=False, num_sanity_val_steps=0, deterministic=False,
+        )
+        return L.Trainer(**{**kw, **overrides})
+
+    def fit(self, *, ckpt_path: str | Path | None = None, **trainer_kw) -> L.Trainer:
+        """Train (from ``ckpt_path`` when resuming); returns the trainer (see :meth:`make_trainer`)."""
+        trainer = self.make_trainer(**trainer_kw)
+        trainer.fit(self.module, self.loader, ckpt_path=ckpt_path)
+        return trainer
+
+
+def build_training(
+    teacher, policy: str | Policy, data, *, cfg: TrainConfig, budget: int, sinks: int, window: int, seed: int,
+    student=None, policy_kw: Mapping[str, Any] | None = None,
+) -> Training:
+    """Everything a training run needs, from one config.
+
+    ``teacher`` is the frozen dense model; ``student`` defaults to a trainable copy of it.
+    ``policy`` is a name for :func:`kvpop.policies.make_policy` (with ``cfg.scorer_hidden`` and
+    ``policy_kw``, e.g. ``scorer_dk``) or a built policy. ``data`` is a :class:`PackedDataset` or
+    packed rows (``input_ids``, ``doc_ids``, ``position_ids``, ``loss_mask``, as the pack stage
+    writes them). ``seed`` seeds the global RNGs (the scorer's initialization), the data order and
+    the boundary loss's query sampling. The policy's long-range slots at ``budget`` and the resolved
+    precision come back with the module and loader; :meth:`Training.fit` trains.
+    """
+    from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+    L.seed_everything(seed, workers=True)
+    shape = model_shape(teacher)
+    if isinstance(policy, str):
+        dims = {k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}
+        policy = make_policy(policy, **dims, scorer_hidden=cfg.scorer_hidden, **(policy_kw or {}))
+    long_range = policy.long_range_slots(budget=budget, sinks=sinks, window=window, head_dim=shape["head_dim"])
+    if student is None:  # the teacher may be frozen already (an earlier run on it)
+        student = copy.deepcopy(teacher).requires_grad_(True)
+    settings = TrainSettings.from_config(cfg, sinks=sinks, window=window, long_range=long_range, seed=seed)
+    module = DistillModule(student, teacher, policy, settings)
+    if not isinstance(data, Dataset):
+        data = PackedDataset(data.input_ids, data.doc_ids, data.position_ids, data.loss_mask)
+    loader = make_loader(data, cfg.batch_size, seed)  # shards itself across ranks, resumable
+    precision = resolve_precision(cfg.precision, cfg.accelerator)
+    if precision != cfg.precision:
+        rank_zero_info(f"train.precision {cfg.precision!r} -> {precision!r} (accelerator {cfg.accelerator!r})")
+    return Training(module=module, loader=loader, cfg=cfg, long_range=long_range, precision=precision)

@@ -4,13 +4,13 @@ gpt-fast's split: :meth:`DecodeEngine.prefill` (chunked, eager, any length) and
 :meth:`DecodeEngine.step` (one token for every row; on CUDA compiled with ``torch.compile`` and
 captured once as a CUDA graph that every later step replays) are separate functions. Two cache layouts run through the same engine and the same step:
 
-* ``bounded`` -- the :class:`kvpop.cache.BoundedCache` layout per layer ``(B, Hk, T, D)``:
+* ``bounded`` -- the :class:`kvpop.decode.layout.CacheLayout` per layer ``(B, Hk, T, D)``:
   ``sinks`` slots, a ring of ``window`` slots, ``k`` long-range slots. Eviction happens inside the
   step with tensor indices only (no host synchronization, no data-dependent shapes): the token
   at position ``p`` goes to ring slot ``sinks + (p - sinks) % window``; the occupant it replaces
   (token ``p - window``) competes for the long-range slot of lowest (priority, position) and
   takes it iff it ranks at least as high. Same rule, same tie-break, same results as
-  :class:`kvpop.cache.BoundedLayer` (the slow twin that tests compare against);
+  :class:`kvpop.decode.cache.BoundedLayer` (the slow twin that tests compare against);
 * ``dense`` -- a static cache of ``max_len`` slots (the dense baseline in the same engine).
 
 Attention of the step is FlexAttention's decoding kernel on CUDA (split over the KV length,
@@ -28,7 +28,7 @@ stays flat, so prompts that would not fit densely work too. A delayed rule (the 
 chunk into its state in closed form (:meth:`kvpop.mlstm.HeadwiseMLSTM.chunk`) and scores, each at
 its exit time, the tokens that leave the window during the chunk; a delayed rule without such a
 form goes through the decode step token by token (exact, slower). Rules that need the attention
-weights (TOVA, H2O) decode through :class:`kvpop.cache.BoundedCache` instead.
+weights (TOVA, H2O) decode through :class:`kvpop.decode.cache.BoundedCache` instead.
 
 Supported architectures: the Llama family as implemented by transformers (``llama``,
 ``mistral`` without sliding windows, ``qwen2``, ``qwen3``); the step calls the model's own
@@ -50,14 +50,14 @@ from torch.nn import functional as F
 
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from kvpop.cache import DecodePolicy, as_decode_policy
+from kvpop.decode.layout import NEG_INF, CacheLayout, check_geometry
 from kvpop.masks import dense_mask
+from kvpop.modeling import head_dim_of
 from kvpop.policies import Policy
 from kvpop.selection import NEVER, candidate_eviction_times
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 BLOCK = 128  # FlexAttention block width; cache slots are padded to a multiple of it
-NEG_INF = float("-inf")
 I64_MAX = torch.iinfo(torch.int64).max
 
 
@@ -93,13 +93,25 @@ def block_mask(mask_mod, kv_blocks: Tensor, Q: int, N: int, kv_indices: Tensor |
     )
 
 
+def engine_refusal(model, policy: Policy | None) -> str | None:
+    """Why :class:`DecodeEngine` cannot decode ``policy`` on ``model`` (None: it can)."""
+    cfg = model.config.get_text_config(decoder=True)
+    if cfg.model_type not in SUPPORTED:
+        return f"DecodeEngine supports {SUPPORTED}, not {cfg.model_type!r}; decode it with kvpop.decode.BoundedCache"
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or []) or getattr(cfg, "sliding_window", None) and cfg.model_type == "mistral":
+        return "DecodeEngine does not support sliding-window attention layers"
+    if policy is not None and policy.needs_attention:
+        return f"policy {policy.name!r} needs attention weights: decode it with kvpop.decode.BoundedCache"
+    return None
+
+
 class DecodeEngine:
     """A model, a cache layout and a policy, with preallocated buffers for ``batch_size`` rows.
 
     ``DecodeEngine(model, policy, budget=2048, sinks=4, window=256, batch_size=1)`` -- a bounded
-    cache (``policy``: any :class:`kvpop.policies.Policy` or static/delayed
-    :class:`kvpop.cache.DecodePolicy`; ``budget`` is nominal, as in BoundedCache);
-    ``DecodeEngine(model, None, max_len=L, batch_size=1)`` -- the dense static cache.
+    cache (``policy``: any static or delayed :class:`kvpop.policies.Policy`; ``budget`` is
+    nominal, as in BoundedCache); ``DecodeEngine(model, None, max_len=L, batch_size=1)`` (or a
+    policy that never evicts) -- the dense static cache.
 
     ``prefill(ids)`` then ``step()`` repeatedly: the step reads the token in :attr:`tok` (B, 1),
     writes the greedy next token back into it (or the caller copies its own sample in) and
@@ -107,14 +119,12 @@ class DecodeEngine:
     """
 
     def __init__(
-        self, model, policy: Policy | DecodePolicy | None = None, *, budget: int | None = None, sinks: int = 4, window: int = 256,
+        self, model, policy: Policy | None = None, *, budget: int | None = None, sinks: int = 4, window: int = 256,
         max_len: int | None = None, batch_size: int = 1, chunk: int = 2048, compile: bool | None = None,
     ):
         cfg = model.config.get_text_config(decoder=True)
-        if cfg.model_type not in SUPPORTED:
-            raise NotImplementedError(f"DecodeEngine supports {SUPPORTED}, not {cfg.model_type!r}; decode it with kvpop.cache.BoundedCache")
-        if "sliding_attention" in (getattr(cfg, "layer_types", None) or []) or getattr(cfg, "sliding_window", None) and cfg.model_type == "mistral":
-            raise NotImplementedError("DecodeEngine does not support sliding-window attention layers")
+        if (refusal := engine_refusal(model, policy)) is not None:
+            raise NotImplementedError(refusal)
         if chunk % BLOCK:
             raise ValueError(f"chunk must be a multiple of {BLOCK}, got {chunk}")
         self.model = model.eval()
@@ -123,30 +133,28 @@ class DecodeEngine:
         self.device, self.dtype = p0.device, p0.dtype
         self.B, self.chunk = batch_size, chunk
         self.H, self.Hk = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.D = head_dim_of(cfg)
         self.G = self.H // self.Hk
         self.scale = self.layers[0].self_attn.scaling
-        self.policy = None if policy is None or not getattr(policy, "evicts", True) else as_decode_policy(policy)
+        self.policy = policy if policy is not None and policy.evicts else None
         if self.policy is None:
             if max_len is None or max_len < 1:
                 raise ValueError("a dense engine needs max_len >= 1 (the static cache length)")
             self.kind: Literal["bounded", "dense"] = "dense"
-            self.sinks, self.window, self.k, self.slots = 0, max_len, 0, max_len
+            self.layout = CacheLayout(budget=max_len, sinks=0, window=max_len, long_range=0)
         else:
-            if self.policy.needs_attention:
-                raise NotImplementedError(f"policy {self.policy.name!r} needs attention weights: decode it with kvpop.cache.BoundedCache")
-            if budget is None or window < 1 or sinks < 0 or budget < sinks + window:
-                raise ValueError(f"need budget >= sinks + window and window >= 1; got budget={budget}, sinks={sinks}, window={window}")
+            if budget is None:
+                raise ValueError("a bounded engine needs a budget")
+            check_geometry(budget, sinks, window)
             self.kind = "bounded"
-            self.k = self.policy.long_range_slots(budget=budget, sinks=sinks, window=window, head_dim=self.D)
-            self.sinks, self.window = sinks, window
-            self.slots = sinks + window + self.k
+            self.layout = CacheLayout.for_policy(self.policy, budget=budget, sinks=sinks, window=window, head_dim=self.D)
+        self.sinks, self.window, self.long_range, self.slots = self.layout.sinks, self.layout.window, self.layout.long_range, self.layout.slots
         self.delayed = self.policy is not None and self.policy.scores_on_exit
         # (weight, bias) of each layer's q/k/v and gate/up projections, packed into one matrix each
         # (after every check above: a refused engine leaves the model as it was)
         self._wqkv = [pack_linears(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj) for l in self.layers]
         self._wgu = [pack_linears(l.mlp.gate_proj, l.mlp.up_proj) for l in self.layers]
-        self.lr = self.sinks + self.window  # first long-range slot
+        self.lr = self.layout.first_long_range
         self.T = -(-self.slots // BLOCK) * BLOCK
         B, Hk, T, D, dev = self.B, self.Hk, self.T, self.D, self.device
         L = len(self.layers)
@@ -195,9 +203,8 @@ class DecodeEngine:
 
     # --- shared pieces ----------------------------------------------------------------------------
     def home_slot(self, pos: Tensor) -> Tensor:
-        """The slot of a sink or window token at position(s) ``pos`` (int64): the sinks first, then
-        the ring (``sinks + (pos - sinks) % window``); long-range slots are assigned by eviction."""
-        return torch.where(pos < self.sinks, pos, self.sinks + (pos - self.sinks).remainder(self.window))
+        """The slot of a sink or window token at position(s) ``pos`` (int64): :meth:`CacheLayout.home_slot`."""
+        return self.layout.home_slot(pos)
 
     def _qkv(self, i: int, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """h (B, S, hidden) normed -> q (B, H, S, D), k, v (B, Hk, S, D), rotary applied; one GEMM."""
@@ -316,7 +323,7 @@ class DecodeEngine:
         at = slot.expand(B * Hk)  # the slot that takes token p
         new = (k.reshape(B * Hk, -1), v.reshape(B * Hk, -1), p.expand(B * Hk), new_prio)
         bufs = (keys, values, pos, prio)
-        if self.k == 0:
+        if self.long_range == 0:
             for buf, n in zip(bufs, new, strict=True):
                 buf.index_put_((bi, hi, at), n)
             return
@@ -396,7 +403,7 @@ class DecodeEngine:
                 cand_prio = self._delayed_chunk_priorities(i, k, v, cand_k, cand_v, c0, c1)
             else:
                 cand_prio = torch.cat([self.prio[i], self.policy.token_scores(i, k, v, pos).double()], 2)  # (B, Hk, N)
-            evict = candidate_eviction_times(cand_prio, cand_pos, sinks=self.sinks, window=self.window, long_range=self.k, bits=max(1, c1.bit_length()))
+            evict = candidate_eviction_times(cand_prio, cand_pos, sinks=self.sinks, window=self.window, long_range=self.long_range, bits=max(1, c1.bit_length()))
             evict = evict.clamp(max=NEVER)
             if self.policy.layer_independent:
                 self._chunk_shared = (cand_prio, evict)
@@ -507,8 +514,7 @@ def weight_bytes(model) -> int:
 def kv_bytes_per_token(model) -> int:
     """Keys and values of one token in every layer."""
     cfg = model.config.get_text_config(decoder=True)
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * d * next(model.parameters()).element_size()
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim_of(cfg) * next(model.parameters()).element_size()
 
 
-__all__ = ["DecodeEngine", "kv_bytes_per_token", "pack_linears", "weight_bytes"]
+__all__ = ["DecodeEngine", "engine_refusal", "kv_bytes_per_token", "pack_linears", "weight_bytes"]

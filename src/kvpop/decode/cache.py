@@ -1,10 +1,8 @@
 """A bounded KV cache for decoding: exactly ``budget`` entries per layer and KV head, forever.
 
-Layout of every layer's preallocated buffers ``(B, Hk, T = budget, D)``::
-
-    slots [0, sinks)                   the first ``sinks`` tokens (kept forever)
-    slots [sinks, sinks + window)      a ring over the ``window`` most recent tokens
-    slots [sinks + window, T)          ``k = T - sinks - window`` long-range slots
+The reference (slow, obviously right) twin of :class:`kvpop.decode.engine.DecodeEngine`, and the
+decode path of the rules that need attention weights (TOVA, H2O). Every layer's preallocated
+buffers are ``(B, Hk, T, D)`` in the :class:`kvpop.decode.layout.CacheLayout` geometry.
 
 Token ``t >= sinks`` is written into ring slot ``sinks + (t - sinks) % window``. When token ``q``
 arrives it overwrites token ``q - window``, which leaves the window and competes for the
@@ -16,25 +14,24 @@ pattern token for token. Keys keep the rotary positions they were written with, 
 :meth:`BoundedCache.get_seq_length` reports the number of tokens *seen*, so new positions keep
 counting from the true sequence length.
 
-Priorities come from a :class:`DecodePolicy`, the one scoring interface of the cache:
+Priorities come from a :class:`kvpop.policies.Policy`, through the hooks its capabilities declare:
 
-* a static rule (``needs_attention = False``) scores tokens once, when they enter
-  (:meth:`DecodePolicy.token_scores`); any :class:`kvpop.policies.Policy` plugs in through
-  :class:`StaticPolicy` (priority = ``Scores.prio``, with ``pos`` = absolute position, which is
-  the position inside the single document being generated, as in training);
-* a delayed rule (``scores_on_exit = True``; the ``kvpop`` mLSTM through :class:`DelayedPolicy`)
+* a static rule scores tokens once, when they enter (:meth:`Policy.token_scores`, i.e.
+  ``Scores.prio`` with ``pos`` = absolute position, which is the position inside the single
+  document being generated, as in training);
+* a delayed rule (``scores_on_exit = True``, the ``kvpop`` mLSTM)
   keeps a recurrent state per layer in the cache (preallocated, counted by
   :meth:`BoundedCache.cache_bytes`). Every entering token is written into it
-  (:meth:`DecodePolicy.step`); a token is scored when it *leaves* the window, at the arrival of
-  token ``t + window`` (:meth:`DecodePolicy.exit_scores`): the state has then read exactly tokens
+  (:meth:`Policy.step`); a token is scored when it *leaves* the window, at the arrival of
+  token ``t + window`` (:meth:`Policy.exit_scores`): the state has then read exactly tokens
   ``0 .. t + window``, the training-time read-out time ``tau_t``. Its static priority is fixed from
   then on, so the competition below is unchanged; sinks and window tokens carry no score (NaN).
   The ring holds the keys and values of the window tokens until they leave, so scoring at exit
   needs no extra storage. Such a policy may also spend slots on its state: the cache asks it for
-  ``k`` (:meth:`DecodePolicy.long_range_slots`), so ``budget`` is the *nominal* budget;
-* an attention rule (``needs_attention = True``, TOVA, H2O in :mod:`kvpop.decode`) re-scores the
+  ``k`` (:meth:`Policy.long_range_slots`), so ``budget`` is the *nominal* budget;
+* an attention rule (``needs_attention = True``, TOVA, H2O) re-scores the
   stored slots after every attention step from the current query's attention
-  (:meth:`DecodePolicy.slot_scores`). Its decisions at step ``q`` use statistics up to query
+  (:meth:`Policy.slot_scores`). Its decisions at step ``q`` use statistics up to query
   ``q - 1``, so the cache never holds more than ``budget`` entries.
 
 Attention runs through the cache itself (:meth:`BoundedCache.attend`, the same protocol as
@@ -67,189 +64,30 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpop.attention import SparseContext, flex_execute, sdpa_execute
+from kvpop.decode.layout import NEG_INF, CacheLayout
 from kvpop.masks import block_mask_from_eviction_times, dense_mask, make_eviction_mask_mod
-from kvpop.policies import Policy, long_range_slots
-from kvpop.scorer import static_priority
+from kvpop.modeling import head_dim_of
+from kvpop.policies import Policy
 from kvpop.selection import eviction_times
 
 ATTN_IMPLEMENTATION = "kvpop_cache"
-NEG_INF = float("-inf")
-
-
-class DecodePolicy:
-    """Eviction rule of the bounded cache: priorities per stored token, higher is kept longer.
-
-    A rule overrides one hook: :meth:`token_scores` (static rules, scored at entry),
-    :meth:`slot_scores` (``needs_attention = True``) or, with ``scores_on_exit = True``, the
-    recurrent hooks :meth:`init_state`, :meth:`step`, :meth:`exit_scores` and :meth:`prefill`.
-    Ties are always broken by recency (newer outranks older).
-    """
-
-    name: str = "decode_policy"
-    evicts: bool = True  # False: dense decoding, no bounded cache at all
-    needs_attention: bool = False  # True: slot_scores receives the attention of every query
-    scores_on_exit: bool = False  # True: delayed scoring from a recurrent state, when a token leaves the window
-    chunked_prefill: bool = False  # delayed rules: True if prefill_chunk reads a chunk at once
-    layer_independent: bool = False  # True: the same priorities in every layer (static rules that ignore k, v)
-
-    def long_range_slots(self, *, budget: int, sinks: int, window: int, head_dim: int) -> int:
-        """k at a nominal budget; a stateful rule may spend slots on its state."""
-        return budget - sinks - window
-
-    def token_scores(self, layer: int, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
-        """k, v (B, Hk, S, D), pos (B, S) absolute positions -> priority (B, Hk, S) of entering tokens."""
-        return torch.zeros(k.shape[:3], dtype=torch.float64, device=k.device)
-
-    def slot_scores(self, prio: Tensor, attn: Tensor) -> Tensor:
-        """prio (B, Hk, T), attn (B, Hk, Q, T) weights of Q consecutive queries (mean over each KV
-        head's query group; zero on future and empty slots) -> updated priorities (B, Hk, T)."""
-        raise NotImplementedError
-
-    # --- delayed rules (scores_on_exit = True) ---------------------------------------------------
-    def init_state(self, layer: int, B: int, device) -> tuple[Tensor, ...]:
-        """An empty recurrent state of one layer (a tuple of tensors with leading dim B)."""
-        return ()
-
-    def step(self, layer: int, state: tuple, k_t: Tensor, v_t: Tensor) -> tuple[Tensor, ...]:
-        """Write the entering token k_t, v_t (B, Hk, D) -> the new state (same shapes)."""
-        raise NotImplementedError
-
-    def exit_scores(self, layer: int, state: tuple, k_t: Tensor, v_t: Tensor, pos: int | Tensor) -> Tensor:
-        """Priority (B, Hk) float64 of token ``pos`` (an int or a 0-dim tensor, the same for every
-        row; k_t, v_t (B, Hk, D)) as it leaves the window; ``state`` has read tokens ``0 .. pos + window``."""
-        raise NotImplementedError
-
-    def prefill_chunk(self, layer: int, state: tuple, k: Tensor, v: Tensor, rk: Tensor, rv: Tensor, rpos: Tensor, tau: Tensor) -> tuple[Tensor, tuple]:
-        """Chunked prefill (``chunked_prefill = True``): read C tokens k, v (B, Hk, C, D) into ``state``
-        and score the R tokens rk, rv (B, Hk, R, D) at positions rpos (R,) that leave the window
-        meanwhile, each after the chunk's tokens ``0 .. tau`` (R,) -> (priority (B, Hk, R) float64,
-        the state after the chunk)."""
-        raise NotImplementedError
-
-    def prefill(self, layer: int, k: Tensor, v: Tensor, pos: Tensor, *, window: int) -> tuple[Tensor, tuple]:
-        """A prompt k, v (B, Hk, S, D), pos (B, S) -> (priority (B, Hk, S), state after token S - 1).
-
-        Priorities must be exact for tokens ``t <= S - 1 - window`` (read out at ``t + window``);
-        the others are only placeholders (finite) and are scored again when they leave."""
-        raise NotImplementedError
-
-    def to(self, *args, **kwargs) -> DecodePolicy:
-        return self
-
-
-def _delayed(policy: Policy) -> bool:
-    """Does a training-time policy score with a delay (a declared ``scores_on_exit``, else a scorer
-    exposing the recurrent API ``init_state`` / ``step`` / ``readout``)?"""
-    declared = getattr(policy, "scores_on_exit", None)
-    if declared is not None:
-        return bool(declared)
-    scorer = getattr(policy, "scorer", None)
-    return all(callable(getattr(scorer, a, None)) for a in ("init_state", "step", "readout"))
-
-
-class StaticPolicy(DecodePolicy):
-    """Any training-time :class:`kvpop.policies.Policy`: priority = ``Scores.prio``, fixed at entry."""
-
-    def __init__(self, policy: Policy):
-        if not policy.evicts:
-            raise ValueError(f"policy {policy.name!r} never evicts: decode it with a DynamicCache")
-        if _delayed(policy):
-            raise ValueError(f"policy {policy.name!r} scores with a delay: decode it with DelayedPolicy (or as_decode_policy)")
-        self.policy = policy
-        self.name = policy.name
-        self.layer_independent = policy.layer_independent
-
-    def long_range_slots(self, *, budget, sinks, window, head_dim):
-        return long_range_slots(self.policy, budget=budget, sinks=sinks, window=window, head_dim=head_dim)
-
-    def token_scores(self, layer, k, v, pos):
-        return self.policy.scores(layer, k, v, pos).prio
-
-    def to(self, *args, **kwargs):
-        self.policy.to(*args, **kwargs)
-        return self
-
-
-class DelayedPolicy(DecodePolicy):
-    """A training-time policy whose scorer reads ahead (``kvpop``: the delayed mLSTM), scored at exit.
-
-    The scorer gives the recurrent API ``init_state(B, device)``, ``step(layer, state, k_t, v_t)``
-    and ``readout(layer, state, k_t, v_t) -> r_hat (B, Hk)``, and ``decay.log_gamma(layer)``;
-    priority = ``static_priority(r_hat, pos, log_gamma)``, as in the policy's ``scores``. The
-    prompt is scored by the policy's own (parallel, training-time) ``scores`` over one document.
-    """
-
-    scores_on_exit = True
-
-    def __init__(self, policy: Policy):
-        if not policy.evicts:
-            raise ValueError(f"policy {policy.name!r} never evicts: decode it with a DynamicCache")
-        if not _delayed(policy):
-            raise ValueError(f"policy {policy.name!r} scores at entry: decode it with StaticPolicy")
-        self.policy = policy
-        self.scorer = policy.scorer
-        self.name = policy.name
-        layers = getattr(self.scorer, "layers", None)
-        self.chunked_prefill = bool(layers) and all(callable(getattr(cell, "chunk", None)) for cell in layers)
-
-    def long_range_slots(self, *, budget, sinks, window, head_dim):
-        return long_range_slots(self.policy, budget=budget, sinks=sinks, window=window, head_dim=head_dim)
-
-    def init_state(self, layer, B, device):
-        return self.scorer.init_state(B, device)  # MLSTMState (C, n, m)
-
-    def step(self, layer, state, k_t, v_t):
-        return self.scorer.step(layer, state, k_t, v_t)
-
-    def exit_scores(self, layer, state, k_t, v_t, pos):
-        r_hat = self.scorer.readout(layer, state, k_t, v_t)  # (B, Hk)
-        p = torch.as_tensor(pos, dtype=torch.int64, device=r_hat.device).reshape(1, 1).expand(r_hat.shape[0], 1)
-        return static_priority(r_hat[..., None], p, self.scorer.decay.log_gamma(layer))[..., 0]
-
-    def prefill_chunk(self, layer, state, k, v, rk, rv, rpos, tau):
-        r_hat, new = self.scorer.layers[layer].chunk(state, k, v, rk, rv, tau)  # (B, Hk, R)
-        p = rpos.view(1, -1).expand(r_hat.shape[0], -1)
-        return static_priority(r_hat, p, self.scorer.decay.log_gamma(layer)), new
-
-    def prefill(self, layer, k, v, pos, *, window):
-        prio = self.policy.scores(layer, k, v, pos, doc_ids=torch.zeros_like(pos), window=window).prio
-        return prio, self._prompt_state(layer, k, v)
-
-    def _prompt_state(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
-        """The mLSTM state after reading the prompt k, v (B, Hk, S, D), in closed form."""
-        cell = self.scorer.layers[layer]
-        return cell.absorb(cell.init_state(k.shape[0], k.device), k, v)
-
-    def to(self, *args, **kwargs):
-        self.policy.to(*args, **kwargs)
-        return self
-
-
-def as_decode_policy(policy: DecodePolicy | Policy) -> DecodePolicy:
-    """A decode policy as is; a training-time policy through :class:`DelayedPolicy` if it scores with
-    a delay, else :class:`StaticPolicy`."""
-    if isinstance(policy, DecodePolicy):
-        return policy
-    return DelayedPolicy(policy) if _delayed(policy) else StaticPolicy(policy)
 
 
 class BoundedLayer(CacheLayerMixin):
     """One layer: keys and values (B, Hk, T, D) plus per-slot priority and position (B, Hk, T),
-    and, for a delayed policy, its recurrent state (``policy.init_state``, preallocated).
-
-    ``budget`` here is the number of slots ``T = sinks + window + k`` (the cache derives it from
-    the nominal budget through :meth:`DecodePolicy.long_range_slots`)."""
+    and, for a delayed policy, its recurrent state (``policy.init_state``, preallocated);
+    ``T = layout.slots``."""
 
     is_compileable = False
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, layer_idx: int, policy: DecodePolicy, *, budget: int, sinks: int, window: int):
+    def __init__(self, layer_idx: int, policy: Policy, layout: CacheLayout):
         super().__init__()
-        self.layer_idx, self.policy = layer_idx, policy
-        self.budget, self.sinks, self.window = budget, sinks, window
-        self.k = budget - sinks - window
-        self.lr = sinks + window  # first long-range slot
+        self.layer_idx, self.policy, self.layout = layer_idx, policy, layout
+        self.slots, self.sinks, self.window = layout.slots, layout.sinks, layout.window
+        self.long_range = layout.long_range
+        self.lr = layout.first_long_range
         self.seen = 0  # tokens seen (not stored): the next token's position
         self.prio: Tensor | None = None  # (B, Hk, T) float64, -inf on empty slots
         self.pos: Tensor | None = None  # (B, Hk, T) int64 absolute position, -1 on empty slots
@@ -259,7 +97,7 @@ class BoundedLayer(CacheLayerMixin):
     # --- transformers' layer interface ---------------------------------------------------------
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         B, Hk, _, Dk = key_states.shape
-        T, dev = self.budget, key_states.device
+        T, dev = self.slots, key_states.device
         self.dtype, self.device = key_states.dtype, dev
         self.keys = key_states.new_zeros(B, Hk, T, Dk)
         self.values = value_states.new_zeros(B, Hk, T, value_states.shape[-1])
@@ -285,7 +123,7 @@ class BoundedLayer(CacheLayerMixin):
         if self._pending is not None:
             raise RuntimeError(
                 "BoundedCache: the previous step's attention did not run through the cache; "
-                "call kvpop.cache.enable(model) before decoding with it"
+                "call kvpop.decode.enable(model) before decoding with it"
             )
         if key_states.shape[0] != self.keys.shape[0]:
             raise ValueError(f"BoundedCache holds batch {self.keys.shape[0]}, got {key_states.shape[0]}")
@@ -346,16 +184,13 @@ class BoundedLayer(CacheLayerMixin):
             prio = torch.full_like(self.prio[:, :, :1], float("nan"))  # scored when it leaves the window
         else:
             prio = self.policy.token_scores(self.layer_idx, k, v, torch.full((B, 1), p, device=k.device))  # (B, Hk, 1)
-        if p < self.sinks:
-            slot = p
-        else:
-            slot = self.sinks + (p - self.sinks) % self.window
-            if p - self.sinks >= self.window:  # the occupant (token p - window) leaves the window
-                if delayed and self.k > 0:
-                    self.prio[:, :, slot] = self.policy.exit_scores(
-                        self.layer_idx, self.state, self.keys[:, :, slot], self.values[:, :, slot], p - self.window
-                    )
-                self._compete(slot)
+        slot = self.layout.home_slot(p)
+        if p >= self.lr:  # the occupant of the ring slot (token p - window) leaves the window
+            if delayed and self.long_range > 0:
+                self.prio[:, :, slot] = self.policy.exit_scores(
+                    self.layer_idx, self.state, self.keys[:, :, slot], self.values[:, :, slot], p - self.window
+                )
+            self._compete(slot)
         self.keys[:, :, slot] = k[:, :, 0]
         self.values[:, :, slot] = v[:, :, 0]
         self.prio[:, :, slot] = prio[:, :, 0]
@@ -364,9 +199,9 @@ class BoundedLayer(CacheLayerMixin):
 
     def _compete(self, src: int) -> None:
         """The token in slot ``src`` takes the lowest-ranked long-range slot iff it outranks it."""
-        if self.k == 0:
+        if self.long_range == 0:
             return
-        lr = slice(self.lr, self.budget)
+        lr = slice(self.lr, self.slots)
         prio, pos = self.prio[:, :, lr], self.pos[:, :, lr]  # (B, Hk, k)
         low = prio.amin(-1, keepdim=True)  # (B, Hk, 1); empty slots are -inf
         # lowest-ranked slot: lowest priority, and the oldest among equal priorities
@@ -391,13 +226,13 @@ class BoundedLayer(CacheLayerMixin):
         dev = k.device
         sinks, window = torch.arange(min(self.sinks, S), device=dev), torch.arange(min(S, max(self.sinks, S - self.window)), S, device=dev)
         fixed = torch.cat([sinks, window])  # token indices, head-independent
-        slots = torch.where(fixed < self.sinks, fixed, self.sinks + (fixed - self.sinks) % self.window)
+        slots = self.layout.home_slot(fixed)
         self.keys[:, :, slots] = k[:, :, fixed]
         self.values[:, :, slots] = v[:, :, fixed]
         self.prio[:, :, slots] = prio[:, :, fixed]
         self.pos[:, :, slots] = fixed
         lo, hi = self.sinks, S - self.window  # eligible tokens
-        n = min(self.k, hi - lo)
+        n = min(self.long_range, hi - lo)
         if n <= 0:
             return
         flipped = prio[:, :, lo:hi].flip(-1)  # newest first, so a stable sort lets ties go to the newer
@@ -463,7 +298,7 @@ class BoundedLayer(CacheLayerMixin):
         """The training pattern over the prompt (one document): out (B, H, S, D)."""
         B, H, S, _ = q.shape
         doc = torch.zeros_like(pos)
-        evict = eviction_times(prio, doc, pos, sinks=self.sinks, window=self.window, long_range=self.k)
+        evict = eviction_times(prio, doc, pos, sinks=self.sinks, window=self.window, long_range=self.long_range)
         if q.is_cuda:
             bm = block_mask_from_eviction_times(doc, pos, evict, sinks=self.sinks, num_heads=H)
             return flex_execute(q, k, v, bm, scale, need_lse=False)[0]
@@ -493,30 +328,23 @@ class BoundedLayer(CacheLayerMixin):
 class BoundedCache(Cache):
     """The bounded cache of a decoder-only model: one :class:`BoundedLayer` per layer.
 
-    ``BoundedCache(model.config, policy, budget=..., sinks=..., window=...)`` with a
-    :class:`DecodePolicy` or any :class:`kvpop.policies.Policy`; pass it as ``past_key_values``
-    to a model prepared by :func:`enable` (``model.generate`` included).
-
-    ``budget`` is the nominal budget: each layer keeps ``sinks + window + k`` slots per KV head
-    with ``k = policy.long_range_slots(...)``, which is ``budget - sinks - window`` except for a
-    stateful policy (``kvpop``), whose recurrent state takes the memory of the slots it gives up
-    (:func:`kvpop.policies.long_range_slots`).
+    ``BoundedCache(model.config, policy, budget=..., sinks=..., window=...)`` with any evicting
+    :class:`kvpop.policies.Policy`; pass it as ``past_key_values`` to a model prepared by
+    :func:`enable` (``model.generate`` included). ``budget`` is nominal: each layer keeps
+    ``layout.slots`` entries per KV head (:class:`kvpop.decode.layout.CacheLayout`).
     """
 
-    def __init__(self, config, policy: DecodePolicy | Policy, *, budget: int, sinks: int, window: int):
+    def __init__(self, config, policy: Policy, *, budget: int, sinks: int, window: int):
         cfg = config.get_text_config(decoder=True)
-        if window < 1 or sinks < 0 or budget < sinks + window:
-            raise ValueError(f"need window >= 1, sinks >= 0 and budget >= sinks + window; got budget={budget}, sinks={sinks}, window={window}")
+        if not policy.evicts:
+            raise ValueError(f"policy {policy.name!r} never evicts: decode it with a DynamicCache")
         if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
             raise NotImplementedError("BoundedCache does not support sliding-window attention layers")
-        self.policy = as_decode_policy(policy)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.k = self.policy.long_range_slots(budget=budget, sinks=sinks, window=window, head_dim=head_dim)
-        if not 0 <= self.k <= budget - sinks - window:
-            raise ValueError(f"policy {self.policy.name!r} asks for {self.k} long-range slots at budget {budget}")
+        self.policy = policy
+        self.layout = CacheLayout.for_policy(policy, budget=budget, sinks=sinks, window=window, head_dim=head_dim_of(cfg))
         self.budget, self.sinks, self.window = budget, sinks, window
-        self.slots = sinks + window + self.k  # per layer and KV head
-        layers = [BoundedLayer(i, self.policy, budget=self.slots, sinks=sinks, window=window) for i in range(cfg.num_hidden_layers)]
+        self.long_range, self.slots = self.layout.long_range, self.layout.slots
+        layers = [BoundedLayer(i, policy, self.layout) for i in range(cfg.num_hidden_layers)]
         super().__init__(layers=layers)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:

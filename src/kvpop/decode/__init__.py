@@ -1,0 +1,19 @@
+"""Decoding under an eviction policy.
+
+* :mod:`~kvpop.decode.layout` -- the cache geometry (sinks, ring, long-range slots) and the home slot;
+* :mod:`~kvpop.decode.cache` -- :class:`BoundedCache`, the reference (slow twin) cache for
+  ``model.generate``, and the only path of the attention rules (TOVA, H2O);
+* :mod:`~kvpop.decode.engine` -- :class:`DecodeEngine`, the fast path (chunked prefill, static
+  step, CUDA graphs);
+* :mod:`~kvpop.decode.generate` -- :func:`generate` on the fastest path that supports the policy.
+"""
+
+from kvpop.decode.cache import BoundedCache, BoundedLayer, cache_bytes, enable
+from kvpop.decode.engine import DecodeEngine, engine_refusal
+from kvpop.decode.generate import GenerationStats, choose_path, generate, model_device, new_cache, teacher_forced_logits
+from kvpop.decode.layout import CacheLayout
+
+__all__ = [
+    "BoundedCache", "BoundedLayer", "CacheLayout", "DecodeEngine", "GenerationStats", "cache_bytes", "choose_path", "enable",
+    "engine_refusal", "generate", "model_device", "new_cache", "teacher_forced_logits",
+]

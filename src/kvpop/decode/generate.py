@@ -1,0 +1,210 @@
+"""Generation with a policy's cache, on whichever decode path supports it.
+
+Two paths decode the same policy to the same tokens (``tests/test_engine.py`` proves them equal):
+
+* ``engine`` -- :class:`kvpop.decode.engine.DecodeEngine`: chunked prefill and a static-shape
+  step over preallocated buffers (compiled and CUDA-graphed on request). It decodes ``dense``
+  (a static cache of prompt + new tokens) and every static or delayed rule on the Llama family;
+* ``reference`` -- ``model.generate`` over :class:`kvpop.decode.cache.BoundedCache` (or a
+  ``DynamicCache`` for dense): the slow twin, and the only path of the rules that need each
+  step's attention (TOVA, H2O) and of architectures the engine does not support.
+
+``path="auto"`` takes the engine wherever it supports the policy: it is the faster path on the
+CPU as well as on CUDA (``bench/bench_generate.py`` measures both side by side against
+transformers' own ``generate``). Sampling follows transformers' ``generate``: the same warpers in
+the same order (temperature, top-k, top-p), one ``torch.multinomial`` draw per step from the
+global generator, padding after EOS; so a seed gives the same tokens on both paths.
+
+Shapes: B batch, S prompt, N new tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from kvpop.decode.cache import BoundedCache, cache_bytes, enable
+from kvpop.decode.engine import DecodeEngine, engine_refusal
+from kvpop.policies import Policy
+
+Path = Literal["auto", "engine", "reference"]
+
+
+def new_cache(model, policy: Policy, *, budget: int, sinks: int, window: int):
+    """The reference cache of a policy: a DynamicCache for dense, else a BoundedCache (``budget``
+    nominal: the cache takes the policy's k)."""
+    from transformers import DynamicCache
+
+    if not policy.evicts:
+        return DynamicCache(config=model.config)
+    return BoundedCache(model.config, policy, budget=budget, sinks=sinks, window=window)
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def teacher_forced_logits(model, policy: Policy, input_ids: Tensor, *, budget: int, sinks: int, window: int, prefill: int = 1) -> Tensor:
+    """Logits (B, S, V) of decoding ``input_ids`` (B, S) through the reference cache: ``prefill``
+    tokens at once, then one at a time (the attention rules' teacher-forced path)."""
+    enable(model)
+    policy.to(model_device(model))
+    cache = new_cache(model, policy, budget=budget, sinks=sinks, window=window)
+    B, S = input_ids.shape
+    first = model(input_ids=input_ids[:, :prefill], past_key_values=cache).logits
+    logits = first.new_empty(B, S, first.shape[-1])
+    logits[:, :prefill] = first
+    for t in range(prefill, S):
+        logits[:, t] = model(input_ids=input_ids[:, t : t + 1], past_key_values=cache).logits[:, 0]
+    return logits
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int
+    new_tokens: int  # decode steps x rows (rows that stopped early count their padding)
+    seconds: float
+    tokens_per_s: float
+    peak_cache_mb: float  # allocated cache bytes at the end (the bounded cache never grows)
+    path: str = "reference"  # the decode path that ran: "engine" or "reference"
+
+
+def choose_path(model, policy: Policy, path: Path = "auto") -> Literal["engine", "reference"]:
+    """The decode path for ``policy`` on ``model``: the engine wherever it supports them."""
+    refusal = engine_refusal(model, policy)
+    if path == "engine" and refusal is not None:
+        raise NotImplementedError(refusal)
+    if path == "reference":
+        return "reference"
+    return "engine" if refusal is None else "reference"
+
+
+def _warpers(temperature: float, top_p: float, top_k: int):
+    """transformers' sampling warpers, in ``generate``'s order (skipped where they change nothing)."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    out = LogitsProcessorList()
+    if temperature != 1.0:
+        out.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        out.append(TopKLogitsWarper(top_k=top_k))
+    if top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p=top_p))
+    return out
+
+
+def _eos_ids(model, tokenizer) -> Tensor:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return torch.tensor(eos, dtype=torch.long, device=model_device(model))
+
+
+@torch.no_grad()
+def engine_generate(
+    engine: DecodeEngine, ids: Tensor, *, max_new_tokens: int, eos: Tensor, pad: int, temperature: float = 0.0, top_p: float = 1.0,
+    top_k: int = 0, streamer=None,
+) -> Tensor:
+    """Decode up to ``max_new_tokens`` after ids (B, S) on a fresh engine state -> new tokens (B, N),
+    N <= max_new_tokens (all rows stopped at EOS: the loop ends; stopped rows are padded)."""
+    sample = temperature > 0
+    warp = _warpers(temperature, top_p, top_k) if sample else None
+    engine.reset()
+    logits = engine.prefill(ids)  # (B, V) float32
+    seq = ids
+    unfinished = torch.ones(ids.shape[0], dtype=torch.long, device=ids.device)
+    if streamer is not None:
+        streamer.put(ids.cpu())
+    new = []
+    for i in range(max_new_tokens):
+        if sample:
+            nxt = torch.multinomial(torch.softmax(warp(seq, logits), -1), num_samples=1).squeeze(1)  # (B,)
+        else:
+            nxt = logits.argmax(-1)
+        nxt = nxt * unfinished + pad * (1 - unfinished)
+        new.append(nxt)
+        seq = torch.cat([seq, nxt[:, None]], 1)
+        if streamer is not None:
+            streamer.put(nxt.cpu())
+        unfinished = unfinished & ~torch.isin(nxt, eos)
+        if i == max_new_tokens - 1 or not unfinished.any():
+            break
+        engine.tok.copy_(nxt[:, None])
+        logits = engine.step().clone()
+    if streamer is not None:
+        streamer.end()
+    return torch.stack(new, 1)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tokenizer,
+    policy: Policy,
+    prompt_ids: Tensor | list[int],
+    *,
+    budget: int,
+    sinks: int,
+    window: int,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    streamer=None,
+    path: Path = "auto",
+    compile: bool = False,
+) -> tuple[Tensor, GenerationStats]:
+    """Generate under ``policy`` -> (new token ids (B, N), stats).
+
+    ``prompt_ids``: (B, S) or a list of ids (one row); rows share one length (no padding).
+    ``temperature == 0`` is greedy; ``seed`` seeds torch's global generator for sampling.
+    ``path``: see the module docstring; ``compile`` compiles the engine's step (CUDA only)."""
+    device = model_device(model)
+    policy.to(device)
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
+    ids = ids[None] if ids.dim() == 1 else ids
+    if ids.shape[1] == 0:
+        raise ValueError("empty prompt")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    chosen = choose_path(model, policy, path)
+    sample = temperature > 0
+    t0 = time.perf_counter()
+    if chosen == "engine":
+        engine = DecodeEngine(model, policy, budget=budget, sinks=sinks, window=window, max_len=ids.shape[1] + max_new_tokens,
+                              batch_size=ids.shape[0], compile=compile)
+        torch.manual_seed(seed)
+        new = engine_generate(engine, ids, max_new_tokens=max_new_tokens, eos=_eos_ids(model, tokenizer), pad=pad,
+                              temperature=temperature, top_p=top_p, top_k=top_k, streamer=streamer)
+        nbytes = engine.cache_bytes()
+    else:
+        enable(model)
+        cache = new_cache(model, policy, budget=budget, sinks=sinks, window=window)
+        torch.manual_seed(seed)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            max_new_tokens=max_new_tokens,
+            do_sample=sample,
+            temperature=temperature if sample else None,
+            top_p=top_p if sample else None,
+            top_k=top_k if sample else None,
+            pad_token_id=pad,
+            streamer=streamer,
+        )
+        new = out[:, ids.shape[1] :]
+        nbytes = cache_bytes(cache)
+    seconds = time.perf_counter() - t0
+    n = new.numel()
+    stats = GenerationStats(
+        prompt_tokens=ids.shape[1], new_tokens=n, seconds=seconds, tokens_per_s=n / max(seconds, 1e-9),
+        peak_cache_mb=nbytes / 2**20, path=chosen,
+    )
+    return new, stats

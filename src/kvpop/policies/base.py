@@ -1,0 +1,150 @@
+"""The one interface of every eviction policy: declared capabilities plus scoring hooks.
+
+A policy gives every cached token a priority per KV head (higher is kept longer); the shared
+selection keeps, per KV head, the ``sinks`` first tokens, the ``window`` most recent ones and the
+``k`` long-range tokens of highest (priority, recency). A policy overrides the hooks its
+capabilities call for, and orchestration (training, the evaluation, both decode paths) reads the
+capabilities, never the concrete class:
+
+============================  ==========================================================================
+capability                    meaning
+============================  ==========================================================================
+``evicts``                    False: dense attention, nothing is ever evicted (``dense``)
+``learned``                   has a scorer trained by the boundary loss (``scorer`` attribute)
+``trained``                   the student model is fine-tuned under the policy: it needs an export folder
+``layer_independent``         the same priorities in every layer (the pattern is computed once)
+``needs_attention``           re-scored from each decode step's attention weights (:meth:`slot_scores`);
+                              no full-sequence pattern, so decode-only (TOVA, H2O)
+``scores_on_exit``            scored from a recurrent state when a token leaves the window (the delayed
+                              mLSTM): the recurrent hooks below
+``chunked_prefill``           (with ``scores_on_exit``) :meth:`prefill_chunk` reads a chunk in closed form
+============================  ==========================================================================
+
+Hooks:
+
+* :meth:`scores` -- the full-sequence pattern (training, teacher-forced evaluation, prefill):
+  ``(layer, keys, values, pos) -> Scores`` with a static priority per token;
+* :meth:`token_scores` -- a static rule at decode time, when a token enters the cache
+  (``scores(...).prio`` unless overridden);
+* :meth:`slot_scores` -- an attention rule, after every decode step;
+* :meth:`init_state`, :meth:`step`, :meth:`exit_scores`, :meth:`prefill`, :meth:`prefill_chunk`
+  -- a delayed rule;
+* :meth:`long_range_slots` -- ``k`` at a nominal budget (a stateful rule spends slots on its state).
+
+Shapes: B batch, Hk KV heads, Q queries, S sequence, T cache slots, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class Scores:
+    prio: Tensor  # (B, Hk, S) static priority, higher is kept longer
+    r_hat: Tensor | None = None  # (B, Hk, S) raw learned score, with the scorer's graph
+    log_gamma: Tensor | None = None  # (Hk,) with the decay's graph
+
+
+@dataclass(frozen=True)
+class ScorerSpec:
+    """What a learned policy's scorer is built from: the model's shape and the scorer's sizes."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden: int = 64  # kvpop_mlp: hidden width of the MLP
+    d_k: int = 16  # kvpop: the mLSTM memory's key dim
+    d_v: int = 16  # kvpop: the mLSTM memory's value dim
+    forget_gate: str = "sigmoid"  # kvpop: "sigmoid" or "exp"
+
+
+class Policy(nn.Module):
+    """Base class: the pattern is sinks + window + top-k of the eligible tokens by priority."""
+
+    name: ClassVar[str] = "policy"
+    evicts: ClassVar[bool] = True
+    learned: ClassVar[bool] = False
+    trained: ClassVar[bool] = False
+    layer_independent: ClassVar[bool] = True
+    needs_attention: ClassVar[bool] = False
+    scores_on_exit: ClassVar[bool] = False
+    chunked_prefill: ClassVar[bool] = False
+
+    #: the capabilities, in the order the registry and the README list them
+    CAPABILITIES: ClassVar[tuple[str, ...]] = (
+        "evicts", "learned", "trained", "layer_independent", "needs_attention", "scores_on_exit",
+    )
+
+    @classmethod
+    def build(cls, spec: ScorerSpec) -> Policy:
+        """A fresh policy for a model (learned ones start from an untrained scorer)."""
+        return cls()
+
+    @classmethod
+    def capabilities(cls) -> dict[str, bool]:
+        return {c: bool(getattr(cls, c)) for c in cls.CAPABILITIES}
+
+    def long_range_slots(self, *, budget: int, sinks: int, window: int, head_dim: int) -> int:
+        """k at a nominal ``budget``: ``budget - sinks - window`` unless the rule spends slots on a state."""
+        return budget - sinks - window
+
+    # --- the full-sequence pattern -----------------------------------------------------------------
+    def scores(self, layer: int, keys: Tensor, values: Tensor, pos: Tensor, *, doc_ids: Tensor | None = None, window: int | None = None) -> Scores | None:
+        """keys, values (B, Hk, S, D), pos (B, S) -> priorities; None for a policy that never evicts.
+
+        ``doc_ids`` (B, S) and ``window`` are given for scorers that read beyond the token itself
+        (the delayed mLSTM); the others ignore them."""
+        raise NotImplementedError(f"policy {self.name!r} has no full-sequence pattern (needs_attention: decode only)")
+
+    # --- decode-time hooks -------------------------------------------------------------------------
+    def token_scores(self, layer: int, keys: Tensor, values: Tensor, pos: Tensor) -> Tensor:
+        """A static rule: entering tokens keys, values (B, Hk, S, D) at absolute positions pos (B, S)
+        -> priority (B, Hk, S), fixed from then on."""
+        return self.scores(layer, keys, values, pos).prio
+
+    def slot_scores(self, prio: Tensor, attn: Tensor) -> Tensor:
+        """``needs_attention``: prio (B, Hk, T), attn (B, Hk, Q, T) weights of Q consecutive queries
+        (mean over each KV head's query group; zero on future and empty slots) -> priorities (B, Hk, T)."""
+        raise NotImplementedError(f"policy {self.name!r} does not re-score from attention")
+
+    def init_state(self, layer: int, B: int, device) -> tuple[Tensor, ...]:
+        """``scores_on_exit``: an empty recurrent state of one layer (tensors with leading dim B)."""
+        raise NotImplementedError(f"policy {self.name!r} keeps no recurrent state")
+
+    def step(self, layer: int, state: tuple, k_t: Tensor, v_t: Tensor) -> tuple[Tensor, ...]:
+        """``scores_on_exit``: write the entering token k_t, v_t (B, Hk, D) -> the new state."""
+        raise NotImplementedError(f"policy {self.name!r} keeps no recurrent state")
+
+    def exit_scores(self, layer: int, state: tuple, k_t: Tensor, v_t: Tensor, pos: int | Tensor) -> Tensor:
+        """``scores_on_exit``: priority (B, Hk) float64 of token ``pos`` (k_t, v_t (B, Hk, D)) as it
+        leaves the window; ``state`` has read tokens ``0 .. pos + window``."""
+        raise NotImplementedError(f"policy {self.name!r} keeps no recurrent state")
+
+    def prefill(self, layer: int, keys: Tensor, values: Tensor, pos: Tensor, *, window: int) -> tuple[Tensor, tuple]:
+        """``scores_on_exit``: a prompt keys, values (B, Hk, S, D), pos (B, S) -> (priority (B, Hk, S),
+        state after token S - 1). Priorities must be exact for tokens ``t <= S - 1 - window``; the
+        others are placeholders (finite), scored again when they leave."""
+        raise NotImplementedError(f"policy {self.name!r} keeps no recurrent state")
+
+    def prefill_chunk(self, layer: int, state: tuple, keys: Tensor, values: Tensor, rk: Tensor, rv: Tensor, rpos: Tensor, tau: Tensor) -> tuple[Tensor, tuple]:
+        """``chunked_prefill``: read C tokens keys, values (B, Hk, C, D) into ``state`` and score the
+        R tokens rk, rv (B, Hk, R, D) at positions rpos (R,) that leave the window meanwhile, each
+        after the chunk's tokens ``0 .. tau`` (R,) -> (priority (B, Hk, R) float64, new state)."""
+        raise NotImplementedError(f"policy {self.name!r} has no chunked prefill")
+
+
+
+class AttentionRule(Policy):
+    """Base of the rules re-scored from each decode step's attention (``needs_attention``): a token
+    enters with priority 0 and :meth:`slot_scores` folds every later query's weights in."""
+
+    needs_attention = True
+    layer_independent = False
+
+    def token_scores(self, layer, keys, values, pos):
+        return torch.zeros(keys.shape[:3], dtype=torch.float64, device=keys.device)  # (B, Hk, S)

@@ -1,0 +1,26 @@
+"""``kvpop_mlp``: an MLP per (layer, KV head) on the token's key and value, plus a learned decay."""
+
+from __future__ import annotations
+
+from kvpop.policies.base import Policy, Scores, ScorerSpec
+from kvpop.scorer import MLPScorer, static_priority
+
+
+class KvpopMLP(Policy):
+    name = "kvpop_mlp"
+    learned = True
+    trained = True
+    layer_independent = False
+
+    def __init__(self, scorer: MLPScorer):
+        super().__init__()
+        self.scorer = scorer
+
+    @classmethod
+    def build(cls, spec: ScorerSpec) -> KvpopMLP:
+        return cls(MLPScorer(spec.num_layers, spec.num_kv_heads, spec.head_dim, hidden=spec.hidden))
+
+    def scores(self, layer, keys, values, pos, **_):
+        r_hat = self.scorer.raw_scores(layer, keys, values)  # (B, Hk, S)
+        log_gamma = self.scorer.decay.log_gamma(layer)  # (Hk,)
+        return Scores(prio=static_priority(r_hat.detach(), pos, log_gamma.detach()), r_hat=r_hat, log_gamma=log_gamma)
