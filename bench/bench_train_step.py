@@ -1,8 +1,9 @@
 """Benchmark of one training step: kvpop_mlp vs a dense-KL step of the same model at 16,384-token rows.
 
-Both steps are the pipeline's own loop: ``lightning.Trainer.fit`` on a
-:class:`kvpop.train.DistillModule` (its ``training_step`` and ``configure_optimizers``), with
-Lightning's ``bf16-mixed`` precision on CUDA (the step under bf16 autocast, backward, AdamW). The
+Both steps are the pipeline's own loop, built by :func:`kvpop.train.build_training` as in the train
+stage: ``lightning.Trainer.fit`` on a :class:`kvpop.train.DistillModule` (its ``training_step`` and
+``configure_optimizers``), with Lightning's ``bf16-mixed`` precision on CUDA (the step under bf16
+autocast, backward, gradient clipping at ``train.grad_clip``, AdamW). The
 frozen teacher runs densely (top-256 logits); the student runs under the ``dense`` policy (the
 dense-KL step: the same code path, FlexAttention with a causal-within-document BlockMask) or under
 ``kvpop_mlp`` (scorer, selection, sparse FlexAttention, target pass and boundary loss in every
@@ -31,6 +32,9 @@ the phases of the step: teacher forward (with its top-256), student forward (wit
     PYTHONPATH=src python bench/bench_train_step.py --out $OUT/train_step.json       # one H200
     PYTHONPATH=src python bench/bench_train_step.py --model small --out /tmp/ts.json  # 4 layers of the 4B
     PYTHONPATH=src python bench/bench_train_step.py --cpu-smoke --out /tmp/ts.json    # CPU, tiny, 256 tokens
+
+Needs pydantic (:class:`kvpop.config.TrainConfig`), which the device image lacks: carry its wheels
+(pydantic, pydantic_core, annotated-types, typing-inspection) as the device notes say.
 """
 
 from __future__ import annotations
@@ -48,12 +52,12 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
 
 import kvpop.attention as kv_attention
-from kvpop.attention import ScorerTraining, register
+from kvpop.attention import register
+from kvpop.config import TrainConfig
 from kvpop.policies import Dense, make_policy
-from kvpop.train import DistillModule, PackedDataset, TrainSettings
+from kvpop.train import PackedDataset, build_training
 
 # Qwen3 architectures (hidden, intermediate, layers, query heads, KV heads); head_dim 128, vocab 151,936, tied
 QWEN3 = {
@@ -160,8 +164,7 @@ def build_models(name: str, dev: torch.device, cuda: bool, tiny: bool):
     torch.manual_seed(0)
     with torch.device(dev):
         teacher = AutoModelForCausalLM.from_config(cfg, attn_implementation=register(), dtype=torch.bfloat16 if cuda else torch.float32)
-    student = copy.deepcopy(teacher).float()
-    student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    student = copy.deepcopy(teacher).float()  # activation checkpointing: train.activation_checkpointing
     return teacher, student
 
 
@@ -212,13 +215,18 @@ class StepTimer(L.Callback):
             self.peak = torch.cuda.max_memory_allocated() / 2**30
 
 
-def run_variant(label: str, teacher, student, policy, settings: TrainSettings, rows: PackedDataset, args, cuda: bool) -> dict:
+def run_variant(label: str, teacher, student, policy, rows: PackedDataset, args, cuda: bool) -> dict:
     """``args.warmup + args.steps`` steps of ``Trainer.fit`` on one DistillModule; per-step seconds of every part.
 
-    The pipeline's loop: Lightning's precision plugin (``bf16-mixed`` on CUDA: fp32 weights, the
-    step under bf16 autocast), the module's ``configure_optimizers`` (AdamW), one row per step.
+    The pipeline's loop (:func:`kvpop.train.build_training`): Lightning's precision plugin
+    (``bf16-mixed`` on CUDA: fp32 weights, the step under bf16 autocast), gradient clipping, the
+    module's ``configure_optimizers`` (AdamW), one row per step.
     """
-    module = DistillModule(student, teacher, policy, settings)
+    cfg = TrainConfig(
+        steps=1000, seq_len=args.tokens, batch_size=1, model_lr=1e-6, scorer_lr=1e-4, top_logits=args.top_logits,
+        precision="bf16-mixed" if cuda else "32-true", accelerator="cuda" if cuda else "cpu", activation_checkpointing=True,
+    )  # steps: the scorer's schedule length (only the first steps run)
+    training = build_training(teacher, policy, rows, cfg=cfg, budget=args.budget, sinks=args.sinks, window=args.window, seed=0, student=student)
     timer = Timer(cuda)
     cb = StepTimer(timer, label, args.warmup, cuda)
     saved = {n: getattr(kv_attention, n) for n in WRAPPED}
@@ -228,13 +236,8 @@ def run_variant(label: str, teacher, student, policy, settings: TrainSettings, r
         policy.scores = timer.wrap("scorer", policy.scores)
     hooks = [teacher.register_forward_pre_hook(lambda m, a: timer.enter("teacher")),
              student.register_forward_pre_hook(lambda m, a: timer.enter("student_forward"))]
-    trainer = L.Trainer(
-        accelerator="gpu" if cuda else "cpu", devices=1, precision="bf16-mixed" if cuda else "32-true",
-        max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[cb], default_root_dir=args.tmp_dir,
-    )
     try:
-        trainer.fit(module, DataLoader(rows, batch_size=1, shuffle=False))
+        trainer = training.fit(max_steps=args.warmup + args.steps, callbacks=[cb], enable_progress_bar=False, default_root_dir=args.tmp_dir)
     finally:
         for h in hooks:
             h.remove()
@@ -247,7 +250,7 @@ def run_variant(label: str, teacher, student, policy, settings: TrainSettings, r
         raise RuntimeError(f"{label}: {trainer.global_step} optimizer steps, expected {args.warmup + args.steps}")
     keys = sorted({k for st in cb.steps for k in st})
     med = {k: statistics.median(st.get(k, 0.0) for st in cb.steps) for k in keys}
-    del trainer, module
+    del trainer, training
     return {"median_s": med, "steps": cb.steps, "peak_memory_gib": cb.peak}
 
 
@@ -344,16 +347,12 @@ def run_model(name: str, args, dev, cuda: bool, res: dict, out: Path) -> None:
         print(f"--- {label}: {res['config']['model']}, {S} tokens", flush=True)
         if label == "dense":
             policy = Dense()
-            st = None
         else:
             torch.manual_seed(1)
             policy = make_policy("kvpop_mlp", **dims, scorer_hidden=64).to(dev)
             for layer in policy.scorer.layers:  # scattered selection (see the module docstring)
                 torch.nn.init.normal_(layer.w2)
-            st = ScorerTraining(generator=torch.Generator().manual_seed(0))
-        settings = TrainSettings(sinks=args.sinks, window=args.window, long_range=k, steps=1000, model_lr=1e-6, scorer_lr=1e-4,
-                                 top_logits=args.top_logits, scorer_training=st)
-        res["variants"][label] = run_variant(label, teacher, student, policy, settings, rows, args, cuda)
+        res["variants"][label] = run_variant(label, teacher, student, policy, rows, args, cuda)
         del policy
         gc.collect()
         out.write_text(json.dumps(res, indent=2))  # partial results after every variant

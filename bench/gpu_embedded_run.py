@@ -5,10 +5,10 @@ characters of assistant content per token for this format (measured), so 6,200-9
 give chat-formatted traces of about 5,000-7,950 tokens, all under the 8,192-token rows; the quotes
 sit thousands of tokens after their definitions (definitions first, recalls at the end).
 
-One run trains three policies with the library's DistillModule on the same rows, in the same
-order, for the same number of steps (``--steps``, which is also the scorers' cosine-schedule
-length): ``kvpop`` (the delayed mLSTM scorer; its k is :func:`kvpop.policies.long_range_slots`,
-i.e. the budget less the slots its recurrent state costs), then ``kvpop_mlp`` (k = budget - sinks -
+One run trains three policies with the library's training builder (:func:`kvpop.train.build_training`,
+as the train stage) on the same rows, in the same order, for the same number of steps (``--steps``,
+which is also the scorers' cosine-schedule length): ``kvpop`` (the delayed mLSTM scorer; its k is
+``policy.long_range_slots``, i.e. the budget less the slots its recurrent state costs), then ``kvpop_mlp`` (k = budget - sinks -
 window), then ``streaming_llm_plus``. ``kvpop`` is trained first, under a wall-clock safety guard
 (``--first-budget``): should the guard stop it early, the other two get exactly the steps it
 reached (the schedule length stays ``--steps`` for all three). Measured on an H200 at these sizes
@@ -16,13 +16,17 @@ reached (the schedule length stays ``--steps`` for all three). Measured on an H2
 recomputation), kvpop_mlp 1.2 s, streaming_llm_plus 0.25 s; conversion + data + evaluation of 16
 traces about 65 s. So ``--steps 56 --first-budget 340`` fills a 575-s device call; the first run
 used ``--steps 140 --first-budget 230``, and the guard stopped kvpop (hence all three) at 39 steps. Lightning precision
-``bf16-mixed`` (fp32 master weights, bf16 autocast for the model); both scorers' hooks run with
-autocast off, so the scorers compute in fp32. Evaluation: :func:`kvpop.evaluate.evaluate_fidelity`
+``--precision`` (default ``auto``: ``bf16-mixed`` on CUDA, i.e. fp32 master weights and bf16 autocast for the
+model); :class:`kvpop.attention.SparseContext` runs the scorers' hooks with autocast off, so the scorers
+compute in fp32. The GGUF becomes a Hugging Face folder through :func:`kvpop.base_model.materialize`
+(the embedded source, read from the GGUF's folder). Evaluation: :func:`kvpop.evaluate.evaluate_fidelity`
 in float32 on held-out traces of another seed, for dense, streaming_llm (base model),
 streaming_llm_plus, kvpop_mlp and kvpop.
 
-Device calls (the GGUF comes in two halves, see ``../shared/tools/device-model.sh``; the gguf
-wheel: ``python3 -m pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0``):
+Device calls (the GGUF comes in two halves, see ``../shared/tools/device-model.sh``; the wheels,
+gguf and pydantic (for :class:`kvpop.config.TrainConfig`; the device image has none):
+``python3 -m pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0 pydantic==2.14.4 pydantic_core==2.50.5
+annotated-types==0.8.0 typing-inspection==0.4.5`` with the device's platform flags, see the device notes):
 
     call 1, carry [".devmodel-a"]:  mkdir -p /tmp/devmodel && cp .devmodel-a/part_aa /tmp/devmodel/
     call 2 right after, carry [".devmodel-b", ".whl"]:
@@ -38,7 +42,6 @@ CPU smoke test (tiny sizes): ``PYTHONPATH=src .venv/bin/python bench/gpu_embedde
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime as dt
 import json
 import time
@@ -46,42 +49,22 @@ from pathlib import Path
 
 import torch
 
-from kvpop.attention import ScorerTraining
+from kvpop.base_model import EMBEDDED_GGUF, materialize
+from kvpop.config import TrainConfig
 from kvpop.data.synthetic import generate_traces
 from kvpop.evaluate import Candidate, evaluate_fidelity, score_positions
 from kvpop.filter import filter_rows
 from kvpop.modeling import load_model, model_shape
 from kvpop.pack import pack_records
-from kvpop.mlstm import LearnedMLSTM
-from kvpop.policies import LearnedMLP, long_range_slots, make_policy
-from kvpop.train import DistillModule, PackedDataset, TrainSettings, make_loader
-
-
-class FP32ScorerMLP(LearnedMLP):
-    """kvpop_mlp whose scoring hook runs with autocast off (fp32 scorer under bf16-mixed)."""
-
-    def scores(self, layer, k, v, pos, **kw):
-        with torch.autocast(device_type=k.device.type, enabled=False):
-            return super().scores(layer, k.float(), v.float(), pos, **kw)
-
-
-class FP32ScorerMLSTM(LearnedMLSTM):
-    """kvpop (delayed mLSTM) whose scoring hook runs with autocast off (fp32 scorer under bf16-mixed)."""
-
-    def scores(self, layer, k, v, pos, **kw):
-        with torch.autocast(device_type=k.device.type, enabled=False):
-            return super().scores(layer, k.float(), v.float(), pos, **kw)
+from kvpop.policies import make_policy
+from kvpop.train import build_training, resolve_precision
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tok.save_pretrained(out_dir)
+    """The embedded model's GGUF (already on disk: nothing is downloaded) as a float32 Hugging Face folder."""
+    if gguf.name != Path(EMBEDDED_GGUF).name or not gguf.is_file():
+        raise SystemExit(f"--gguf must be an existing {Path(EMBEDDED_GGUF).name} (the embedded model), got {gguf}")
+    materialize("embedded", out_dir, dtype="float32", cache_dir=gguf.parent)
 
 
 def make_records(tok, n: int, seed: int, args) -> tuple[list[dict], dict, list[int], float]:
@@ -153,44 +136,21 @@ def step_timer():
     return _Timer()
 
 
-def build_policy(name: str, shape: dict, args):
-    dims = {k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}
-    base = make_policy(name, **dims, scorer_hidden=args.scorer_hidden, scorer_dk=args.scorer_dk, scorer_dv=args.scorer_dv)
-    if name == "kvpop_mlp":
-        return FP32ScorerMLP(base.scorer)
-    if name == "kvpop":
-        return FP32ScorerMLSTM(base.scorer, window=args.window)
-    return base
-
-
 def train_policy(name: str, teacher, shape, packed, args, *, max_steps: int, time_budget: float | None, accelerator: str):
-    import lightning as L
-
-    L.seed_everything(args.seed, workers=True)
-    student = copy.deepcopy(teacher).requires_grad_(True)  # the teacher was frozen by an earlier DistillModule
-    policy = build_policy(name, shape, args)
-    k = long_range_slots(policy, budget=args.budget, sinks=args.sinks, window=args.window, head_dim=shape["head_dim"])
-    settings = TrainSettings(
-        sinks=args.sinks, window=args.window, long_range=k, steps=args.steps,  # steps: the scorer's cosine-schedule length
-        model_lr=args.model_lr, scorer_lr=args.scorer_lr, top_logits=256,
-        scorer_training=ScorerTraining(tau=1.0, tie_margin=0.5, generator=torch.Generator().manual_seed(args.seed)),
-    )
-    module = DistillModule(student, teacher, policy, settings)
-    ds = PackedDataset(packed.input_ids, packed.doc_ids, packed.position_ids, packed.loss_mask)
-    loader = make_loader(ds, 1, args.seed)
+    # steps: the scorer's cosine-schedule length; max_steps (the first policy's) may stop earlier
+    cfg = TrainConfig(steps=args.steps, seq_len=args.seq_len, batch_size=1, model_lr=args.model_lr, scorer_lr=args.scorer_lr,
+                      scorer_hidden=args.scorer_hidden, top_logits=256, precision=args.precision, accelerator=accelerator)
+    training = build_training(teacher, name, packed, cfg=cfg, budget=args.budget, sinks=args.sinks, window=args.window, seed=args.seed,
+                              policy_kw={"scorer_dk": args.scorer_dk, "scorer_dv": args.scorer_dv})
     timer = step_timer()
     callbacks = [timer] + ([StopAfter.make(time_budget)] if time_budget else [])
-    trainer = L.Trainer(
-        max_steps=max_steps, accelerator=accelerator, devices=1, precision=args.precision, gradient_clip_val=1.0,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, callbacks=callbacks,
-    )
     t0 = time.time()
-    trainer.fit(module, loader)
+    trainer = training.fit(max_steps=max_steps, callbacks=callbacks, enable_progress_bar=False)
     secs = time.time() - t0
     final = {k.removeprefix("train/"): round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
-    info = {"steps": trainer.global_step, "k": k, "seconds": round(secs, 1), **timer.summary(), **final}
+    info = {"steps": trainer.global_step, "k": training.long_range, "seconds": round(secs, 1), **timer.summary(), **final}
     print(f"[train] {name}: {info}", flush=True)
+    student, policy = training.student, training.policy
     if not policy.learned:
         policy = make_policy(name, **{x: shape[x] for x in ("num_layers", "num_kv_heads", "head_dim")})
     return student.float().eval(), policy.float().eval(), info
@@ -219,7 +179,7 @@ def main() -> None:
     ap.add_argument("--scorer-hidden", type=int, default=64)
     ap.add_argument("--scorer-dk", type=int, default=16)
     ap.add_argument("--scorer-dv", type=int, default=16)
-    ap.add_argument("--precision", default=None, help="Lightning precision (default bf16-mixed on CUDA, 32-true on CPU)")
+    ap.add_argument("--precision", default="auto", help="Lightning precision (auto: bf16-mixed on CUDA or a bf16 CPU, else 32-true)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-seed", type=int, default=1)
     ap.add_argument("--policies", default="kvpop,kvpop_mlp,streaming_llm_plus",
@@ -233,7 +193,8 @@ def main() -> None:
         args.seq_len, args.budget, args.window, args.train_traces, args.eval_traces = 768, 160, 64, 2, 1
         args.min_chars, args.max_chars, args.num_values, args.num_recalls = 700, 900, 24, 4
         args.min_quote_distance_chars, args.steps, args.first_budget = 500, 2, 60.0
-    args.precision = args.precision or ("bf16-mixed" if cuda else "32-true")
+    accelerator = "cuda" if cuda else "cpu"
+    args.precision = resolve_precision(args.precision, accelerator)
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
     torch.backends.cuda.matmul.allow_tf32 = True
     t_start = time.time()
@@ -260,7 +221,6 @@ def main() -> None:
     print(f"eval: {eval_stats}, trace tokens {length_stats(el, args.seq_len)}, quote distance chars {length_stats(eval_qd, None)}, "
           f"{cpt:.3f} chars/token", flush=True)
 
-    accelerator = "gpu" if cuda else "cpu"
     dims = {x: shape[x] for x in ("num_layers", "num_kv_heads", "head_dim")}
     out = {
         "budget": args.budget,
@@ -320,7 +280,7 @@ def main() -> None:
     cands = [Candidate("dense", teacher, make_policy("dense", **dims)), Candidate("streaming_llm", teacher, make_policy("streaming_llm", **dims))]
     cands += [Candidate(n, trained[n][0].to(dev), trained[n][1].to(dev))
               for n in ("streaming_llm_plus", "kvpop_mlp", "kvpop") if n in trained]
-    out["k"] = {c.name: long_range_slots(c.policy, budget=args.budget, sinks=args.sinks, window=args.window, head_dim=shape["head_dim"])
+    out["k"] = {c.name: c.policy.long_range_slots(budget=args.budget, sinks=args.sinks, window=args.window, head_dim=shape["head_dim"])
                 for c in cands}
     t0 = time.time()
     results = evaluate_fidelity(padded, teacher, cands, budget=args.budget, sinks=args.sinks, window=args.window, device=dev,

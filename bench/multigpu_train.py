@@ -1,6 +1,7 @@
 """Scale-out proof: 1 GPU vs 2 GPUs (DDP, FSDP) on the same global batch, in one call.
 
-Trains the library's DistillModule (``kvpop_mlp``: the student under the learned scorer's pattern,
+Trains through the library's training builder (:func:`kvpop.train.build_training`, as the train
+stage: DistillModule, resumable loader, strategy; ``kvpop_mlp``: the student under the learned scorer's pattern,
 distilled toward the frozen dense teacher) on a random-init Qwen3-4B-shaped pair (both models
 really 4B; the student with AdamW), on synthetic packed rows with document structure:
 
@@ -16,13 +17,15 @@ second rank), so memory figures do not mix.
     PYTHONPATH=src python bench/multigpu_train.py --out results/multigpu_train_h200.json
     PYTHONPATH=src python bench/multigpu_train.py --cpu-smoke --out /tmp/smoke.json   # tiny, CPU, gloo (no FSDP)
 
-Needs only torch, lightning, transformers (no pydantic, DVC, MLflow, datasets).
+Needs torch, lightning, transformers and pydantic (:class:`kvpop.config.TrainConfig`; no DVC, MLflow,
+datasets). The device image has no pydantic: carry its wheels (pydantic, pydantic_core,
+annotated-types, typing-inspection; see the device notes) and put them on ``PYTHONPATH``, which
+Lightning's launcher hands on to the second rank.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
@@ -67,10 +70,9 @@ def worker(args) -> None:
     import lightning as L
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from kvpop.attention import ScorerTraining, register
-    from kvpop.distributed import decoder_layer_classes, make_strategy
-    from kvpop.policies import long_range_slots, make_policy
-    from kvpop.train import DistillModule, PackedDataset, TrainSettings, make_loader
+    from kvpop.attention import register
+    from kvpop.config import TrainConfig
+    from kvpop.train import PackedDataset, build_training
 
     devices, strategy_name = MODES[args.worker]
     cuda = not args.cpu_smoke
@@ -81,17 +83,15 @@ def worker(args) -> None:
     L.seed_everything(args.seed)
     with device:  # the same seed gives the same weights on every rank; no CPU init of 4B parameters
         teacher = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    student = copy.deepcopy(teacher).train()
-    policy = make_policy("kvpop_mlp", num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, scorer_hidden=64)
-    k = long_range_slots(policy, budget=args.budget, sinks=args.sinks, window=args.window, head_dim=cfg.head_dim)
-    settings = TrainSettings(sinks=args.sinks, window=args.window, long_range=k, steps=args.steps, model_lr=1e-5, scorer_lr=1e-2,
-                             top_logits=256 if cuda else 16, scorer_training=ScorerTraining(generator=torch.Generator().manual_seed(args.seed)))
-    module = DistillModule(student, teacher, policy, settings)
     global_batch = 2
+    train_cfg = TrainConfig(
+        steps=args.steps, seq_len=args.seq_len, batch_size=global_batch // devices, top_logits=256 if cuda else 16,
+        precision="bf16-mixed" if cuda else "32-true", accelerator="cuda" if cuda else "cpu", strategy=strategy_name, devices=devices,
+    )  # model_lr 1e-5, scorer_lr 1e-2, scorer_hidden 64, grad_clip 1.0: the defaults
     rows = synthetic_rows(args.steps * global_batch, args.seq_len, cfg.vocab_size, seed=args.seed)
-    loader = make_loader(PackedDataset(**rows), global_batch // devices, args.seed)
-    precision = "bf16-mixed" if cuda else "32-true"
-    strategy = make_strategy(strategy_name, layer_classes=decoder_layer_classes(student) if strategy_name == "fsdp" else None, precision=precision)
+    training = build_training(teacher, "kvpop_mlp", PackedDataset(**rows), cfg=train_cfg, budget=args.budget, sinks=args.sinks,
+                              window=args.window, seed=args.seed)
+    student = training.student
 
     class Recorder(L.Callback):
         def __init__(self):
@@ -116,13 +116,7 @@ def worker(args) -> None:
             self.curve.append({"step": trainer.global_step, "kl": kl, "score_loss": sl, "loss": kl + sl})
 
     rec = Recorder()
-    trainer = L.Trainer(
-        max_steps=args.steps, accelerator="cuda" if cuda else "cpu", devices=devices, strategy=strategy,
-        precision=precision, gradient_clip_val=1.0, logger=False, callbacks=[rec],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-        num_sanity_val_steps=0,
-    )
-    trainer.fit(module, loader)
+    trainer = training.fit(callbacks=[rec], enable_progress_bar=False)
     rank = trainer.global_rank
     part = {"rank": rank, "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
             "reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None}

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import hashlib
 from pathlib import Path
 
@@ -25,14 +24,11 @@ import torch
 from common import console, fail, params, write_json
 
 from kvpop import tracking
-from kvpop.attention import ScorerTraining
-from kvpop.distributed import decoder_layer_classes, make_strategy
 from kvpop.export import CheckpointError
-from kvpop.modeling import load_model, model_shape
+from kvpop.modeling import load_model
 from kvpop.pack import load_packed
-from kvpop.policies import long_range_slots, make_policy
 from kvpop.resume import ResumeCheckpoint, begin_run, checkpoint_step, find_resume_checkpoint, finish_run
-from kvpop.train import DistillModule, PackedDataset, TrainSettings, make_loader
+from kvpop.train import build_training, resolve_precision
 
 #: train keys that do not change the result: a resumed run may differ in them
 _NOT_IN_RESULT = ("policies", "log_every", "checkpoint_every")
@@ -77,8 +73,9 @@ def main() -> None:
         fail(f"base model not found: {args.base} (run the base_model stage)")
     packed = load_packed(args.data)
     resume_dir = Path(args.resume_dir or f"checkpoints/train/{args.policy}")
-    run_config = {
+    run_config = {  # "precision": train.precision "auto" may resolve differently on other hardware
         "seed": p.seed, "budget": p.budget, "sinks": p.sinks, "window": p.window, "policy": args.policy,
+        "precision": resolve_precision(cfg.precision, cfg.accelerator),
         "train": cfg.model_dump(exclude=set(_NOT_IN_RESULT)), "data_rows": int(packed.input_ids.shape[0]),
         "base_config_sha1": hashlib.sha1((Path(args.base) / "config.json").read_bytes()).hexdigest(),
     }
@@ -91,47 +88,19 @@ def main() -> None:
         if ckpt is not None:
             console.print(f"resuming from {ckpt}")
 
-    L.seed_everything(p.seed, workers=True)
     teacher = load_model(args.base)
-    student = copy.deepcopy(teacher)
-    shape = model_shape(teacher)
-    policy = make_policy(args.policy, **{k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}, scorer_hidden=cfg.scorer_hidden)
-    k = long_range_slots(policy, budget=p.budget, sinks=p.sinks, window=p.window, head_dim=shape["head_dim"])
-    settings = TrainSettings(
-        sinks=p.sinks, window=p.window, long_range=k, steps=cfg.steps, model_lr=cfg.model_lr, scorer_lr=cfg.scorer_lr,
-        scorer_warmup=cfg.scorer_warmup, weight_decay=cfg.weight_decay, top_logits=cfg.top_logits,
-        scorer_training=ScorerTraining(
-            tau=cfg.tau, tie_margin=cfg.tie_margin, query_samples=cfg.query_samples,
-            target_normalizer=cfg.target_normalizer, generator=torch.Generator().manual_seed(p.seed),
-        ),
-        activation_checkpointing=cfg.activation_checkpointing,
-    )
-    module = DistillModule(student, teacher, policy, settings)
-    ds = PackedDataset(packed.input_ids, packed.doc_ids, packed.position_ids, packed.loss_mask)
-    loader = make_loader(ds, cfg.batch_size, p.seed)  # shards itself across ranks, resumable
-    strategy = make_strategy(cfg.strategy, layer_classes=decoder_layer_classes(student) if cfg.strategy == "fsdp" else None, checkpoint_format=cfg.checkpoint_format, precision=cfg.precision)
+    training = build_training(teacher, args.policy, packed, cfg=cfg, budget=p.budget, sinks=p.sinks, window=p.window, seed=p.seed)
     saver = ResumeCheckpoint(resume_dir, cfg.checkpoint_every)
     out = Path(args.out)
-    logged = {"seed": p.seed, "budget": p.budget, "sinks": p.sinks, "window": p.window, "k": k, "policy": args.policy, "train": cfg.model_dump()}
+    logged = {"seed": p.seed, "budget": p.budget, "sinks": p.sinks, "window": p.window, "k": training.long_range, "policy": args.policy,
+              "precision": training.precision, "train": cfg.model_dump()}
     runs = tracking.stage_run("train", logged, run_name=f"train/{args.policy}") if rank0 else contextlib.nullcontext()
     with runs as run:
-        trainer = L.Trainer(
-            max_steps=cfg.steps,
-            accelerator=cfg.accelerator,
-            strategy=strategy,
-            devices=cfg.devices,
-            precision=cfg.precision,
-            gradient_clip_val=cfg.grad_clip,
-            log_every_n_steps=cfg.log_every,
+        trainer = training.fit(
+            ckpt_path=ckpt,
             logger=run.lightning_logger() if run is not None else False,
             callbacks=[RichProgressBar() if console.is_terminal else StepPrinter(cfg.log_every), saver],
-            enable_checkpointing=False,  # ResumeCheckpoint writes them, atomically
-            use_distributed_sampler=False,  # the loader shards the global batch itself
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            deterministic=False,
         )
-        trainer.fit(module, loader, ckpt_path=ckpt)
         if not trainer.is_global_zero:
             return
         if trainer.global_step != cfg.steps:
@@ -140,7 +109,7 @@ def main() -> None:
         world = trainer.world_size
         metrics = {"policy": args.policy, "steps": trainer.global_step, "seconds": round(saver.seconds, 1),
                    "tokens_per_s": round(trainer.global_step * cfg.batch_size * world * cfg.seq_len / max(saver.seconds, 1e-9), 1),
-                   "devices": world, "resumed_from_step": checkpoint_step(ckpt) if ckpt else 0, **final}
+                   "devices": world, "precision": training.precision, "resumed_from_step": checkpoint_step(ckpt) if ckpt else 0, **final}
         # metrics first: until finish_run has published out/last.ckpt, the resume folder keeps
         # the final checkpoint, so an interruption anywhere here only repeats this ending
         write_json(args.metrics, metrics)

@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny byte-level tokenizer with a chat template and tiny random models."""
+"""Shared fixtures: a tiny byte-level tokenizer with a chat template, tiny random models and a
+tie-heavy test policy."""
 
 from __future__ import annotations
 
@@ -64,6 +65,53 @@ def tiny_llama_dir(tmp_path_factory, tiny_tokenizer):
 def tiny_qwen3_dir(tmp_path_factory, tiny_tokenizer):
     """A 2-layer random Qwen3 saved locally: stands in for a hub id, offline."""
     return _save_tiny(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", tiny_tokenizer)
+
+
+def build_tiny_model(model_type: str = "llama", *, seed: int = 0, attn_implementation=None, **overrides):
+    """A random 2-layer model from ``kvpop.modeling.tiny_config(model_type, **overrides)``, in eval mode.
+
+    ``torch.manual_seed(seed)`` runs right before the config is built, so equal arguments give equal
+    weights. ``attn_implementation`` (e.g. ``kvpop.attention.register()``) is set on the config before
+    the model is built; callers wrap the model (``enable``) and move it to a device themselves.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from kvpop.modeling import tiny_config
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(model_type, **overrides)
+    if attn_implementation is not None:
+        cfg._attn_implementation = attn_implementation
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """Factory fixture: ``tiny_model(model_type="llama", *, seed=0, attn_implementation=None, **config_overrides)``
+    gives a fresh random tiny model (see :func:`build_tiny_model`)."""
+    return build_tiny_model
+
+
+def build_tie_policy(*, per_head_shift: bool, name: str = "ties"):
+    """A Policy whose priorities have many exact ties: ``(pos + shift) % 3`` in float64, where ``shift``
+    is the KV-head index when ``per_head_shift`` (different ties per head) and 0 otherwise. Ties are
+    broken by recency (newer wins), so these exercise that rule."""
+    from kvpop.policies import Policy, Scores
+
+    class TiePolicy(Policy):
+        def scores(self, layer, k, v, pos, **_):
+            B, Hk = k.shape[:2]
+            shift = torch.arange(Hk, device=k.device).view(1, Hk, 1) if per_head_shift else 0
+            return Scores(prio=((pos[:, None, :] + shift) % 3).to(torch.float64).expand(B, Hk, -1))
+
+    TiePolicy.name = name
+    return TiePolicy()
+
+
+@pytest.fixture(scope="session")
+def tie_policy():
+    """Factory fixture: ``tie_policy(per_head_shift=..., name="ties")`` (see :func:`build_tie_policy`)."""
+    return build_tie_policy
 
 
 def packed_toy(B: int = 2, S: int = 48, seed: int = 0):

@@ -2,13 +2,11 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 from kvpop.attention import SparseContext
-from kvpop.cache import BoundedCache, BoundedLayer, StaticPolicy, as_decode_policy, enable
-from kvpop.decode import teacher_forced_logits
-from kvpop.modeling import tiny_config
-from kvpop.policies import Dense, Policy, Recency, Scores, long_range_slots, make_policy
+from kvpop.decode import BoundedCache, BoundedLayer, CacheLayout, enable, teacher_forced_logits
+from kvpop.policies import Dense, StreamingLLM, make_policy
 from kvpop.selection import eviction_times
 
 SINKS, WINDOW, K = 2, 8, 6
@@ -16,15 +14,14 @@ BUDGET = SINKS + WINDOW + K
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
-def model(request):
-    torch.manual_seed(0)
-    return enable(AutoModelForCausalLM.from_config(tiny_config(request.param)).eval())
+def model(request, tiny_model):
+    return enable(tiny_model(request.param))
 
 
 def policies():
     torch.manual_seed(1)
     mlp = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
-    return {"recency": Recency(), "mlp": mlp}
+    return {"recency": StreamingLLM(), "mlp": mlp}
 
 
 def training_logits(model, policy, ids, *, sinks=SINKS, window=WINDOW, k=K):
@@ -42,7 +39,7 @@ def test_decoding_equals_training_pattern(model, policy_name, prefill):
     policy = policies()[policy_name]
     ids = torch.randint(0, 96, (2, 80), generator=torch.Generator().manual_seed(2))
     ref = training_logits(model, policy, ids)
-    got = teacher_forced_logits(model, StaticPolicy(policy), ids, budget=BUDGET, sinks=SINKS, window=WINDOW, prefill=prefill)
+    got = teacher_forced_logits(model, policy, ids, budget=BUDGET, sinks=SINKS, window=WINDOW, prefill=prefill)
     assert (got - ref).abs().max() < 1e-4
     # the pattern matters: dense attention gives other logits
     assert (training_logits(model, Dense(), ids) - ref).abs().max() > 1e-2
@@ -57,33 +54,23 @@ def test_budget_above_length_is_dense(model, prefill):
         dense = torch.cat([model(input_ids=ids[:, :prefill], past_key_values=cache).logits]
                           + [model(input_ids=ids[:, t : t + 1], past_key_values=cache).logits for t in range(prefill, 40)], 1)
     for policy in policies().values():
-        got = teacher_forced_logits(model, StaticPolicy(policy), ids, budget=48, sinks=SINKS, window=WINDOW, prefill=prefill)
+        got = teacher_forced_logits(model, policy, ids, budget=48, sinks=SINKS, window=WINDOW, prefill=prefill)
         assert (got - dense).abs().max() < 1e-4
     assert (dense - plain).abs().max() < 1e-4
 
 
-class Ties(Policy):
-    """Priorities with many ties (pos mod 3, different per KV head): exercises the newer-wins rule."""
-
-    name = "ties"
-
-    def scores(self, layer, k, v, pos):
-        B, Hk = k.shape[:2]
-        shift = torch.arange(Hk, device=k.device).view(1, Hk, 1)
-        return Scores(prio=((pos[:, None, :] + shift) % 3).double().expand(B, Hk, -1))
-
-
 @pytest.mark.parametrize("prefill", [1, 13, 40])
 @pytest.mark.parametrize("sinks,window,k", [(2, 4, 3), (0, 1, 2), (3, 5, 0)])
-def test_stored_tokens_follow_eviction_times(prefill, sinks, window, k):
+def test_stored_tokens_follow_eviction_times(prefill, sinks, window, k, tie_policy):
     """After every step, each (row, KV head) stores exactly the tokens the selection keeps at that query."""
     B, Hk, S, D = 2, 2, 40, 4
     g = torch.Generator().manual_seed(4)
     keys, values = torch.randn(B, Hk, S, D, generator=g), torch.randn(B, Hk, S, D, generator=g)
-    for policy in (Ties(), Recency()):
+    # ties: priorities (pos + KV head) mod 3, different per head, exercise the newer-wins rule
+    for policy in (tie_policy(per_head_shift=True, name="ties"), StreamingLLM()):
         pos = torch.arange(S).expand(B, S)
         evict = eviction_times(policy.scores(0, keys, values, pos).prio, torch.zeros_like(pos), pos, sinks=sinks, window=window, long_range=k)
-        layer = BoundedLayer(0, StaticPolicy(policy), budget=sinks + window + k, sinks=sinks, window=window)
+        layer = BoundedLayer(0, policy, CacheLayout(sinks + window + k, sinks, window, k))
         q = torch.randn(B, 2 * Hk, 1, D)
         kk, vv = layer.update(keys[:, :, :prefill], values[:, :, :prefill])
         layer.attend(q.expand(-1, -1, prefill, -1), kk, vv, 1.0)
@@ -102,7 +89,7 @@ def test_stored_tokens_follow_eviction_times(prefill, sinks, window, k):
 
 
 def test_memory_is_flat(model):
-    cache = BoundedCache(model.config, Recency(), budget=BUDGET, sinks=SINKS, window=WINDOW)
+    cache = BoundedCache(model.config, StreamingLLM(), budget=BUDGET, sinks=SINKS, window=WINDOW)
     ids = torch.randint(0, 96, (2, 4))
     sizes = {}
     with torch.no_grad():
@@ -125,7 +112,7 @@ def test_model_generate_batch2_greedy(model):
                          do_sample=False, pad_token_id=0, eos_token_id=None)
     assert out.shape == (2, 50) and cache.get_seq_length() == 49
     # the generated tokens are the greedy choices under the same cache, token by token
-    logits = teacher_forced_logits(model, StaticPolicy(policy), out[:, :-1], budget=BUDGET, sinks=SINKS, window=WINDOW, prefill=30)
+    logits = teacher_forced_logits(model, policy, out[:, :-1], budget=BUDGET, sinks=SINKS, window=WINDOW, prefill=30)
     assert torch.equal(logits[:, 29:].argmax(-1), out[:, 30:])
     # with budget >= length the bounded cache generates exactly what the dense cache does
     big = BoundedCache(model.config, policy, budget=64, sinks=SINKS, window=WINDOW)
@@ -136,26 +123,25 @@ def test_model_generate_batch2_greedy(model):
 
 def test_unsupported_uses_fail_clearly(model):
     ids = torch.randint(0, 96, (2, 12))
-    cache = BoundedCache(model.config, Recency(), budget=BUDGET, sinks=SINKS, window=WINDOW)
+    cache = BoundedCache(model.config, StreamingLLM(), budget=BUDGET, sinks=SINKS, window=WINDOW)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     with pytest.raises(NotImplementedError, match="padded"), torch.no_grad():
         model(input_ids=ids, attention_mask=mask, past_key_values=cache)
-    cache = BoundedCache(model.config, Recency(), budget=BUDGET, sinks=SINKS, window=WINDOW)
+    cache = BoundedCache(model.config, StreamingLLM(), budget=BUDGET, sinks=SINKS, window=WINDOW)
     with torch.no_grad():
         model(input_ids=ids, past_key_values=cache)
         with pytest.raises(NotImplementedError, match="one at a time"):
             model(input_ids=ids[:, :2], past_key_values=cache)
     with pytest.raises(ValueError, match="budget >= sinks \\+ window"):
-        BoundedCache(model.config, Recency(), budget=5, sinks=2, window=8)
+        BoundedCache(model.config, StreamingLLM(), budget=5, sinks=2, window=8)
     with pytest.raises(ValueError, match="never evicts"):
         BoundedCache(model.config, Dense(), budget=BUDGET, sinks=SINKS, window=WINDOW)
 
 
-def test_model_without_enable_is_rejected():
-    torch.manual_seed(0)
-    plain = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()  # sdpa, no hook
-    cache = BoundedCache(plain.config, Recency(), budget=BUDGET, sinks=SINKS, window=WINDOW)
+def test_model_without_enable_is_rejected(tiny_model):
+    plain = tiny_model("llama")  # sdpa, no hook
+    cache = BoundedCache(plain.config, StreamingLLM(), budget=BUDGET, sinks=SINKS, window=WINDOW)
     ids = torch.randint(0, 96, (1, 5))
     with torch.no_grad():
         plain(input_ids=ids, past_key_values=cache)
@@ -179,11 +165,11 @@ def kvpop_policy():
 @pytest.mark.parametrize("prefill", [1, 30])  # 30 > KVPOP_BUDGET: the prompt already evicts
 def test_kvpop_decoding_equals_training_pattern(model, prefill):
     policy = kvpop_policy()
-    k = long_range_slots(policy, budget=KVPOP_BUDGET, sinks=SINKS, window=WINDOW, head_dim=16)
+    k = policy.long_range_slots(budget=KVPOP_BUDGET, sinks=SINKS, window=WINDOW, head_dim=16)
     assert k == K
     ids = torch.randint(0, 96, (2, 80), generator=torch.Generator().manual_seed(2))
     ref = training_logits(model, policy, ids, k=k)
-    got = teacher_forced_logits(model, as_decode_policy(policy), ids, budget=KVPOP_BUDGET, sinks=SINKS, window=WINDOW, prefill=prefill)
+    got = teacher_forced_logits(model, policy, ids, budget=KVPOP_BUDGET, sinks=SINKS, window=WINDOW, prefill=prefill)
     assert (got - ref).abs().max() < 1e-4
     # the learned scores matter: recency at the same k gives other logits
-    assert (training_logits(model, Recency(), ids, k=k) - ref).abs().max() > 1e-2
+    assert (training_logits(model, StreamingLLM(), ids, k=k) - ref).abs().max() > 1e-2

@@ -3,12 +3,11 @@ scored when it leaves the window, the stored tokens follow the training pattern,
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from kvpop.cache import BoundedCache, BoundedLayer, DelayedPolicy, StaticPolicy, as_decode_policy, enable
+from kvpop.decode import BoundedCache, BoundedLayer, CacheLayout, enable
 from kvpop.mlstm import state_numbers
 from kvpop.modeling import tiny_config
-from kvpop.policies import long_range_slots, make_policy
+from kvpop.policies import make_policy
 from kvpop.selection import eviction_times
 
 
@@ -24,30 +23,30 @@ def kvpop_policy(head_dim, *, gate_std, dtype=torch.float32, d=4, seed=0):
 def test_capabilities():
     kvpop = kvpop_policy(16, gate_std=0.2)
     mlp = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
-    assert as_decode_policy(kvpop).scores_on_exit and isinstance(as_decode_policy(kvpop), DelayedPolicy)
-    assert not as_decode_policy(mlp).scores_on_exit
-    with pytest.raises(ValueError, match="delay"):
-        StaticPolicy(kvpop)
-    with pytest.raises(ValueError, match="at entry"):
-        DelayedPolicy(mlp)
-    # the cache takes the policy's k at the nominal budget
+    assert kvpop.scores_on_exit and kvpop.chunked_prefill and not kvpop.layer_independent
+    assert not mlp.scores_on_exit and not mlp.chunked_prefill
+    with pytest.raises(NotImplementedError, match="no recurrent state"):
+        mlp.init_state(0, 1, "cpu")  # a static rule has no delayed hooks
     cfg = tiny_config("llama")
-    assert BoundedCache(cfg, kvpop, budget=20, sinks=2, window=8).k == long_range_slots(kvpop, budget=20, sinks=2, window=8, head_dim=16) == 9
-    assert BoundedCache(cfg, mlp, budget=20, sinks=2, window=8).k == 10
+    with pytest.raises(ValueError, match="never evicts"):
+        BoundedCache(cfg, make_policy("dense"), budget=20, sinks=2, window=8)
+    # the cache takes the policy's k at the nominal budget
+    assert BoundedCache(cfg, kvpop, budget=20, sinks=2, window=8).long_range == kvpop.long_range_slots(budget=20, sinks=2, window=8, head_dim=16) == 9
+    assert BoundedCache(cfg, mlp, budget=20, sinks=2, window=8).long_range == 10
     with pytest.raises(ValueError, match="no long-range slot"):
         BoundedCache(cfg, kvpop, budget=11, sinks=2, window=8)
 
 
 def test_prompt_state_equals_stepping():
     """The closed-form state after a prompt equals the recurrent state stepped token by token."""
-    policy = DelayedPolicy(kvpop_policy(8, gate_std=1.0, dtype=torch.float64))
+    policy = kvpop_policy(8, gate_std=1.0, dtype=torch.float64)
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(2, 2, 30, 8, generator=g, dtype=torch.float64), torch.randn(2, 2, 30, 8, generator=g, dtype=torch.float64)
     for layer in (0, 1):
         state = policy.init_state(layer, 2, "cpu")
         for t in range(30):
             state = policy.step(layer, state, k[:, :, t], v[:, :, t])
-        closed = policy._prompt_state(layer, k, v)
+        _, closed = policy.prefill(layer, k, v, torch.arange(30).expand(2, 30), window=4)
         for a, b in zip(state, closed, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
@@ -68,7 +67,7 @@ def test_stored_tokens_follow_eviction_times(prefill, sinks, window, k):
     layer_idx = 1
     prio = policy.scores(layer_idx, keys, values, pos, doc_ids=doc, window=window).prio
     evict = eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=k)
-    layer = BoundedLayer(layer_idx, DelayedPolicy(policy), budget=sinks + window + k, sinks=sinks, window=window)
+    layer = BoundedLayer(layer_idx, policy, CacheLayout(sinks + window + k, sinks, window, k))
     q = torch.randn(B, 2 * Hk, 1, D, dtype=torch.float64)
     kk, vv = layer.update(keys[:, :, :prefill], values[:, :, :prefill])
     layer.attend(q.expand(-1, -1, prefill, -1), kk, vv, 1.0)
@@ -92,7 +91,7 @@ def test_stored_tokens_follow_eviction_times(prefill, sinks, window, k):
 
 def test_reorder_and_reset_carry_the_state():
     policy = kvpop_policy(4, gate_std=0.5)
-    layer = BoundedLayer(0, DelayedPolicy(policy), budget=6, sinks=1, window=2)
+    layer = BoundedLayer(0, policy, CacheLayout(6, 1, 2, 3))
     g = torch.Generator().manual_seed(1)
     kv = torch.randn(2, 2, 9, 4, generator=g)
     k, v = layer.update(kv, kv)
@@ -105,10 +104,9 @@ def test_reorder_and_reset_carry_the_state():
     assert (layer.state.C == 0).all() and (layer.state.m == float("-inf")).all() and layer.get_seq_length() == 0
 
 
-def test_memory_is_flat_and_matches_the_mlp_variant():
+def test_memory_is_flat_and_matches_the_mlp_variant(tiny_model):
     """kvpop at a nominal budget: fewer slots plus the state ~ the kvpop_mlp cache; flat over 50 vs 300 tokens."""
-    torch.manual_seed(0)
-    model = enable(AutoModelForCausalLM.from_config(tiny_config("llama")).eval())
+    model = enable(tiny_model("llama"))
     budget, sinks, window = 25, 2, 8
     kvpop = kvpop_policy(16, gate_std=0.2, d=16)  # state 16 x 16 + 16 + 1 = 273 numbers = 9 slots' worth
     mlp = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
@@ -125,8 +123,8 @@ def test_memory_is_flat_and_matches_the_mlp_variant():
                 sizes[step] = cache.cache_bytes()
     assert sizes[50] == sizes[300] and cache.get_seq_length() == 304
     L, B, Hk, D = 2, 2, 2, 16
-    T = sinks + window + cache.k
-    assert cache.k == 6 and ref.k == 15
+    T = sinks + window + cache.long_range
+    assert cache.long_range == 6 and ref.long_range == 15
     # keys + values float32, priorities float64, positions int64 per slot; the float32 state
     assert sizes[50] == L * B * Hk * (T * (2 * D * 4 + 8 + 8) + state_numbers(16, 16) * 4)
     assert ref.cache_bytes() == L * B * Hk * budget * (2 * D * 4 + 8 + 8)

@@ -14,7 +14,6 @@ import torch
 from conftest import packed_toy
 
 from kvpop.attention import ScorerTraining, SparseContext, register
-from kvpop.modeling import tiny_config
 from kvpop.policies import Dense, make_policy
 from kvpop.train import prediction_mask, topk_kl
 
@@ -32,14 +31,15 @@ class CountingContext(SparseContext):
         return super().attend(layer, q, k, v, scale)
 
 
-def tiny_models(model_type: str):
-    from transformers import AutoModelForCausalLM
+@pytest.fixture
+def tiny_models(tiny_model):
+    """``tiny_models(model_type)`` -> (frozen teacher, trainable student copy), kvpop attention."""
 
-    torch.manual_seed(0)
-    cfg = tiny_config(model_type)
-    cfg._attn_implementation = register()
-    teacher = AutoModelForCausalLM.from_config(cfg).eval().requires_grad_(False)
-    return teacher, copy.deepcopy(teacher).train().requires_grad_(True)
+    def make(model_type: str):
+        teacher = tiny_model(model_type, attn_implementation=register()).requires_grad_(False)
+        return teacher, copy.deepcopy(teacher).train().requires_grad_(True)
+
+    return make
 
 
 def tiny_policy(name: str):
@@ -92,7 +92,7 @@ CASES += [pytest.param("cuda", "qwen3", p, marks=CUDA) for p in ("kvpop_mlp", "k
 
 
 @pytest.mark.parametrize(("device", "model_type", "policy_name"), CASES)
-def test_checkpointing_gives_the_same_loss_and_gradients(device, model_type, policy_name):
+def test_checkpointing_gives_the_same_loss_and_gradients(device, model_type, policy_name, tiny_models):
     """CPU: SDPA executor on 64-token rows; CUDA: compiled FlexAttention on 256-token rows (several blocks)."""
     ids, doc, pos = (t.to(device) for t in packed_toy(2, 64 if device == "cpu" else 256, seed=4))
     teacher, student = (m.to(device) for m in tiny_models(model_type))
@@ -124,7 +124,7 @@ def test_checkpointing_gives_the_same_loss_and_gradients(device, model_type, pol
         assert sum(g.abs().sum() for n, g in plain["grads"].items() if n.startswith("policy.")) > 0
 
 
-def test_a_context_serves_one_forward():
+def test_a_context_serves_one_forward(tiny_models):
     ids, doc, pos = packed_toy(2, 32, seed=5)
     teacher, _ = tiny_models("qwen3")
     ctx = SparseContext.for_rows(tiny_policy("kvpop_mlp"), doc, pos, sinks=SINKS, window=WINDOW, long_range=K)
@@ -134,7 +134,7 @@ def test_a_context_serves_one_forward():
             teacher(input_ids=ids, position_ids=pos, kvpop_ctx=ctx)
 
 
-def test_reentrant_checkpointing_is_refused():
+def test_reentrant_checkpointing_is_refused(tiny_models):
     ids, doc, pos = packed_toy(2, 32, seed=6)
     _, student = tiny_models("qwen3")
     student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})

@@ -16,7 +16,7 @@ def raw():
 
 def test_repo_params_are_valid():
     p = load_params(ROOT / "params.yaml")
-    assert p.k == p.budget - p.sinks - p.window > 0
+    assert p.long_range == p.budget - p.sinks - p.window > 0
 
 
 @pytest.mark.parametrize(

@@ -4,12 +4,9 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from kvpop.cache import BoundedCache, BoundedLayer
-from kvpop.decode import H2O, TOVA, Dense, GenerationStats, generate, make_decode_policy
-from kvpop.modeling import tiny_config
-from kvpop.policies import Recency, make_policy
+from kvpop.decode import BoundedCache, BoundedLayer, CacheLayout, GenerationStats, generate
+from kvpop.policies import H2O, TOVA, Dense, StreamingLLM, make_policy, resolve_policy
 
 # One KV head, one query head, head dim 1, scale 1: the logit of token t is q * key_t.
 KEYS = [2.0, -2.0, 0.0, 0.0, 0.0]
@@ -18,7 +15,7 @@ QUERIES = [1.0, 1.0, -1.0, 1.0, 1.0]
 
 def run(policy, steps: int) -> tuple[BoundedLayer, list[list[int]]]:
     """Prefill token 0, then decode tokens 1.. ; the layer and its stored positions after every step."""
-    layer = BoundedLayer(0, policy, budget=3, sinks=0, window=1)  # window 1 + 2 long-range slots
+    layer = BoundedLayer(0, policy, CacheLayout(3, 0, 1, 2))  # window 1 + 2 long-range slots
     kv = torch.tensor(KEYS).view(1, 1, -1, 1)
     q = torch.tensor(QUERIES).view(1, 1, -1, 1)
     stored = []
@@ -62,37 +59,36 @@ def stored_at(policy, steps: int) -> dict[int, float]:
 
 def test_h2o_prefill_accumulates_prompt_attention():
     """A 3-token prompt into 1 long-range slot + window 1: the most-attended prompt token survives."""
-    layer = BoundedLayer(0, H2O(), budget=2, sinks=0, window=1)
+    layer = BoundedLayer(0, H2O(), CacheLayout(2, 0, 1, 1))
     kv = torch.tensor(KEYS[:3]).view(1, 1, 3, 1)
     q = torch.tensor(QUERIES[:3]).view(1, 1, 3, 1)
     keys, values = layer.update(kv, kv)
     out = layer.attend(q, keys, values, 1.0)
     assert out.shape == (1, 3, 1, 1)
     assert sorted(layer.pos[0, 0].tolist()) == [0, 2]  # token 0 (~2.0) beats token 1 (~0.88)
-    tova = BoundedLayer(0, TOVA(), budget=2, sinks=0, window=1)
+    tova = BoundedLayer(0, TOVA(), CacheLayout(2, 0, 1, 1))
     tova.update(kv, kv)
     tova.attend(q, kv, kv, 1.0)
     assert sorted(tova.pos[0, 0].tolist()) == [1, 2]  # the last query attends token 1 most
 
 
 def test_policy_names_and_errors():
-    assert isinstance(make_decode_policy("dense"), Dense) and not make_decode_policy("dense").evicts
-    assert make_decode_policy("tova").needs_attention and make_decode_policy("h2o").needs_attention
-    assert make_decode_policy("streaming_llm").name == "streaming_llm"
+    assert isinstance(resolve_policy("dense"), Dense) and not resolve_policy("dense").evicts
+    assert resolve_policy("tova").needs_attention and resolve_policy("h2o").needs_attention
+    assert resolve_policy("streaming_llm").name == "streaming_llm"
     mlp = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
-    assert make_decode_policy("kvpop_mlp", mlp).policy is mlp
+    assert resolve_policy("kvpop_mlp", mlp) is mlp
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
-        make_decode_policy("nope")
+        resolve_policy("nope")
     with pytest.raises(ValueError, match="needs an export"):
-        make_decode_policy("kvpop_mlp")
+        resolve_policy("kvpop_mlp")
     with pytest.raises(ValueError, match="needs an export"):
-        make_decode_policy("streaming_llm_plus", mlp)
+        resolve_policy("streaming_llm_plus", mlp)
 
 
 @pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
+def model(tiny_model):
+    return tiny_model("llama")
 
 
 def test_generate_helper(model, tiny_tokenizer):
@@ -100,7 +96,7 @@ def test_generate_helper(model, tiny_tokenizer):
     kw = dict(budget=16, sinks=2, window=8, max_new_tokens=30, temperature=0.0, top_p=1.0, top_k=0, seed=0)
     outs = {}
     for name in ("dense", "streaming_llm", "tova", "h2o"):
-        new, stats = generate(model, tiny_tokenizer, make_decode_policy(name), prompt, **kw)
+        new, stats = generate(model, tiny_tokenizer, resolve_policy(name), prompt, **kw)
         assert isinstance(stats, GenerationStats) and new.shape == (2, 30)
         assert stats.tokens_per_s > 0 and stats.peak_cache_mb > 0
         outs[name] = (new, stats)
@@ -114,7 +110,7 @@ def test_generate_helper(model, tiny_tokenizer):
 
 def test_attention_rules_decode_a_real_model(model):
     """TOVA and H2O run inside a model: flat memory and a valid cache after a long decode."""
-    from kvpop.cache import enable
+    from kvpop.decode import enable
 
     enable(model)
     for policy in (TOVA(), H2O()):
@@ -133,7 +129,7 @@ def test_attention_rules_decode_a_real_model(model):
 
 
 def test_recency_policy_instance_is_accepted(model):
-    cache = BoundedCache(model.config, Recency(), budget=10, sinks=2, window=4)
+    cache = BoundedCache(model.config, StreamingLLM(), budget=10, sinks=2, window=4)
     assert cache.policy.name == "streaming_llm" and not cache.policy.needs_attention
 
 
@@ -148,24 +144,26 @@ def kvpop_policy():
 
 def test_kvpop_policy_and_generate(model, tiny_tokenizer):
     """kvpop decodes from an export's policy: delayed scoring, its own k at the nominal budget."""
-    from kvpop.cache import DelayedPolicy
     from kvpop.decode import teacher_forced_logits
 
     kvpop = kvpop_policy()
-    policy = make_decode_policy("kvpop", kvpop)
-    assert isinstance(policy, DelayedPolicy) and policy.scores_on_exit and policy.policy is kvpop
+    policy = resolve_policy("kvpop", kvpop)
+    assert policy is kvpop and policy.scores_on_exit
     with pytest.raises(ValueError, match="needs an export"):
-        make_decode_policy("kvpop")
+        resolve_policy("kvpop")
     with pytest.raises(ValueError, match="needs an export"):
-        make_decode_policy("kvpop", make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16))
+        resolve_policy("kvpop", make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16))
     prompt = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))
     kw = dict(budget=16, sinks=2, window=8, max_new_tokens=30, temperature=0.0, seed=0)
     new, stats = generate(model, tiny_tokenizer, policy, prompt, **kw)
-    assert new.shape == (2, 30) and stats.new_tokens == 60 and stats.peak_cache_mb > 0
-    # the generated tokens are the greedy choices under the same cache, token by token
+    assert new.shape == (2, 30) and stats.new_tokens == 60 and stats.peak_cache_mb > 0 and stats.path == "engine"
+    # the engine's tokens are the greedy choices under the reference cache, token by token
     ids = torch.cat([prompt, new], 1)
     logits = teacher_forced_logits(model, policy, ids[:, :-1], budget=16, sinks=2, window=8, prefill=24)
     assert torch.equal(logits[:, 23:].argmax(-1), new)
-    # cache + state at the nominal budget: about the kvpop_mlp cache (state 4 x 4 + 4 + 1 = 21 numbers = 1 slot)
-    _, mlp_stats = generate(model, tiny_tokenizer, make_decode_policy("kvpop_mlp", make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16)), prompt, **dict(kw, max_new_tokens=2))
+    # cache + state at the nominal budget: about the kvpop_mlp cache (state 4 x 4 + 4 + 1 = 21 numbers = 1 slot),
+    # on the reference cache (the engine pads its slots to the attention block)
+    _, stats = generate(model, tiny_tokenizer, policy, prompt, path="reference", **dict(kw, max_new_tokens=2))
+    mlp = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16)
+    _, mlp_stats = generate(model, tiny_tokenizer, mlp, prompt, path="reference", **dict(kw, max_new_tokens=2))
     assert 0.9 * mlp_stats.peak_cache_mb < stats.peak_cache_mb <= mlp_stats.peak_cache_mb

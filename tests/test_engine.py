@@ -1,6 +1,6 @@
 """The decode engine (static-shape step, chunked prefill) against its slow twins on CPU.
 
-Twins: the HF model with :class:`kvpop.cache.BoundedCache` (token-by-token reference of the bounded
+Twins: the HF model with :class:`kvpop.decode.BoundedCache` (token-by-token reference of the bounded
 layout and its eviction rule), the training-time masked forward (one definition of the pattern),
 and the plain dense forward. The compiled/CUDA-graph step is checked against the eager step on a
 GPU in tests/test_gpu.py.
@@ -8,13 +8,10 @@ GPU in tests/test_gpu.py.
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from kvpop.cache import BoundedCache, as_decode_policy, enable
-from kvpop.decode import TOVA, teacher_forced_logits
-from kvpop.engine import DecodeEngine, kv_bytes_per_token, weight_bytes
-from kvpop.modeling import tiny_config
-from kvpop.policies import Policy, Scores, make_policy
+from kvpop.decode import BoundedCache, enable, teacher_forced_logits
+from kvpop.decode.engine import DecodeEngine, kv_bytes_per_token, weight_bytes
+from kvpop.policies import TOVA, make_policy
 from kvpop.selection import candidate_eviction_times, eviction_times
 
 SINKS, WINDOW, K = 4, 16, 12
@@ -23,9 +20,8 @@ S = 160
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
-def model(request):
-    torch.manual_seed(0)
-    return enable(AutoModelForCausalLM.from_config(tiny_config(request.param)).eval())
+def model(request, tiny_model):
+    return enable(tiny_model(request.param))
 
 
 def trained_like(name: str):
@@ -37,18 +33,9 @@ def trained_like(name: str):
     return policy
 
 
-class Tied(Policy):
-    """Three priority levels by position: most decisions are ties, broken by recency (newer wins)."""
-
-    name = "tied"
-
-    def scores(self, layer, k, v, pos, **_):
-        return Scores(prio=(pos[:, None, :] % 3).expand(k.shape[0], k.shape[1], -1).to(torch.float64))
-
-
-def make(name: str):
-    if name == "tied":
-        return Tied()
+def make(name: str, tie_policy):
+    if name == "tied":  # three priority levels by position: most decisions are ties, broken by recency (newer wins)
+        return tie_policy(per_head_shift=False, name="tied")
     if name == "streaming_llm":
         return make_policy(name, num_layers=2, num_kv_heads=2, head_dim=16)
     return trained_like(name)
@@ -69,10 +56,10 @@ def engine_logits(eng: DecodeEngine, tokens: torch.Tensor, prefill: int) -> torc
 
 @pytest.mark.parametrize("name", ["streaming_llm", "tied", "kvpop_mlp", "kvpop"])
 @pytest.mark.parametrize("prefill,chunk", [(1, 128), (100, 128), (160, 128), (100, 256)])
-def test_engine_equals_bounded_cache(model, name, prefill, chunk):
-    policy = make(name)
+def test_engine_equals_bounded_cache(model, name, prefill, chunk, tie_policy):
+    policy = make(name, tie_policy)
     x = ids()
-    ref = teacher_forced_logits(model, as_decode_policy(policy), x, budget=BUDGET, sinks=SINKS, window=WINDOW, prefill=1)
+    ref = teacher_forced_logits(model, policy, x, budget=BUDGET, sinks=SINKS, window=WINDOW, prefill=1)
     eng = DecodeEngine(model, policy, budget=BUDGET, sinks=SINKS, window=WINDOW, batch_size=2, chunk=chunk)
     got = engine_logits(eng, x, prefill)
     assert (got - ref[:, prefill - 1 :]).abs().max() < 1e-4
@@ -80,9 +67,9 @@ def test_engine_equals_bounded_cache(model, name, prefill, chunk):
 
 
 @pytest.mark.parametrize("name", ["tied", "kvpop_mlp"])
-def test_chunked_prefill_keeps_the_cache_contents(model, name):
+def test_chunked_prefill_keeps_the_cache_contents(model, name, tie_policy):
     """After a chunked prefill the engine stores, per KV head, exactly the tokens BoundedCache keeps."""
-    policy = make(name)
+    policy = make(name, tie_policy)
     x = ids()
     cache = BoundedCache(model.config, policy, budget=BUDGET, sinks=SINKS, window=WINDOW)
     with torch.no_grad():
@@ -165,7 +152,7 @@ def test_packed_projections_are_views_and_compute_the_same():
     """The engine packs q/k/v (with Qwen2's biases) and gate/up into one matrix each: the modules
     become views of it (no weight held twice), the model's outputs do not change, and a second
     engine on the same model reuses the packed storage."""
-    from transformers import Qwen2Config
+    from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

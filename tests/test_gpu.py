@@ -208,31 +208,26 @@ def test_boundary_labels_cuda_equal_cpu():
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 @pytest.mark.parametrize("policy_name", ["streaming_llm", "kvpop_mlp", "kvpop"])
-def test_bounded_cache_decoding_equals_flex_training_forward(model_type, policy_name):
+def test_bounded_cache_decoding_equals_flex_training_forward(model_type, policy_name, tiny_model):
     """Token-by-token decoding with the bounded cache on CUDA equals the CUDA (FlexAttention) training forward."""
-    from transformers import AutoModelForCausalLM
-
     from kvpop.attention import SparseContext
-    from kvpop.cache import enable
-    from kvpop.decode import make_decode_policy, teacher_forced_logits
-    from kvpop.modeling import tiny_config
-    from kvpop.policies import long_range_slots, make_policy
+    from kvpop.decode import enable, teacher_forced_logits
+    from kvpop.policies import make_policy, resolve_policy
 
-    torch.manual_seed(0)
     dev = torch.device("cuda")
-    model = enable(AutoModelForCausalLM.from_config(tiny_config(model_type)).eval().to(dev))
+    model = enable(tiny_model(model_type).to(dev))
     policy = make_policy(policy_name, num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8).to(dev)
     for p in policy.parameters():  # a scorer past its initialization (moderate weights)
         torch.nn.init.normal_(p, std=0.2)
     sinks, window, budget, S = 2, 8, 20, 160
-    k = long_range_slots(policy, budget=budget, sinks=sinks, window=window, head_dim=16)
+    k = policy.long_range_slots(budget=budget, sinks=sinks, window=window, head_dim=16)
     ids = torch.randint(0, 96, (2, S), generator=torch.Generator().manual_seed(1)).to(dev)
     pos = torch.arange(S, device=dev).expand(2, S)
     ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, sinks=sinks, window=window, long_range=k, executor="flex")
     with torch.no_grad():
         ref = model(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits
     trained = policy if policy_name != "streaming_llm" else None
-    got = teacher_forced_logits(model, make_decode_policy(policy_name, trained=trained), ids, budget=budget, sinks=sinks, window=window, prefill=40)
+    got = teacher_forced_logits(model, resolve_policy(policy_name, trained), ids, budget=budget, sinks=sinks, window=window, prefill=40)
     diff = (got - ref).abs().max().item()
     print(f"{model_type} {policy_name}: decode vs flex training forward max |diff| = {diff:.2e}")
     assert diff < 1e-3
@@ -240,20 +235,15 @@ def test_bounded_cache_decoding_equals_flex_training_forward(model_type, policy_
 
 # --- the decode engine: compiled (CUDA graph) step == eager step == BoundedCache on CUDA ---------------
 @pytest.mark.parametrize("policy_name", ["streaming_llm", "kvpop_mlp", "kvpop", "dense"])
-def test_compiled_engine_equals_bounded_cache(policy_name):
-    from transformers import AutoModelForCausalLM
-
-    from kvpop.cache import as_decode_policy, enable
-    from kvpop.decode import teacher_forced_logits
-    from kvpop.engine import DecodeEngine
-    from kvpop.modeling import tiny_config
+def test_compiled_engine_equals_bounded_cache(policy_name, tiny_model):
+    from kvpop.decode import enable, teacher_forced_logits
+    from kvpop.decode.engine import DecodeEngine
     from kvpop.policies import make_policy
 
     for name in ("cache_size_limit", "recompile_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
-    torch.manual_seed(0)
-    model = enable(AutoModelForCausalLM.from_config(tiny_config("qwen3")).cuda().eval())
+    model = enable(tiny_model("qwen3").cuda())
     sinks, window, budget, S, pre = 4, 32, 4 + 32 + 48, 400, 300
     policy = make_policy(policy_name, num_layers=2, num_kv_heads=2, head_dim=16)
     for p in policy.parameters():
@@ -264,7 +254,7 @@ def test_compiled_engine_equals_bounded_cache(policy_name):
         with torch.no_grad():
             ref = model(input_ids=ids).logits
     else:
-        ref = teacher_forced_logits(model, as_decode_policy(policy), ids, budget=budget, sinks=sinks, window=window, prefill=pre)
+        ref = teacher_forced_logits(model, policy, ids, budget=budget, sinks=sinks, window=window, prefill=pre)
     kw = dict(budget=budget, sinks=sinks, window=window, batch_size=2, chunk=128) if policy_name != "dense" else dict(max_len=512, batch_size=2, chunk=128)
     got = {}
     for compiled in (False, True):

@@ -5,12 +5,10 @@ import threading
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from kvpop.data.synthetic import generate_traces
-from kvpop.decode import make_decode_policy
+from kvpop.policies import resolve_policy
 from kvpop.filter import filter_rows
-from kvpop.modeling import tiny_config
 from kvpop.rollouts import (
     BOXED_INSTRUCTION,
     BenchmarkUnavailable,
@@ -151,9 +149,8 @@ def test_rollout_problems_real_rows(tiny_tokenizer):
 
 # --- rollouts with a tiny model ------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def model(tiny_tokenizer):
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tiny_tokenizer))).eval()
+def model(tiny_tokenizer, tiny_model):
+    return tiny_model("llama", vocab_size=len(tiny_tokenizer))
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +161,7 @@ def short_problems(tiny_tokenizer):
 
 def test_pass_at_1_runs(model, tiny_tokenizer, short_problems):
     kw = dict(budget=64, sinks=4, window=16, top_p=0.95, top_k=20, max_new_tokens=4, seed=0)
-    res = pass_at_1(model, tiny_tokenizer, make_decode_policy("streaming_llm"), short_problems, n=3, temperature=0.8, batch_size=2, keep_texts=True, **kw)
+    res = pass_at_1(model, tiny_tokenizer, resolve_policy("streaming_llm"), short_problems, n=3, temperature=0.8, batch_size=2, keep_texts=True, **kw)
     assert 0.0 <= res["pass_at_1"] <= 1.0 and res["n_problems"] == 3
     assert res["rollouts_per_problem"] == 3 and res["n_rollouts"] == 9 and len(res["samples"]) == 9
     assert set(res["per_problem"]) == {p.id for p in short_problems}
@@ -172,14 +169,14 @@ def test_pass_at_1_runs(model, tiny_tokenizer, short_problems):
     assert res["pass_at_1"] == pytest.approx(sum(s["correct"] for s in res["samples"]) / 9)
     assert res["tokens_per_s"] > 0 and res["peak_cache_mb"] > 0
     # greedy: one deterministic rollout per problem, and the dense cache is larger
-    dense = pass_at_1(model, tiny_tokenizer, make_decode_policy("dense"), short_problems, n=3, temperature=0.0, **kw)
+    dense = pass_at_1(model, tiny_tokenizer, resolve_policy("dense"), short_problems, n=3, temperature=0.0, **kw)
     assert dense["n_rollouts"] == 3 and dense["rollouts_per_problem"] == 1
     assert dense["peak_cache_mb"] > res["peak_cache_mb"]
     # sampling is reproducible from the seed
-    again = pass_at_1(model, tiny_tokenizer, make_decode_policy("streaming_llm"), short_problems, n=3, temperature=0.8, batch_size=2, keep_texts=True, **kw)
+    again = pass_at_1(model, tiny_tokenizer, resolve_policy("streaming_llm"), short_problems, n=3, temperature=0.8, batch_size=2, keep_texts=True, **kw)
     assert [s["text"] for s in again["samples"]] == [s["text"] for s in res["samples"]]
     with pytest.raises(ValueError, match="n must be"):
-        pass_at_1(model, tiny_tokenizer, make_decode_policy("dense"), short_problems, n=0, temperature=0.0, **kw)
+        pass_at_1(model, tiny_tokenizer, resolve_policy("dense"), short_problems, n=0, temperature=0.0, **kw)
 
 
 def test_stop_ids_include_generation_config(model, tiny_tokenizer):
@@ -191,9 +188,9 @@ def test_memory_curve_dense_grows_bounded_flat(model, tiny_tokenizer):
     prompt = list(range(3, 43))  # 40 tokens
     lengths = [0, 8, 16, 24]
     kw = dict(budget=24, sinks=2, window=8, lengths=lengths)
-    dense = memory_curve(model, tiny_tokenizer, make_decode_policy("dense"), prompt, **kw)
-    bounded = memory_curve(model, tiny_tokenizer, make_decode_policy("streaming_llm"), prompt, **kw)
-    tova = memory_curve(model, tiny_tokenizer, make_decode_policy("tova"), prompt, **kw)
+    dense = memory_curve(model, tiny_tokenizer, resolve_policy("dense"), prompt, **kw)
+    bounded = memory_curve(model, tiny_tokenizer, resolve_policy("streaming_llm"), prompt, **kw)
+    tova = memory_curve(model, tiny_tokenizer, resolve_policy("tova"), prompt, **kw)
     assert [x for x, _ in dense] == lengths == [x for x, _ in bounded]
     mb = [y for _, y in dense]
     assert all(a < b for a, b in zip(mb, mb[1:], strict=False))
@@ -201,7 +198,7 @@ def test_memory_curve_dense_grows_bounded_flat(model, tiny_tokenizer):
     assert len({y for _, y in bounded}) == 1 and len({y for _, y in tova}) == 1
     assert bounded[0][1] < dense[0][1]
     with pytest.raises(ValueError):
-        memory_curve(model, tiny_tokenizer, make_decode_policy("dense"), prompt, budget=24, sinks=2, window=8, lengths=[])
+        memory_curve(model, tiny_tokenizer, resolve_policy("dense"), prompt, budget=24, sinks=2, window=8, lengths=[])
 
 
 # --- benchmarks ----------------------------------------------------------------------------------

@@ -95,3 +95,63 @@ def test_chunked_topk_kl_equals_the_whole_computation():
     (g_chunked,) = torch.autograd.grad(chunked, logits)
     assert torch.allclose(whole, chunked, atol=1e-6) and torch.allclose(g_whole, g_chunked, atol=1e-7)
     assert g_whole.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    ("precision", "accelerator", "cuda", "flags", "expected"),
+    [
+        ("auto", "cuda", False, set(), "bf16-mixed"),  # asked for CUDA: bf16 is native there
+        ("auto", "auto", True, set(), "bf16-mixed"),
+        ("auto", "auto", False, set(), "32-true"),
+        ("auto", "cpu", True, set(), "32-true"),  # a visible GPU does not count for a CPU run
+        ("auto", "cpu", False, {"avx512f", "avx512_bf16"}, "bf16-mixed"),
+        ("auto", "auto", False, {"amx_bf16", "amx_tile"}, "bf16-mixed"),
+        ("auto", "cpu", False, {"avx512f", "amx_int8"}, "32-true"),
+        ("32-true", "cuda", True, set(), "32-true"),  # explicit values pass through
+        ("bf16-true", "cpu", False, set(), "bf16-true"),
+    ],
+)
+def test_resolve_precision(monkeypatch, precision, accelerator, cuda, flags, expected):
+    import kvpop.train as train
+
+    monkeypatch.setattr(train.torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(train, "cpu_flags", lambda: set(flags))
+    assert train.resolve_precision(precision, accelerator) == expected
+
+
+def test_cpu_flags_reads_cpuinfo_and_tolerates_its_absence(tmp_path):
+    from kvpop.train import cpu_flags
+
+    f = tmp_path / "cpuinfo"
+    f.write_text("processor\t: 0\nmodel name\t: x\nflags\t\t: fpu avx512_bf16 amx_bf16\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    assert cpu_flags(f) == {"fpu", "avx512_bf16", "amx_bf16"}
+    assert cpu_flags(tmp_path / "missing") == set()
+    (tmp_path / "arm").write_text("processor\t: 0\nFeatures\t: fp asimd\n")
+    assert cpu_flags(tmp_path / "arm") == set()
+
+
+@pytest.mark.parametrize("policy_name", ["streaming_llm_plus", "kvpop_mlp"])
+def test_build_training_trains_two_steps(policy_name, tmp_path):
+    """One config -> module, loader and trainer: two steps on a tiny model, settings taken from the config."""
+    from kvpop.config import TrainConfig
+    from kvpop.train import build_training
+
+    teacher, _ = tiny_pair()
+    t_before = copy.deepcopy(teacher.state_dict())
+    ids, doc, pos = packed_toy(4, 64)
+    cfg = TrainConfig(steps=2, batch_size=2, top_logits=16, scorer_hidden=8, model_lr=1e-3, tau=0.5, query_samples=3,
+                      precision="32-true", accelerator="cpu")
+    training = build_training(teacher, policy_name, PackedDataset(ids, doc, pos, (doc >= 0).long()), cfg=cfg,
+                              budget=13, sinks=2, window=6, seed=0)
+    assert training.precision == "32-true" and training.long_range == 5
+    assert training.policy.name == policy_name and training.student is not teacher
+    s = training.module.s
+    assert (s.steps, s.top_logits, s.model_lr, s.long_range) == (2, 16, 1e-3, 5)
+    assert (s.scorer_training.tau, s.scorer_training.query_samples) == (0.5, 3)
+    before = copy.deepcopy(training.student.state_dict())
+    trainer = training.fit(enable_progress_bar=False, default_root_dir=tmp_path)
+    assert trainer.global_step == 2 and trainer.max_steps == 2 and trainer.gradient_clip_val == cfg.grad_clip
+    assert any(not torch.equal(before[k], v) for k, v in training.student.state_dict().items())
+    assert all(torch.equal(t_before[k], v) for k, v in teacher.state_dict().items())  # the teacher stays frozen
+    if training.policy.learned:
+        assert "train/score_loss" in trainer.callback_metrics

@@ -37,7 +37,7 @@ layer's q/k/v and gate/up weights are packed into one matrix (:func:`pack_linear
 keep views of it): at batch 1 one wide GEMM reads the weights faster than several narrow ones.
 
 Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, C chunk, N candidates, T cache slots
-(padded to a multiple of the 128-wide attention block), D head dim, V vocabulary.
+(on CUDA padded to a multiple of the 128-wide attention block), D head dim, V vocabulary.
 """
 
 from __future__ import annotations
@@ -155,7 +155,8 @@ class DecodeEngine:
         self._wqkv = [pack_linears(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj) for l in self.layers]
         self._wgu = [pack_linears(l.mlp.gate_proj, l.mlp.up_proj) for l in self.layers]
         self.lr = self.layout.first_long_range
-        self.T = -(-self.slots // BLOCK) * BLOCK
+        pad = BLOCK if self.device.type == "cuda" else 1  # FlexAttention's blocks; SDPA (CPU) takes any length
+        self.T = -(-self.slots // pad) * pad
         B, Hk, T, D, dev = self.B, self.Hk, self.T, self.D, self.device
         L = len(self.layers)
         self.keys = [torch.zeros(B, Hk, T, D, dtype=self.dtype, device=dev) for _ in range(L)]
