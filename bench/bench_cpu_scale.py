@@ -39,24 +39,19 @@ def best_of(fn, reps: int) -> tuple[float, object]:
     return min(times), out
 
 
-def random_packing(B: int, S: int, doc_lens: list[int], pad_max: int, gen: torch.Generator):
-    """Packed rows (several documents, then padding): doc_ids (B, S) with -1 = padding, pos (B, S)."""
-    doc_ids = torch.full((B, S), -1, dtype=torch.long)
-    pos = torch.zeros((B, S), dtype=torch.long)
-    for b in range(B):
-        pad = int(torch.randint(0, pad_max + 1, (1,), generator=gen))
-        t, d = 0, 0
-        while t < S - pad:
-            n = min(doc_lens[int(torch.randint(len(doc_lens), (1,), generator=gen))], S - pad - t)
-            doc_ids[b, t : t + n] = d
-            pos[b, t : t + n] = torch.arange(n)
-            t, d = t + n, d + 1
-    return doc_ids, pos
+def packed_row(S: int, pad: int = 100) -> tuple[torch.Tensor, torch.Tensor]:
+    """One packed row: documents of S/16 and S/4 tokens, one filling the rest, then ``pad`` padding
+    tokens -> doc_ids (1, S) (-1 = padding), pos (1, S)."""
+    lens = [S // 16, S // 4]
+    lens.append(S - pad - sum(lens))
+    doc_ids = torch.cat([torch.full((n,), d) for d, n in enumerate(lens)] + [torch.full((pad,), -1)])
+    pos = torch.cat([torch.arange(n) for n in lens] + [torch.zeros(pad, dtype=torch.long)])
+    return doc_ids[None], pos[None]
 
 
 def bench_selection(S: int, Hk: int, reps: int) -> dict:
     gen = torch.Generator().manual_seed(0)
-    doc_ids, pos = random_packing(1, S, [1000, 5000, S], 100, gen)
+    doc_ids, pos = packed_row(S)
     prio = torch.randn(1, Hk, S, generator=gen)
     kw = dict(sinks=4, window=64, long_range=512)
     eviction_times(prio, doc_ids, pos, **kw)  # warm-up

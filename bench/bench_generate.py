@@ -99,7 +99,7 @@ def main() -> None:
         got = {}
         for path in ("engine", "reference"):
             # min_new_tokens is not a kvpop option: EOS may end both paths early, equally (same tokens)
-            sec, (new, stats) = timed(lambda path=path: generate(model, tok, policy, ids, path=path, **geo), args.reps)
+            sec, (new, stats) = timed(lambda path=path, policy=policy: generate(model, tok, policy, ids, path=path, **geo), args.reps)
             got[path] = new
             tps = new.shape[1] / sec
             rows[f"{name}/{path}"] = {"seconds": sec, "new_tokens": new.shape[1], "tokens_per_s": tps, "vs_hf": tps / (N / hf_s)}

@@ -57,7 +57,7 @@ def timeit(fn, *, warmup: int, reps: int, cuda: bool) -> float:
 
 def brute_force_topk(prio, pos, *, sinks: int, window: int, k: int, q_chunk: int, chunks: list[int]):
     """Per-query top-k over the eligible tokens (pos >= sinks, t <= q - window), for the given query chunks."""
-    Hk, S = prio.shape[1], prio.shape[2]
+    S = prio.shape[2]
     t = torch.arange(S, device=prio.device)
     elig_t = pos[0] >= sinks
     out = []
@@ -171,7 +171,7 @@ def bench_size(S: int, args, dev: str, res: dict) -> dict:
     with torch.no_grad():
         _, lse = flex_execute(q.detach(), kk.detach(), v.detach(), bm, scale, need_lse=True)
     for impl in (["flex", "chunked"] if cuda else ["chunked"]):
-        t_t = timeit(lambda: future_attention_target(q.detach(), kk.detach(), lse, doc, window=window, scale=scale, impl=impl),
+        t_t = timeit(lambda impl=impl: future_attention_target(q.detach(), kk.detach(), lse, doc, window=window, scale=scale, impl=impl),
                      warmup=max(1, W - 1), reps=max(2, R // 2), cuda=cuda)
         row[f"iv_target_{impl}_s"] = t_t
         row[f"iv_ratio_{impl}_over_sparse"] = t_t / t_sp
@@ -194,9 +194,12 @@ def print_table(res: dict) -> None:
 
     g = lambda r, key: r.get(key)  # noqa: E731
     line("(i) brute-force top-k / eviction_times", lambda r: f"{rx(g(r, 'i_ratio'))} ({ms(g(r, 'i_bruteforce_topk_s'))} / {ms(g(r, 'i_eviction_times_s'))})")
-    line("(ii) create_block_mask(compiled) / ours", lambda r: f"{rx(g(r, 'ii_ratio'))} ({ms(g(r, 'ii_create_block_mask_s'))} / {ms(g(r, 'ii_blockmask_ours_s'))})")
-    line("(iii) SDPA causal / sparse flex (fwd+bwd)", lambda r: f"{rx(g(r, 'iii_ratio_vs_sdpa'))} ({ms(g(r, 'iii_sdpa_causal_fwd_bwd_s'))} / {ms(g(r, 'iii_sparse_flex_fwd_bwd_s'))})")
-    line("(iii) flex causal / sparse flex (fwd+bwd)", lambda r: f"{rx(g(r, 'iii_ratio_vs_flex_causal'))} ({ms(g(r, 'iii_flex_causal_fwd_bwd_s'))} / {ms(g(r, 'iii_sparse_flex_fwd_bwd_s'))})")
+    def ratio(key: str, num: str, den: str):
+        return lambda r: f"{rx(g(r, key))} ({ms(g(r, num))} / {ms(g(r, den))})"
+
+    line("(ii) create_block_mask(compiled) / ours", ratio("ii_ratio", "ii_create_block_mask_s", "ii_blockmask_ours_s"))
+    line("(iii) SDPA causal / sparse flex (fwd+bwd)", ratio("iii_ratio_vs_sdpa", "iii_sdpa_causal_fwd_bwd_s", "iii_sparse_flex_fwd_bwd_s"))
+    line("(iii) flex causal / sparse flex (fwd+bwd)", ratio("iii_ratio_vs_flex_causal", "iii_flex_causal_fwd_bwd_s", "iii_sparse_flex_fwd_bwd_s"))
     line("(iv) target flex / sparse fwd+bwd", lambda r: f"{rx(g(r, 'iv_ratio_flex_over_sparse'))} ({ms(g(r, 'iv_target_flex_s'))})")
     line("(iv) target chunked / sparse fwd+bwd", lambda r: f"{rx(g(r, 'iv_ratio_chunked_over_sparse'))} ({ms(g(r, 'iv_target_chunked_s'))})")
     line("block sparsity of our BlockMask (% skipped)", lambda r: "-" if g(r, "block_sparsity_pct") is None else f"{g(r, 'block_sparsity_pct'):.1f}%")
@@ -228,7 +231,7 @@ def main() -> None:
     res = {
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
         "torch": torch.__version__,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "config": {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
                    "dtype": "bfloat16" if dev == "cuda" else "float32", "batch": 1, "budget": "S/8",
                    "priorities": "uniform random (worst case for block sparsity)", "warmup": args.warmup,

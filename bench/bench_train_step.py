@@ -260,7 +260,7 @@ def summarize(res: dict) -> dict:
     for label, r in res["variants"].items():
         m = r["median_s"]
         step = m["step"]
-        student = lambda part: sum(m.get(f"{ph}/{part}", 0.0) for ph in ("student_forward", "backward"))  # noqa: E731
+        student = lambda part, m=m: sum(m.get(f"{ph}/{part}", 0.0) for ph in ("student_forward", "backward"))  # noqa: E731
         parts = {key: (m.get(src, 0.0) if src else student(key.removeprefix("student_"))) for key, src, _ in PARTS}
         out[label] = {
             "recomputed_layers_per_step": m.get("backward/attention/calls", 0.0),  # activation checkpointing at work
@@ -388,7 +388,7 @@ def main() -> None:
     res = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

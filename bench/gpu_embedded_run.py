@@ -246,7 +246,7 @@ def main() -> None:
     }
 
     def write(partial: bool) -> None:
-        out["date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        out["date"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         out["seconds_total"] = round(time.time() - t_start, 1)
         out["partial"] = partial
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_decode import qwen3_4b, random_ids
 from kvpop.decode.engine import DecodeEngine
 from kvpop.policies import make_policy
+
+from bench_decode import qwen3_4b, random_ids
 
 
 def main() -> None:
@@ -47,7 +48,8 @@ def main() -> None:
     for _ in range(200):
         eng.step()
     torch.cuda.synchronize()
-    head = f"{'max-autotune' if args.max_autotune else 'default'} compile: {(time.perf_counter() - t0) / 200 * 1e3:.3f} ms per step (batch 1, 4K, budget 2048)\n"
+    mode = "max-autotune" if args.max_autotune else "default"
+    head = f"{mode} compile: {(time.perf_counter() - t0) / 200 * 1e3:.3f} ms per step (batch 1, 4K, budget 2048)\n"
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             eng.step()

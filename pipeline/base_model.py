@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common import console, fail, params, write_json
-
 from kvpop import tracking
 from kvpop.base_model import ModelSourceError, materialize
+
+from common import console, fail, params, write_json
 
 
 def main() -> None:

@@ -12,7 +12,6 @@ import argparse
 from pathlib import Path
 
 import torch
-from common import console, fail, params, write_json
 from rich.console import Console
 from rich.table import Table
 
@@ -23,7 +22,10 @@ from kvpop.filter import read_jsonl
 from kvpop.modeling import load_model, model_shape
 from kvpop.plots import plot_accuracy_vs_budget, plot_memory_curve
 from kvpop.policies import make_policy, policy_class
-from kvpop.rollouts import Problem, BenchmarkUnavailable, chat_prompt_ids, load_benchmark, memory_curve, pass_at_1, rollout_problems
+from kvpop.rollouts import BenchmarkUnavailable, Problem, chat_prompt_ids, load_benchmark, memory_curve, pass_at_1, rollout_problems
+
+from common import console, fail, params, write_json
+
 
 def candidates(p, base: str, exports: Path, precision: str):
     """(teacher, tokenizer, [Candidate]) for every evaluated policy."""

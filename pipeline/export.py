@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common import console, fail, params
-
 from kvpop import tracking
 from kvpop.export import CheckpointError, export, load_training_state
 from kvpop.modeling import load_model, model_shape
 from kvpop.policies import make_policy
+
+from common import console, fail, params
 
 
 def main() -> None:

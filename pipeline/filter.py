@@ -6,12 +6,12 @@ import argparse
 from collections import Counter
 from pathlib import Path
 
-from common import console, fail, params, write_json
-
 from kvpop import tracking
 from kvpop.data.sources import NEMOTRON_ID, iter_nemotron
 from kvpop.data.synthetic import generate_traces
 from kvpop.filter import FilterStats, filter_rows, write_jsonl
+
+from common import console, fail, params, write_json
 
 
 def main() -> None:

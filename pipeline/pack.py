@@ -6,11 +6,11 @@ import argparse
 from dataclasses import asdict
 from pathlib import Path
 
-from common import console, fail, params, write_json
-
 from kvpop import tracking
 from kvpop.filter import read_jsonl
 from kvpop.pack import pack_records, save_packed
+
+from common import console, fail, params, write_json
 
 
 def main() -> None:

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from common import console, fail, params, write_json
 
 from kvpop import tracking
 from kvpop.export import CheckpointError
@@ -29,6 +28,8 @@ from kvpop.modeling import load_model
 from kvpop.pack import load_packed
 from kvpop.resume import ResumeCheckpoint, begin_run, checkpoint_step, find_resume_checkpoint, finish_run
 from kvpop.train import build_training, resolve_precision
+
+from common import console, fail, params, write_json
 
 #: train keys that do not change the result: a resumed run may differ in them
 _NOT_IN_RESULT = ("policies", "log_every", "checkpoint_every")

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from conftest import packed_toy
 
 from kvpop.boundary import boundary_labels, boundary_loss
 from kvpop.scorer import static_priority
+
+from conftest import packed_toy
 
 
 def brute_labels(r_tgt, log_gamma, doc, pos, sinks, window, k):
@@ -21,7 +22,7 @@ def brute_labels(r_tgt, log_gamma, doc, pos, sinks, window, k):
                 rest = [t for t in range(t_new) if doc[b, t] == doc[b, t_new] and pos[b, t] >= sinks]
                 if len(rest) < k or k == 0:
                     continue  # E(q) holds at most k tokens: nothing to decide
-                key = lambda t: (prio[b, h, t].item(), t)  # higher priority, then newer, ranks first
+                key = lambda t, b=b, h=h: (prio[b, h, t].item(), t)  # higher priority, then newer, ranks first
                 rest.sort(key=key, reverse=True)
                 t_bnd = rest[k - 1]
                 out[(b * Hk + h, t_new)] = (t_bnd, 1.0 if key(t_new) > key(t_bnd) else -1.0)

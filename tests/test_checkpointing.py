@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from conftest import packed_toy
 
 from kvpop.attention import ScorerTraining, SparseContext, register
 from kvpop.policies import Dense, make_policy
 from kvpop.train import prediction_mask, topk_kl
+
+from conftest import packed_toy
 
 SINKS, WINDOW, K = 2, 6, 5
 

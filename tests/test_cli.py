@@ -48,7 +48,8 @@ def test_score_text_and_jsonl(exported, tiny_tokenizer, tmp_path, capsys):
     txt = tmp_path / "doc.txt"
     txt.write_text(TEXT * 2)
     rows = tmp_path / "rows.jsonl"
-    rows.write_text(json.dumps({"text": TEXT}) + "\n\n" + json.dumps({"messages": [{"role": "user", "content": TEXT}, {"role": "assistant", "content": "423"}]}) + "\n")
+    chat = {"messages": [{"role": "user", "content": TEXT}, {"role": "assistant", "content": "423"}]}
+    rows.write_text(json.dumps({"text": TEXT}) + "\n\n" + json.dumps(chat) + "\n")
     results = {}
     for policy in ("dense", "kvpop_mlp", "streaming_llm", "h2o"):
         assert main(["score", "--checkpoint", str(exported), "--policy", policy, "--budget", "16", str(txt), str(rows), "--json"]) == 0
@@ -74,7 +75,8 @@ def test_errors_exit_2(exported, tmp_path, capsys):
         (["generate", "--checkpoint", str(exported), "--policy", "lru", "--budget", "16", "--prompt", "x"], "unknown policy 'lru'"),
         (["generate", "--checkpoint", str(exported), "--policy", "tova", "--budget", "16", "--prompt-file", str(empty)], "empty prompt"),
         (["generate", "--checkpoint", str(exported), "--policy", "tova", "--budget", "5", "--prompt", "x"], "--budget 5"),
-        (["generate", "--checkpoint", str(exported), "--policy", "streaming_llm_plus", "--budget", "16", "--prompt", "x"], "needs an export folder trained with it"),
+        (["generate", "--checkpoint", str(exported), "--policy", "streaming_llm_plus", "--budget", "16", "--prompt", "x"],
+         "needs an export folder trained with it"),
         (["score", "--checkpoint", str(exported), "--policy", "tova", "--budget", "16", str(empty)], "is empty"),
         (["score", "--checkpoint", str(exported), "--policy", "tova", "--budget", "16", str(tmp_path / "none.txt")], "not found"),
         (["score", "--checkpoint", str(exported), "--policy", "tova", "--budget", "16", str(bad_rows)], '"text"'),

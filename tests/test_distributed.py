@@ -11,16 +11,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_resume import METRICS, OUT, base, db, make_workdir, stage_cmd  # noqa: F401 (fixtures)
 
 from kvpop.distributed import decoder_layer_classes, make_strategy, shard_frozen
 from kvpop.modeling import load_model
+from test_resume import METRICS, OUT, base, db, make_workdir, stage_cmd  # noqa: F401 (fixtures)
 
 
 def test_decoder_layers_and_strategies(tiny_qwen3_dir):
@@ -69,10 +68,10 @@ def _sharded_teacher(rank: int, model_dir: str, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        from conftest import packed_toy
-
         from kvpop.attention import SparseContext
         from kvpop.policies import make_policy
+
+        from conftest import packed_toy
 
         torch.manual_seed(0)
         teacher = load_model(model_dir).requires_grad_(False).eval()

@@ -122,7 +122,8 @@ def test_sharded_checkpoint_exports_like_a_single_device_one(tiny_qwen3_dir, tmp
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(p))
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     for name in ("full", "sharded"):
-        cmd = [sys.executable, str(ROOT / "pipeline/export.py"), "--policy", "kvpop_mlp", "--ckpt", f"{name}.ckpt", "--base", str(tiny_qwen3_dir), "--out", f"export_{name}"]
+        cmd = [sys.executable, str(ROOT / "pipeline/export.py"), "--policy", "kvpop_mlp", "--ckpt", f"{name}.ckpt",
+               "--base", str(tiny_qwen3_dir), "--out", f"export_{name}"]
         res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
     a, b = tmp_path / "export_full", tmp_path / "export_sharded"

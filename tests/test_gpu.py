@@ -14,11 +14,12 @@ import copy
 import pytest
 import torch
 
-from conftest import packed_toy
 from kvpop.attention import ScorerTraining, SparseContext, flex_execute, sdpa_execute
 from kvpop.boundary import boundary_labels
 from kvpop.masks import block_mask_from_eviction_times, dense_mask, make_eviction_mask_mod
 from kvpop.selection import eviction_times
+
+from conftest import packed_toy
 
 pytestmark = [
     pytest.mark.gpu,

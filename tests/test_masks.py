@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from conftest import packed_toy
 
 from kvpop.masks import block_mask_from_eviction_times, dense_mask, make_eviction_mask_mod
 from kvpop.selection import NEVER, eviction_times
+
+from conftest import packed_toy
 
 
 def _evict(B, Hk, S, doc, pos, sinks, window, k, seed=0, ties=False):
@@ -61,7 +62,6 @@ def test_sdpa_and_flex_executors_agree_forward():
 @pytest.mark.parametrize("k", [0, 1, 7])
 def test_no_head_attends_to_more_than_budget(k):
     B, H, Hk, S, sinks, window = 2, 4, 2, 96, 3, 6
-    g = torch.Generator().manual_seed(1)
     doc = torch.zeros(B, S, dtype=torch.long)
     doc[1, 50:] = 1
     pos = torch.arange(S).repeat(B, 1)

@@ -6,12 +6,13 @@ import time
 
 import pytest
 import torch
-from conftest import packed_toy
 
 from kvpop.boundary import boundary_loss
 from kvpop.mlstm import MLSTMScorer, kvpop_k, readout_times, state_numbers
 from kvpop.policies import Kvpop
 from kvpop.selection import document_spans
+
+from conftest import packed_toy
 
 B, HK, D = 2, 3, 8
 

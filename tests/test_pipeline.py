@@ -57,7 +57,9 @@ def test_pipeline_end_to_end(tiny_qwen3_dir, tmp_path):
     }
     for pol in POLICIES:
         expected |= {f"models/train/{pol}/last.ckpt", f"metrics/train/{pol}.json"}
-        expected |= {f"models/export/{pol}/{f}" for f in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "kvpop.json")}
+        files = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "kvpop.json")
+        expected |= {f"models/export/{pol}/{f}" for f in files}
     expected |= {"models/export/kvpop_mlp/scorer.safetensors", "models/export/kvpop/scorer.safetensors"}
     assert written - {w for w in written if w.startswith(".cache/")} == expected
 

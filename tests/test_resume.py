@@ -21,12 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import build_tiny_tokenizer
 
 from kvpop.export import CheckpointError
 from kvpop.pack import pack_records, save_packed
 from kvpop.resume import begin_run, checkpoint_name, complete_checkpoints, find_resume_checkpoint
 from kvpop.train import EpochBatches, PackedDataset, ResumableLoader
+
+from conftest import build_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = "kvpop_mlp"

@@ -4,11 +4,10 @@ import json
 import threading
 
 import pytest
-import torch
 
 from kvpop.data.synthetic import generate_traces
-from kvpop.policies import resolve_policy
 from kvpop.filter import filter_rows
+from kvpop.policies import resolve_policy
 from kvpop.rollouts import (
     BOXED_INSTRUCTION,
     BenchmarkUnavailable,

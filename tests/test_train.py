@@ -4,12 +4,13 @@ import copy
 
 import pytest
 import torch
-from conftest import packed_toy
 
 from kvpop.attention import ScorerTraining, SparseContext, register
 from kvpop.modeling import tiny_config
 from kvpop.policies import make_policy
 from kvpop.train import DistillModule, PackedDataset, TrainSettings, make_loader, prediction_mask, topk_kl
+
+from conftest import packed_toy
 
 
 def tiny_pair():
@@ -53,7 +54,8 @@ def test_gradients_are_isolated():
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())
     policy.zero_grad(set_to_none=True)
     with torch.no_grad():
-        vals, idx = teacher(input_ids=ids, position_ids=pos, kvpop_ctx=SparseContext.for_rows(make_policy("dense", num_layers=2, num_kv_heads=2, head_dim=16), doc, pos, sinks=2, window=6, long_range=5)).logits.topk(16, -1)
+        ctx = SparseContext.for_rows(make_policy("dense"), doc, pos, sinks=2, window=6, long_range=5)
+        vals, idx = teacher(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits.topk(16, -1)
     topk_kl(logits, vals, idx, torch.ones(2, 64)).backward()
     assert all(p.grad is None for p in policy.parameters())
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in student.parameters())
@@ -72,7 +74,8 @@ def test_lightning_fit_updates_the_right_parameters(policy_name, tmp_path):
     ds = PackedDataset(ids, doc, pos, (doc >= 0).long())
     s = TrainSettings(sinks=2, window=6, long_range=5, steps=2, model_lr=1e-3, scorer_lr=1e-2, top_logits=16, scorer_training=ScorerTraining())
     module = DistillModule(student, teacher, policy, s)
-    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
     trainer.fit(module, make_loader(ds, 2, 0))
     assert trainer.global_step == 2
     assert any(not torch.equal(before[k], v) for k, v in student.state_dict().items())

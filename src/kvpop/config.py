@@ -27,6 +27,14 @@ TRAINED_POLICIES = names(trained=True)
 FREE_POLICIES = names(trained=False)
 
 
+def _only(v: list[str], allowed: tuple[str, ...], message: str) -> list[str]:
+    """``v`` if every name is in ``allowed``; else a ValueError from ``message`` ({bad}, {allowed})."""
+    bad = [p for p in v if p not in allowed]
+    if bad:
+        raise ValueError(message.format(bad=bad, allowed=", ".join(allowed)))
+    return v
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -152,10 +160,7 @@ class TrainConfig(_Section):
     @field_validator("policies")
     @classmethod
     def _trained(cls, v: list[str]) -> list[str]:
-        bad = [p for p in v if p not in TRAINED_POLICIES]
-        if bad:
-            raise ValueError(f"unknown or training-free policies {bad}; trained ones: {', '.join(TRAINED_POLICIES)}")
-        return v
+        return _only(v, TRAINED_POLICIES, "unknown or training-free policies {bad}; trained ones: {allowed}")
 
     @model_validator(mode="after")
     def _check_scale_out(self) -> TrainConfig:
@@ -205,10 +210,7 @@ class EvaluateConfig(_Section):
     @field_validator("policies")
     @classmethod
     def _known(cls, v: list[str]) -> list[str]:
-        bad = [p for p in v if p not in FREE_POLICIES]
-        if bad:
-            raise ValueError(f"unknown or trained policies {bad}; training-free ones: {', '.join(FREE_POLICIES)}")
-        return v
+        return _only(v, FREE_POLICIES, "unknown or trained policies {bad}; training-free ones: {allowed}")
 
 
 class Params(_Section):

@@ -48,7 +48,10 @@ def decoder_layer_classes(model: nn.Module) -> set[type[nn.Module]]:
     return classes
 
 
-def make_strategy(name: Strategy, *, layer_classes: set[type[nn.Module]] | None = None, checkpoint_format: Literal["full", "sharded"] = "full", precision: str = "32-true", timeout_s: int = 1800):
+def make_strategy(
+    name: Strategy, *, layer_classes: set[type[nn.Module]] | None = None, checkpoint_format: Literal["full", "sharded"] = "full",
+    precision: str = "32-true", timeout_s: int = 1800,
+):
     """The Lightning strategy for ``train.strategy`` (``layer_classes`` needed for ``fsdp``).
 
     FSDP under ``bf16-mixed`` keeps float32 parameters (all-gathered in float32) and computes in
@@ -95,7 +98,9 @@ def is_fsdp(strategy) -> bool:
     return isinstance(strategy, FSDPStrategy)
 
 
-def shard_frozen(model: nn.Module, *, device: torch.device, layer_classes: set[type[nn.Module]], mixed_precision=None, sharding_strategy="FULL_SHARD") -> nn.Module:
+def shard_frozen(
+    model: nn.Module, *, device: torch.device, layer_classes: set[type[nn.Module]], mixed_precision=None, sharding_strategy="FULL_SHARD"
+) -> nn.Module:
     """A frozen model as its own FSDP root, one unit per decoder layer (needs a process group).
 
     Every parameter must be frozen: no gradient, no optimizer state, only sharded storage plus

@@ -54,7 +54,7 @@ def _quiet() -> None:
 
 
 @contextlib.contextmanager
-def stage_run(stage: str, params: Mapping[str, Any], run_name: str | None = None) -> Iterator["StageRun"]:
+def stage_run(stage: str, params: Mapping[str, Any], run_name: str | None = None) -> Iterator[StageRun]:
     """One MLflow run for one stage execution; params flattened with dotted keys."""
     import mlflow
 

@@ -47,7 +47,6 @@ from typing import Literal
 import torch
 from torch import Tensor
 from torch.nn import functional as F
-
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvpop.decode.layout import NEG_INF, CacheLayout, check_geometry
@@ -404,7 +403,9 @@ class DecodeEngine:
                 cand_prio = self._delayed_chunk_priorities(i, k, v, cand_k, cand_v, c0, c1)
             else:
                 cand_prio = torch.cat([self.prio[i], self.policy.token_scores(i, k, v, pos).double()], 2)  # (B, Hk, N)
-            evict = candidate_eviction_times(cand_prio, cand_pos, sinks=self.sinks, window=self.window, long_range=self.long_range, bits=max(1, c1.bit_length()))
+            evict = candidate_eviction_times(
+                cand_prio, cand_pos, sinks=self.sinks, window=self.window, long_range=self.long_range, bits=max(1, c1.bit_length())
+            )
             evict = evict.clamp(max=NEVER)
             if self.policy.layer_independent:
                 self._chunk_shared = (cand_prio, evict)

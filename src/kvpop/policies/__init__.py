@@ -12,7 +12,7 @@ evaluate stage and both decode paths read the registry and the declared capabili
 
 from __future__ import annotations
 
-from kvpop.policies.base import Policy, Scores, ScorerSpec
+from kvpop.policies.base import Policy, ScorerSpec, Scores
 from kvpop.policies.dense import Dense
 from kvpop.policies.h2o import H2O
 from kvpop.policies.kvpop import Kvpop

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from kvpop.mlstm import MLSTMScorer, kvpop_k
-from kvpop.policies.base import Policy, Scores, ScorerSpec
+from kvpop.policies.base import Policy, ScorerSpec, Scores
 from kvpop.scorer import static_priority
 
 

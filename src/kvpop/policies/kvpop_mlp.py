@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpop.policies.base import Policy, Scores, ScorerSpec
+from kvpop.policies.base import Policy, ScorerSpec, Scores
 from kvpop.scorer import MLPScorer, static_priority
 
 
