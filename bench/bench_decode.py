@@ -6,7 +6,7 @@ invocation:
 
 * the copy bandwidth of the card (read + write bytes of a 4 GiB device-to-device copy);
 * transformers' eager ``generate`` at a 4K prompt, batch 1 (time per new token);
-* :class:`kvpop.engine.DecodeEngine` with a bounded cache (``kvpop_mlp`` scorer, random weights,
+* :class:`kvpop.decode.DecodeEngine` with a bounded cache (``kvpop_mlp`` scorer, random weights,
   scored inside the step) at each budget: chunked prefill to 4K, then ``--steps`` timed decode
   steps, then on to 32K and 131K in the same cache (it evicts as the chunks arrive); the peak
   memory is the running maximum since the engine was built;

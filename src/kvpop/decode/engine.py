@@ -280,6 +280,10 @@ class DecodeEngine:
         x = self.model.model.embed_tokens(self.tok)  # (B, 1, hidden)
         position_ids = p.view(1, 1).expand(B, 1)
         cos, sin = self.model.model.rotary_emb(x, position_ids)  # (B, 1, D)
+        # eager (not captured): the filled slots are a prefix (sinks and ring fill in order, an empty
+        # long-range slot is always the first victim), every stored token is visible to the new
+        # query, so attention reads that prefix without a mask; the graphed step masks the whole buffer
+        filled = None if self.compiled else min(self.seen, self.slots)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(i, layer.input_layernorm(x), cos, sin)  # (B, H, 1, D), (B, Hk, 1, D)
             if self.kind == "bounded":
@@ -288,8 +292,13 @@ class DecodeEngine:
             else:
                 self._write_dense(i, k, v, p)
                 kv_blocks = (p // BLOCK + 1).to(torch.int32).view(1)  # only the filled blocks
-            mm = slot_mask_mod(self.pos[i], p, self.G)
-            x = self._finish_layer(i, x, self._attend(q, self.keys[i], self.values[i], mm, kv_blocks, self._kv_indices))
+            if filled is not None:
+                keys, values = self.keys[i][:, :, :filled], self.values[i][:, :, :filled]  # (B, Hk, filled, D)
+                out = F.scaled_dot_product_attention(q, keys, values, scale=self.scale, enable_gqa=True)  # (B, H, 1, D)
+            else:
+                mm = slot_mask_mod(self.pos[i], p, self.G)
+                out = self._attend(q, self.keys[i], self.values[i], mm, kv_blocks, self._kv_indices)
+            x = self._finish_layer(i, x, out)
         logits = self.model.lm_head(self.model.model.norm(x))[:, -1].float()  # (B, V)
         self.tok.copy_(logits.argmax(-1, keepdim=True))
         self.p.add_(1)
@@ -323,7 +332,7 @@ class DecodeEngine:
         at = slot.expand(B * Hk)  # the slot that takes token p
         new = (k.reshape(B * Hk, -1), v.reshape(B * Hk, -1), p.expand(B * Hk), new_prio)
         bufs = (keys, values, pos, prio)
-        if self.long_range == 0:
+        if self.long_range == 0 or (not self.compiled and self.seen <= self.lr):  # eager and p < sinks + window: no leaver yet
             for buf, n in zip(bufs, new, strict=True):
                 buf.index_put_((bi, hi, at), n)
             return
