@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=384)
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=1, help="rows decoded together (copies of the prompt)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", type=Path)
@@ -78,7 +79,7 @@ def main() -> None:
     model = load_model(args.model, args.dtype).eval()
     model.set_attn_implementation("sdpa")  # transformers' default attention for the baseline (load_model sets kvpop's)
     tok = AutoTokenizer.from_pretrained(args.model)
-    ids = torch.tensor([prompt_ids(tok, args.prompt_tokens)])
+    ids = torch.tensor([prompt_ids(tok, args.prompt_tokens)] * args.batch)
     N = args.new_tokens
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
@@ -87,11 +88,12 @@ def main() -> None:
             return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=pad)
 
     hf_s, _ = timed(hf, args.reps)
-    rows = {"hf": {"seconds": hf_s, "tokens_per_s": N / hf_s, "vs_hf": 1.0}}
-    print(f"{args.model}: prompt {ids.shape[1]} tokens, {N} new, budget {args.budget} (sinks {args.sinks}, window {args.window}), "
+    hf_tps = N * args.batch / hf_s
+    rows = {"hf": {"seconds": hf_s, "tokens_per_s": hf_tps, "vs_hf": 1.0}}
+    print(f"{args.model}: {args.batch} x (prompt {ids.shape[1]} tokens, {N} new), budget {args.budget} (sinks {args.sinks}, window {args.window}), "
           f"{torch.get_num_threads()} threads, {args.dtype}")
     print(f"{'policy':<16}{'path':<11}{'tokens/s':>10}{'vs hf':>8}  same greedy tokens as reference")
-    print(f"{'dense':<16}{'hf':<11}{N / hf_s:>10.1f}{1.0:>8.2f}")
+    print(f"{'dense':<16}{'hf':<11}{hf_tps:>10.1f}{1.0:>8.2f}")
     shape = {k: v for k, v in model_shape(model).items() if k != "num_heads"}
     geo = dict(budget=args.budget, sinks=args.sinks, window=args.window, max_new_tokens=N)
     for name in args.policies:
@@ -101,10 +103,10 @@ def main() -> None:
             # min_new_tokens is not a kvpop option: EOS may end both paths early, equally (same tokens)
             sec, (new, stats) = timed(lambda path=path, policy=policy: generate(model, tok, policy, ids, path=path, **geo), args.reps)
             got[path] = new
-            tps = new.shape[1] / sec
-            rows[f"{name}/{path}"] = {"seconds": sec, "new_tokens": new.shape[1], "tokens_per_s": tps, "vs_hf": tps / (N / hf_s)}
+            tps = new.numel() / sec
+            rows[f"{name}/{path}"] = {"seconds": sec, "new_tokens": new.shape[1], "tokens_per_s": tps, "vs_hf": tps / hf_tps}
             same = "" if path == "engine" else str(torch.equal(got["engine"], new))
-            print(f"{name:<16}{path:<11}{tps:>10.1f}{tps / (N / hf_s):>8.2f}  {same}")
+            print(f"{name:<16}{path:<11}{tps:>10.1f}{tps / hf_tps:>8.2f}  {same}")
         rows[f"{name}/engine"]["same_tokens_as_reference"] = torch.equal(got["engine"], got["reference"])
     if args.out:
         meta = {"date": dt.date.today().isoformat(), "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),

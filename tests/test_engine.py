@@ -66,6 +66,24 @@ def test_engine_equals_bounded_cache(model, name, prefill, chunk, tie_policy):
     assert eng.seen == S
 
 
+@pytest.mark.parametrize("name", ["streaming_llm", "tied", "kvpop_mlp", "kvpop"])
+def test_prefill_after_decode_steps(model, name, tie_policy):
+    """Decode steps, then another prefill (a second turn), then steps: the same logits as teacher-forcing
+    the whole sequence through the reference cache. The steps leave the window's tokens unscored (a rule
+    scores a token when it leaves); the second prefill must score them itself."""
+    policy = make(name, tie_policy)
+    x = ids()
+    ref = teacher_forced_logits(model, policy, x, budget=BUDGET, sinks=SINKS, window=WINDOW, prefill=1)
+    eng = DecodeEngine(model, policy, budget=BUDGET, sinks=SINKS, window=WINDOW, batch_size=2, chunk=128)
+    first = engine_logits(eng, x[:, :90], prefill=50)  # the window is full and tokens leave it during the steps
+    assert first[:, 1:].sub(ref[:, 50:90]).abs().max() < 1e-4
+    last = eng.prefill(x[:, 90:130])  # second turn: 40 tokens at once
+    assert (last - ref[:, 129]).abs().max() < 1e-4
+    for t in range(130, S):
+        eng.tok.copy_(x[:, t : t + 1])
+        assert (eng.step() - ref[:, t]).abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("name", ["tied", "kvpop_mlp"])
 def test_chunked_prefill_keeps_the_cache_contents(model, name, tie_policy):
     """After a chunked prefill the engine stores, per KV head, exactly the tokens BoundedCache keeps."""

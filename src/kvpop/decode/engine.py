@@ -166,8 +166,10 @@ class DecodeEngine:
         self.p = torch.zeros((), dtype=torch.int64, device=dev)  # tokens seen = position of the next token
         self.tok = torch.zeros(B, 1, dtype=torch.int64, device=dev)  # the step's input token
         self.seen = 0  # host mirror of p (the step never reads it)
+        self.read = [0] * len(self.layers)  # delayed rule, eager: tokens each layer's state has read (it may lag behind)
         self._bh = (torch.arange(B, device=dev).repeat_interleave(Hk), torch.arange(Hk, device=dev).repeat(B))  # (B * Hk,) each
         self._bh2 = tuple(torch.cat([x, x]) for x in self._bh)  # (2 * B * Hk,): the victims' rows, then the new token's
+        self._unscored = torch.full((B * Hk,), float("nan"), dtype=torch.float64, device=dev)  # an entering token's priority
         self._full_blocks = torch.full((1,), T // BLOCK, dtype=torch.int32, device=dev)
         self._kv_indices = torch.arange(T // BLOCK, dtype=torch.int32, device=dev).view(1, 1, 1, -1)
         if compile is None:
@@ -200,6 +202,7 @@ class DecodeEngine:
                     buf.copy_(x)
         self.p.zero_()
         self.seen = 0
+        self.read = [0] * len(self.layers)
 
     # --- shared pieces ----------------------------------------------------------------------------
     def home_slot(self, pos: Tensor) -> Tensor:
@@ -284,10 +287,11 @@ class DecodeEngine:
         # long-range slot is always the first victim), every stored token is visible to the new
         # query, so attention reads that prefix without a mask; the graphed step masks the whole buffer
         filled = None if self.compiled else min(self.seen, self.slots)
+        at = self.home_slot(p).expand(self.B * self.Hk) if self.kind == "bounded" else None  # (B * Hk,): token p's slot in every layer
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(i, layer.input_layernorm(x), cos, sin)  # (B, H, 1, D), (B, Hk, 1, D)
             if self.kind == "bounded":
-                self._insert(i, k, v, p)
+                self._insert(i, k, v, p, at)
                 kv_blocks = self._full_blocks
             else:
                 self._write_dense(i, k, v, p)
@@ -310,8 +314,8 @@ class DecodeEngine:
         self.values[i].index_copy_(2, idx, v)
         self.pos[i].index_copy_(2, idx, p.view(1, 1, 1).expand(self.B, self.Hk, 1))
 
-    def _insert(self, i: int, k: Tensor, v: Tensor, p: Tensor) -> None:
-        """The bounded cache's arrival of token p (k, v (B, Hk, 1, D)), all in tensor ops.
+    def _insert(self, i: int, k: Tensor, v: Tensor, p: Tensor, at: Tensor) -> None:
+        """The bounded cache's arrival of token p (k, v (B, Hk, 1, D)) into its home slot ``at`` (B * Hk,), all in tensor ops.
 
         Every buffer changes in at most two slots per (row, head): the ring slot that takes the new
         token and the long-range slot of the victim. Both are written by one ``index_put_`` on the
@@ -321,27 +325,30 @@ class DecodeEngine:
         keys, values, pos, prio = self.keys[i], self.values[i], self.pos[i], self.prio[i]
         B, Hk = self.B, self.Hk
         bi, hi = self._bh  # (B * Hk,) row and head of each (row, head)
-        slot = self.home_slot(p)
         if self.delayed:
-            new_state = self.policy.step(i, self.state[i], k[:, :, 0], v[:, :, 0])
-            for buf, s in zip(self.state[i], new_state, strict=True):
-                buf.copy_(s)
-            new_prio = torch.full((B * Hk,), float("nan"), dtype=torch.float64, device=k.device)  # scored when it leaves
-        else:
-            new_prio = self.policy.token_scores(i, k, v, p.view(1, 1).expand(B, 1)).double().reshape(B * Hk)
-        at = slot.expand(B * Hk)  # the slot that takes token p
-        new = (k.reshape(B * Hk, -1), v.reshape(B * Hk, -1), p.expand(B * Hk), new_prio)
+            lazy = self._lazy_state()
+            if not (lazy and self.seen <= self.lr):  # eager and p < sinks + window: no token leaves yet, the state may wait
+                self._catch_up(i, self.seen - 1)
+                new_state = self.policy.step(i, self.state[i], k[:, :, 0], v[:, :, 0])
+                for buf, s in zip(self.state[i], new_state, strict=True):
+                    buf.copy_(s)
+                if lazy:
+                    self.read[i] = self.seen
+        new = (k.reshape(B * Hk, -1), v.reshape(B * Hk, -1), p.expand(B * Hk), self._unscored)  # scored when it leaves
         bufs = (keys, values, pos, prio)
         if self.long_range == 0 or (not self.compiled and self.seen <= self.lr):  # eager and p < sinks + window: no leaver yet
             for buf, n in zip(bufs, new, strict=True):
                 buf.index_put_((bi, hi, at), n)
             return
         leaving = p >= self.sinks + self.window  # the occupant of `slot` (token p - window) leaves the window
+        # every rule scores a token as it leaves the window (a static rule's priority depends only on its
+        # own key, value and position, so that is the number it would have had on entry)
+        occ_k, occ_v = keys[bi, hi, at].view(B, Hk, -1), values[bi, hi, at].view(B, Hk, -1)  # (B, Hk, D)
         if self.delayed:
-            occ_k, occ_v = keys[bi, hi, at].view(B, Hk, -1), values[bi, hi, at].view(B, Hk, -1)
-            cand_prio = self.policy.exit_scores(i, self.state[i], occ_k, occ_v, p - self.window).double().reshape(B * Hk)
+            cand_prio = self.policy.exit_scores(i, self.state[i], occ_k, occ_v, p - self.window)  # (B, Hk)
         else:
-            cand_prio = prio[bi, hi, at]  # (B * Hk,)
+            cand_prio = self.policy.token_scores(i, occ_k[:, :, None], occ_v[:, :, None], (p - self.window).view(1, 1).expand(B, 1))
+        cand_prio = cand_prio.double().reshape(B * Hk)
         lr_prio, lr_pos = prio[:, :, self.lr : self.slots], pos[:, :, self.lr : self.slots]  # (B, Hk, k)
         low = lr_prio.amin(-1, keepdim=True)  # (B, Hk, 1); empty slots are -inf
         victim = (torch.where(lr_prio == low, lr_pos, I64_MAX).argmin(-1) + self.lr).view(B * Hk)  # (B * Hk,)
@@ -379,9 +386,15 @@ class DecodeEngine:
         pos = torch.arange(c0, c0 + C, device=self.device).expand(B, C)
         x = self.model.model.embed_tokens(ids)
         cos, sin = self.model.model.rotary_emb(x, pos)
+        # CPU: while the cache is the prefix [0, c1) in position order (dense, or no token leaves the
+        # window before c1), the chunk attends causally over that prefix and nothing is evicted
+        prefix = self.device.type != "cuda" and (self.kind == "dense" or c0 + C <= self.lr)
+        causal = torch.arange(c0 + C, device=self.device) <= pos[0][:, None] if prefix else None  # (C, c0 + C)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(i, layer.input_layernorm(x), cos, sin)  # (B, H, C, D), (B, Hk, C, D)
-            if self.kind == "dense":
+            if prefix:
+                out = self._prefix_chunk(i, q, k, v, pos, causal)
+            elif self.kind == "dense":
                 sl = slice(c0, c0 + C)
                 self.keys[i][:, :, sl], self.values[i][:, :, sl] = k, v
                 self.pos[i][:, :, sl] = pos[:, None]
@@ -394,6 +407,19 @@ class DecodeEngine:
         self.seen = c0 + C
         self.p.fill_(self.seen)
         return self.model.lm_head(self.model.model.norm(x[:, -1:]))[:, -1].float()
+
+    def _prefix_chunk(self, i: int, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, causal: Tensor) -> Tensor:
+        """Chunk q (B, H, C, D), k, v (B, Hk, C, D) at positions pos (B, C) = [c0, c1) stored at slots
+        [c0, c1) (its home slots: no token has left the window), attending causally -> (B, H, C, D)."""
+        c0, c1 = self.seen, self.seen + k.shape[2]
+        sl = slice(c0, c1)
+        self.keys[i][:, :, sl], self.values[i][:, :, sl] = k, v
+        self.pos[i][:, :, sl] = pos[:, None]
+        if self.kind == "bounded":
+            # scored when they leave the window; a delayed rule's state reads them when one first leaves
+            self.prio[i][:, :, sl] = float("nan")
+        keys, values = self.keys[i][:, :, :c1], self.values[i][:, :, :c1]  # (B, Hk, c1, D)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal, scale=self.scale, enable_gqa=True)
 
     def _bounded_chunk(self, i: int, q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
         """Chunk q (B, H, C, D), k, v (B, Hk, C, D) at positions pos (B, C) over the cache's
@@ -411,7 +437,7 @@ class DecodeEngine:
             if self.delayed:
                 cand_prio = self._delayed_chunk_priorities(i, k, v, cand_k, cand_v, c0, c1)
             else:
-                cand_prio = torch.cat([self.prio[i], self.policy.token_scores(i, k, v, pos).double()], 2)  # (B, Hk, N)
+                cand_prio = torch.cat([self._scored_prio(i), self.policy.token_scores(i, k, v, pos).double()], 2)  # (B, Hk, N)
             evict = candidate_eviction_times(
                 cand_prio, cand_pos, sinks=self.sinks, window=self.window, long_range=self.long_range, bits=max(1, c1.bit_length())
             )
@@ -430,6 +456,37 @@ class DecodeEngine:
         self._scatter_layout(i, dest, cand_k, cand_v, cand_pos, cand_prio)
         return out
 
+    def _scored_prio(self, i: int) -> Tensor:
+        """Layer i's slot priorities (B, Hk, T) with the sink and window tokens scored (a static rule:
+        the decode step stores them unscored, NaN, and scores each as it leaves the window)."""
+        prio, fixed = self.prio[i], slice(0, self.lr)
+        if not prio[:, :, fixed].isnan().any():
+            return prio
+        pos = self.pos[i][:, 0, fixed]  # (B, sinks + window): sink and ring slots hold the same token in every head
+        scored = self.policy.token_scores(i, self.keys[i][:, :, fixed], self.values[i][:, :, fixed], pos.clamp(min=0)).double()
+        prio = prio.clone()
+        prio[:, :, fixed] = torch.where(self.pos[i][:, :, fixed] >= 0, scored, NEG_INF)
+        return prio
+
+    def _lazy_state(self) -> bool:
+        """May a delayed rule's state lag behind the cache? Eager only (a graphed step runs no Python),
+        and only with a closed form to catch up with."""
+        return self.delayed and not self.compiled and self.policy.chunked_prefill
+
+    def _catch_up(self, i: int, upto: int) -> None:
+        """Read the stored tokens ``[read[i], upto)`` into layer i's state in closed form (a delayed
+        rule's eager step and prefix chunks let it lag while no token leaves the window: they are then
+        all at their home slots, which are their positions)."""
+        a = self.read[i]
+        if not self._lazy_state() or a >= upto:
+            return
+        none = self.keys[i][:, :, :0]
+        empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+        _, state = self.policy.prefill_chunk(i, self.state[i], self.keys[i][:, :, a:upto], self.values[i][:, :, a:upto], none, none, empty, empty)
+        for buf, x in zip(self.state[i], state, strict=True):
+            buf.copy_(x)
+        self.read[i] = upto
+
     def _delayed_chunk_priorities(self, i: int, k: Tensor, v: Tensor, cand_k: Tensor, cand_v: Tensor, c0: int, c1: int) -> Tensor:
         """Candidate priorities (B, Hk, N) for a delayed rule, and its state advanced over the chunk.
 
@@ -439,12 +496,15 @@ class DecodeEngine:
         every other token is not yet eligible before ``c1``, and ``-inf`` as a placeholder changes
         no eviction before ``c1`` (it only ranks last), so it is scored when it leaves later."""
         T = self.T
+        self._catch_up(i, c0)
         a = max(self.sinks, c0 - self.window)
         rpos = torch.arange(a, max(a, c1 - self.window), device=k.device)  # (R,) positions of the leavers
         idx = torch.where(rpos < c0, self.home_slot(rpos), T + rpos - c0)  # candidate index (rpos >= sinks: a ring slot)
         prio, state = self.policy.prefill_chunk(i, self.state[i], k, v, cand_k[:, :, idx], cand_v[:, :, idx], rpos, rpos + self.window - c0)
         for buf, x in zip(self.state[i], state, strict=True):
             buf.copy_(x)
+        if self._lazy_state():
+            self.read[i] = c1
         B, Hk = k.shape[:2]
         cand_prio = torch.full((B, Hk, T + k.shape[2]), NEG_INF, dtype=torch.float64, device=k.device)
         cand_prio[:, :, self.lr : self.slots] = self.prio[i][:, :, self.lr : self.slots]
