@@ -50,14 +50,22 @@ def make_eviction_mask_mod(
     return mask_mod
 
 
-def dense_mask(mask_mod: MaskMod, B: int, H: int, S: int, device: torch.device | str, kv_len: int | None = None) -> Tensor:
-    """Evaluate ``mask_mod`` on the full grid: (B, H, S, N) bool (True = attend), N = ``kv_len`` or S."""
+def dense_mask(
+    mask_mod: MaskMod, B: int, H: int, S: int, device: torch.device | str, kv_len: int | None = None, group: int = 1
+) -> Tensor:
+    """Evaluate ``mask_mod`` on the full grid: (B, H, S, N) bool (True = attend), N = ``kv_len`` or S.
+
+    ``group`` > 1: for a pattern shared by each group of ``group`` consecutive query heads (one per KV
+    head), evaluate it once per group, at the group's first head, and repeat it (``group`` times less work)."""
     N = S if kv_len is None else kv_len
     b = torch.arange(B, device=device).view(B, 1, 1, 1)
-    h = torch.arange(H, device=device).view(1, H, 1, 1)
+    h = (torch.arange(H // group, device=device) * group).view(1, H // group, 1, 1)
     q = torch.arange(S, device=device).view(1, 1, S, 1)
     kv = torch.arange(N, device=device).view(1, 1, 1, N)
-    return mask_mod(b, h, q, kv).expand(B, H, S, N)
+    mask = mask_mod(b, h, q, kv).expand(B, H // group, S, N)
+    if group == 1:
+        return mask
+    return mask[:, :, None].expand(B, H // group, group, S, N).reshape(B, H, S, N)
 
 
 def block_mask_from_eviction_times(

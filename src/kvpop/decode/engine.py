@@ -181,7 +181,7 @@ class DecodeEngine:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_out: Tensor | None = None
         self._warm = False
-        self._chunk_shared: tuple[Tensor, Tensor] | None = None
+        self._chunk_shared: dict[str, Tensor] | None = None
 
     # --- buffers --------------------------------------------------------------------------------
     def cache_bytes(self) -> int:
@@ -232,8 +232,11 @@ class DecodeEngine:
         gate, up = F.linear(layer.post_attention_layernorm(x), w, b).chunk(2, -1)
         return x + mlp.down_proj(mlp.act_fn(gate) * up)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask_mod, kv_blocks: Tensor, kv_indices: Tensor | None = None) -> Tensor:
-        """q (B, H, Q, D) over k, v (B, Hk, N, D) under mask_mod -> (B, H, Q, D)."""
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, mask_mod, kv_blocks: Tensor, kv_indices: Tensor | None = None, allowed: Tensor | None = None
+    ) -> Tensor:
+        """q (B, H, Q, D) over k, v (B, Hk, N, D) under mask_mod -> (B, H, Q, D); on the CPU ``allowed``
+        (B, H, Q, N) is mask_mod's dense mask if already at hand."""
         B, H, Q, _ = q.shape
         N = k.shape[2]
         if q.is_cuda:
@@ -244,7 +247,8 @@ class DecodeEngine:
             fn = flex_attention if self.compiled and Q == 1 else _compiled_flex()  # the step is compiled as a whole
             bm = block_mask(mask_mod, kv_blocks, Q, N, kv_indices)
             return fn(q, k, v, block_mask=bm, scale=self.scale, enable_gqa=True)
-        allowed = dense_mask(mask_mod, B, H, Q, q.device, kv_len=N)
+        if allowed is None:
+            allowed = dense_mask(mask_mod, B, H, Q, q.device, kv_len=N, group=self.G)  # (B, H, Q, N)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale, enable_gqa=True)
 
     # --- the decode step ----------------------------------------------------------------------
@@ -381,7 +385,7 @@ class DecodeEngine:
 
     def _prefill_chunk(self, ids: Tensor) -> Tensor:
         B, C = ids.shape
-        self._chunk_shared = None  # (priorities, eviction times) of a layer-independent rule, shared by the layers
+        self._chunk_shared = None  # priorities, eviction times (and the CPU mask) of a layer-independent rule, shared by the layers
         c0 = self.seen
         pos = torch.arange(c0, c0 + C, device=self.device).expand(B, C)
         x = self.model.model.embed_tokens(ids)
@@ -419,6 +423,8 @@ class DecodeEngine:
             # scored when they leave the window; a delayed rule's state reads them when one first leaves
             self.prio[i][:, :, sl] = float("nan")
         keys, values = self.keys[i][:, :, :c1], self.values[i][:, :, :c1]  # (B, Hk, c1, D)
+        if c0 == 0:  # plain causal: SDPA's own (faster) path
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scale, enable_gqa=True)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal, scale=self.scale, enable_gqa=True)
 
     def _bounded_chunk(self, i: int, q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
@@ -428,25 +434,39 @@ class DecodeEngine:
         T = self.T
         c0 = self.seen
         c1 = c0 + C
-        cand_k = torch.cat([self.keys[i], k], 2)  # (B, Hk, N = T + C, D)
-        cand_v = torch.cat([self.values[i], v], 2)
-        cand_pos = torch.cat([self.pos[i], pos[:, None].expand(B, Hk, C)], 2)  # (B, Hk, N)
-        if self._chunk_shared is not None:  # a layer-independent rule: every layer holds the same tokens
-            cand_prio, evict = self._chunk_shared
+        if c0 == 0:  # an empty cache: the chunk's tokens are the only candidates (N = C)
+            cand_k, cand_v, cand_pos = k, v, pos[:, None].expand(B, Hk, C)
+        else:
+            cand_k = torch.cat([self.keys[i], k], 2)  # (B, Hk, N = T + C, D)
+            cand_v = torch.cat([self.values[i], v], 2)
+            cand_pos = torch.cat([self.pos[i], pos[:, None].expand(B, Hk, C)], 2)  # (B, Hk, N)
+        N = cand_k.shape[2]
+        shared = self._chunk_shared
+        if shared is not None:  # a layer-independent rule: every layer holds the same tokens
+            cand_prio, evict = shared["prio"], shared["evict"]
         else:
             if self.delayed:
                 cand_prio = self._delayed_chunk_priorities(i, k, v, cand_k, cand_v, c0, c1)
             else:
-                cand_prio = torch.cat([self._scored_prio(i), self.policy.token_scores(i, k, v, pos).double()], 2)  # (B, Hk, N)
+                cand_prio = self.policy.token_scores(i, k, v, pos).double()  # (B, Hk, C)
+                if c0:
+                    cand_prio = torch.cat([self._scored_prio(i), cand_prio], 2)  # (B, Hk, N)
             evict = candidate_eviction_times(
                 cand_prio, cand_pos, sinks=self.sinks, window=self.window, long_range=self.long_range, bits=max(1, c1.bit_length())
             )
             evict = evict.clamp(max=NEVER)
             if self.policy.layer_independent:
-                self._chunk_shared = (cand_prio, evict)
+                shared = self._chunk_shared = {"prio": cand_prio, "evict": evict}
         mm = slot_mask_mod(cand_pos, pos[0, 0], self.G, sinks=self.sinks, evict=evict)  # a tensor: no recompilation per chunk
-        full = torch.full((-(-C // BLOCK),), -(-(T + C) // BLOCK), dtype=torch.int32, device=q.device)
-        out = self._attend(q, cand_k, cand_v, mm, full)
+        full = torch.full((-(-C // BLOCK),), -(-N // BLOCK), dtype=torch.int32, device=q.device)
+        allowed = None
+        if not q.is_cuda:  # the dense mask of mm, once per chunk for a layer-independent rule
+            allowed = shared.get("mask") if shared is not None else None
+            if allowed is None:
+                allowed = dense_mask(mm, B, q.shape[1], C, q.device, kv_len=N, group=self.G)  # (B, H, C, N)
+                if shared is not None:
+                    shared["mask"] = allowed
+        out = self._attend(q, cand_k, cand_v, mm, full, allowed=allowed)
         # survivors at query c1 - 1: sinks, the window, and the long-range tokens not yet evicted
         keep = (cand_pos >= 0) & ((cand_pos < self.sinks) | (evict >= c1))
         fixed = keep & ((cand_pos < self.sinks) | (cand_pos >= c1 - self.window))
@@ -495,19 +515,20 @@ class DecodeEngine:
         ``t + window``, exactly as the decode step would; the long-range slots keep their scores;
         every other token is not yet eligible before ``c1``, and ``-inf`` as a placeholder changes
         no eviction before ``c1`` (it only ranks last), so it is scored when it leaves later."""
-        T = self.T
+        off = cand_k.shape[2] - k.shape[2]  # stored slots ahead of the chunk among the candidates (T, or 0: empty cache)
         self._catch_up(i, c0)
         a = max(self.sinks, c0 - self.window)
         rpos = torch.arange(a, max(a, c1 - self.window), device=k.device)  # (R,) positions of the leavers
-        idx = torch.where(rpos < c0, self.home_slot(rpos), T + rpos - c0)  # candidate index (rpos >= sinks: a ring slot)
+        idx = torch.where(rpos < c0, self.home_slot(rpos), off + rpos - c0)  # candidate index (rpos >= sinks: a ring slot)
         prio, state = self.policy.prefill_chunk(i, self.state[i], k, v, cand_k[:, :, idx], cand_v[:, :, idx], rpos, rpos + self.window - c0)
         for buf, x in zip(self.state[i], state, strict=True):
             buf.copy_(x)
         if self._lazy_state():
             self.read[i] = c1
         B, Hk = k.shape[:2]
-        cand_prio = torch.full((B, Hk, T + k.shape[2]), NEG_INF, dtype=torch.float64, device=k.device)
-        cand_prio[:, :, self.lr : self.slots] = self.prio[i][:, :, self.lr : self.slots]
+        cand_prio = torch.full((B, Hk, off + k.shape[2]), NEG_INF, dtype=torch.float64, device=k.device)
+        if off:
+            cand_prio[:, :, self.lr : self.slots] = self.prio[i][:, :, self.lr : self.slots]
         return cand_prio.index_copy_(2, idx, prio.double())
 
     def _scatter_layout(self, i: int, dest: Tensor, k: Tensor, v: Tensor, pos: Tensor, prio: Tensor) -> None:
