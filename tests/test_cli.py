@@ -77,6 +77,8 @@ def test_errors_exit_2(exported, tmp_path, capsys):
         (["generate", "--checkpoint", str(exported), "--policy", "tova", "--budget", "5", "--prompt", "x"], "--budget 5"),
         (["generate", "--checkpoint", str(exported), "--policy", "streaming_llm_plus", "--budget", "16", "--prompt", "x"],
          "needs an export folder trained with it"),
+        (["generate", "--checkpoint", str(exported), "--policy", "tova", "--budget", "16", "--prompt", "x", "--path", "engine"],
+         "--path engine: policy 'tova' needs attention weights"),
         (["score", "--checkpoint", str(exported), "--policy", "tova", "--budget", "16", str(empty)], "is empty"),
         (["score", "--checkpoint", str(exported), "--policy", "tova", "--budget", "16", str(tmp_path / "none.txt")], "not found"),
         (["score", "--checkpoint", str(exported), "--policy", "tova", "--budget", "16", str(bad_rows)], '"text"'),

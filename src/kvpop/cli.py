@@ -134,11 +134,14 @@ def cmd_generate(args) -> int:
     lo = load(args)
     ids = read_prompt(args, lo.tokenizer)
     streamer = None if args.quiet else TextStreamer(lo.tokenizer, skip_prompt=True, skip_special_tokens=True)
-    new, stats = generate(
-        lo.model, lo.tokenizer, lo.policy, ids, budget=lo.budget, sinks=lo.sinks, window=lo.window,
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, streamer=streamer, path=args.path,
-    )
+    try:
+        new, stats = generate(
+            lo.model, lo.tokenizer, lo.policy, ids, budget=lo.budget, sinks=lo.sinks, window=lo.window,
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            seed=args.seed, streamer=streamer, path=args.path,
+        )
+    except NotImplementedError as e:  # --path engine for a rule or model the engine does not take
+        raise UsageError(f"--path {args.path}: {e}") from None
     if args.quiet:
         print(lo.tokenizer.decode(new[0], skip_special_tokens=True))
     err.print(

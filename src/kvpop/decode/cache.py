@@ -54,7 +54,7 @@ A multi-token forward on a non-empty cache is not supported (feed tokens one at 
 Batch rows evict independently (every op is vectorized over ``B`` and ``Hk``); all rows share one
 length: left padding is not supported and is rejected with an error.
 
-Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, S sequence, T = budget slots, D head dim.
+Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, S sequence, T = layout.slots, D head dim.
 """
 
 from __future__ import annotations

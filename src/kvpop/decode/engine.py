@@ -15,10 +15,10 @@ captured once as a CUDA graph that every later step replays) are separate functi
 
 Attention of the step is FlexAttention's decoding kernel on CUDA (split over the KV length,
 fp32 accumulation, GQA), and SDPA with the same mask evaluated densely on CPU; one
-``mask_mod`` (``slot filled and not in the future``) serves both layouts. Priorities of
-static rules (``streaming_llm``, ``kvpop_mlp``) are computed inside the step when a token
-enters; a delayed rule (``kvpop``, the mLSTM) writes every entering token into its recurrent
-state and scores the ring's leaver from it, inside the step too.
+``mask_mod`` (``slot filled and not in the future``) serves both layouts. Every rule scores a
+token inside the step when it leaves the window (a static rule, ``streaming_llm`` or
+``kvpop_mlp``, from the ring's stored key and value: the number it would have had on entry); a
+delayed rule (``kvpop``, the mLSTM) also writes every entering token into its recurrent state.
 
 Prefill takes a prompt in chunks: each chunk attends, under the training pattern, to the cache's
 current contents plus itself, with exact eviction times over that candidate set
@@ -49,7 +49,7 @@ from torch import Tensor
 from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from kvpop.decode.layout import NEG_INF, CacheLayout, check_geometry
+from kvpop.decode.layout import NEG_INF, CacheLayout
 from kvpop.masks import dense_mask
 from kvpop.modeling import head_dim_of
 from kvpop.policies import Policy
@@ -144,7 +144,6 @@ class DecodeEngine:
         else:
             if budget is None:
                 raise ValueError("a bounded engine needs a budget")
-            check_geometry(budget, sinks, window)
             self.kind = "bounded"
             self.layout = CacheLayout.for_policy(self.policy, budget=budget, sinks=sinks, window=window, head_dim=self.D)
         self.sinks, self.window, self.long_range, self.slots = self.layout.sinks, self.layout.window, self.layout.long_range, self.layout.slots
@@ -393,7 +392,7 @@ class DecodeEngine:
         # CPU: while the cache is the prefix [0, c1) in position order (dense, or no token leaves the
         # window before c1), the chunk attends causally over that prefix and nothing is evicted
         prefix = self.device.type != "cuda" and (self.kind == "dense" or c0 + C <= self.lr)
-        causal = torch.arange(c0 + C, device=self.device) <= pos[0][:, None] if prefix else None  # (C, c0 + C)
+        causal = torch.arange(c0 + C, device=self.device) <= pos[0][:, None] if prefix and c0 else None  # (C, c0 + C); c0 = 0: is_causal
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(i, layer.input_layernorm(x), cos, sin)  # (B, H, C, D), (B, Hk, C, D)
             if prefix:
@@ -412,7 +411,7 @@ class DecodeEngine:
         self.p.fill_(self.seen)
         return self.model.lm_head(self.model.model.norm(x[:, -1:]))[:, -1].float()
 
-    def _prefix_chunk(self, i: int, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, causal: Tensor) -> Tensor:
+    def _prefix_chunk(self, i: int, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, causal: Tensor | None) -> Tensor:
         """Chunk q (B, H, C, D), k, v (B, Hk, C, D) at positions pos (B, C) = [c0, c1) stored at slots
         [c0, c1) (its home slots: no token has left the window), attending causally -> (B, H, C, D)."""
         c0, c1 = self.seen, self.seen + k.shape[2]
@@ -423,9 +422,8 @@ class DecodeEngine:
             # scored when they leave the window; a delayed rule's state reads them when one first leaves
             self.prio[i][:, :, sl] = float("nan")
         keys, values = self.keys[i][:, :, :c1], self.values[i][:, :, :c1]  # (B, Hk, c1, D)
-        if c0 == 0:  # plain causal: SDPA's own (faster) path
-            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scale, enable_gqa=True)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal, scale=self.scale, enable_gqa=True)
+        # c0 = 0: plain causal, SDPA's own (faster) path
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal, is_causal=causal is None, scale=self.scale, enable_gqa=True)
 
     def _bounded_chunk(self, i: int, q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
         """Chunk q (B, H, C, D), k, v (B, Hk, C, D) at positions pos (B, C) over the cache's

@@ -57,9 +57,8 @@ def make_policy(
 def resolve_policy(name: str, exported: Policy | None = None) -> Policy:
     """The policy to run under ``name``: the export's own policy for a trained one (its student and
     scorer were trained together), a fresh one otherwise."""
-    cls = policy_class(name)
-    if not cls.trained:
-        return cls.build(ScorerSpec(0, 0, 0))
+    if not policy_class(name).trained:
+        return make_policy(name)
     if exported is None or exported.name != name:
         have = "none" if exported is None else repr(exported.name)
         raise ValueError(f"policy {name!r} needs an export folder trained with it (the checkpoint has {have})")
