@@ -1,6 +1,8 @@
 """Stage evaluate: every policy at the run's budget on held-out data.
 
-1. teacher-forced fidelity against the dense teacher (KL, top-1 agreement, long-range quote accuracy);
+1. teacher-forced fidelity against the dense teacher (KL, top-1 agreement, long-range quote accuracy),
+   with the ceilings ``oracle_target`` (the dense teacher's ranking by ``train.target``) and
+   ``oracle_sources`` (keeps the definitions the quotes copy) beside the trained policies;
 2. sampled rollouts on held-out problems (pass@1, absolute and relative to dense);
 3. cost: peak cache memory and decode tokens/s, and the cache-memory curve over generated length;
 4. competition benchmarks (evaluate.benchmarks) where reachable.
@@ -38,7 +40,10 @@ def candidates(p, base: str, exports: Path, precision: str):
     for name in p.evaluate.policies:
         # rules that need each step's attention are decoded token by token: a few traces only
         decode_only = policy_class(name).needs_attention
-        out.append(Candidate(name, teacher, make_policy(name, **shape), max_traces=p.evaluate.decode_traces if decode_only else None))
+        pol = make_policy(name, **shape)
+        if name == "oracle_target":  # the ceiling of the configured training target
+            pol.configure(target=p.train.target, target_beta=p.train.target_beta)
+        out.append(Candidate(name, teacher, pol, max_traces=p.evaluate.decode_traces if decode_only else None))
     for name in p.train.policies:
         try:
             model, _, pol, meta = load_export(exports / name, precision)
@@ -93,6 +98,8 @@ def main() -> None:
         curve_prompt = problems[0].prompt_ids if problems else records[0]["input_ids"]
         curves = {}
         for c in cands:
+            if c.policy.oracle:  # ceilings read the trace's future: teacher-forced metrics only
+                continue
             if problems:
                 say(f"rollouts: {c.name} ({len(problems)} problems x {rc.n})")
                 r = pass_at_1(c.model, tok, c.policy, problems, n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
@@ -117,6 +124,7 @@ def main() -> None:
                 c.name: pass_at_1(c.model, tok, c.policy, probs, n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
                                   max_new_tokens=rc.max_new_tokens, seed=p.seed, **common)["pass_at_1"]
                 for c in cands
+                if not c.policy.oracle
             }
 
         out = {"policies": results, "budget": p.budget, "eval_tokens": eval_tokens, "eval_traces": len(fid_records),
@@ -128,7 +136,7 @@ def main() -> None:
         write_json(plots / "budget_points.json", points)  # DVC plot: compare budgets across experiments
         plot_memory_curve(curves, plots / "cache_memory.png")
         metric = "pass_at_1" if problems else "quote_accuracy"
-        plot_accuracy_vs_budget({n: [(p.budget, m[metric])] for n, m in results.items()}, plots / "accuracy_vs_budget.png", metric)
+        plot_accuracy_vs_budget({n: [(p.budget, m[metric])] for n, m in results.items() if metric in m}, plots / "accuracy_vs_budget.png", metric)
         for name, m in results.items():
             run.metrics(m, prefix=f"{name}.")
         run.metrics({"budget": p.budget, "eval_tokens": eval_tokens})

@@ -37,6 +37,10 @@ def test_repo_params_are_valid():
         (lambda r: r["train"].update(strategy="deepspeed"), "train.strategy"),
         (lambda r: r["train"].update(checkpoint_format="sharded", strategy="ddp", devices=2), "train.checkpoint_format"),
         (lambda r: r["train"].update(checkpoint_every=0), "train.checkpoint_every"),
+        (lambda r: r["train"].update(target="median"), "train.target"),
+        (lambda r: r["train"].update(target_beta=0), "train.target_beta"),
+        (lambda r: r["train"].update(target_beta=-2.0), "train.target_beta"),
+        (lambda r: r["train"].update(target_beta=float("inf")), "train.target_beta"),
     ],
 )
 def test_bad_params_name_the_key(edit, key):
@@ -53,3 +57,19 @@ def test_missing_and_malformed_files(tmp_path):
     f.write_text("budget: [unclosed")
     with pytest.raises(ParamsError, match="not valid YAML"):
         load_params(f)
+
+
+@pytest.mark.parametrize("target, beta", [("mean", None), ("power", 16.0), ("max", None)])
+def test_target_reaches_scorer_training(target, beta):
+    """train.target / train.target_beta (default: the paper's mean, beta 8) reach the ScorerTraining of the run."""
+    from kvpop.train import TrainSettings
+
+    r = raw()
+    r["train"].pop("target"), r["train"].pop("target_beta")
+    assert (parse_params(r).train.target, parse_params(r).train.target_beta) == ("mean", 8.0)  # defaults
+    r["train"]["target"] = target
+    if beta is not None:
+        r["train"]["target_beta"] = beta
+    p = parse_params(r)
+    st = TrainSettings.from_config(p.train, sinks=p.sinks, window=p.window, long_range=p.long_range, seed=0).scorer_training
+    assert (st.target, st.target_beta) == (target, beta if beta is not None else 8.0)

@@ -170,6 +170,20 @@ def test_quote_positions_decode_to_quoted_digits(tokenizer):
         assert all(trace.loss_mask[i] == 1 for i in trace.quote_positions)
 
 
+def test_quote_source_positions_decode_to_the_definitions(tokenizer):
+    """The filter's records map each quote's source span (the definition's digits) onto tokens."""
+    rows = generate_traces(3, seed=7)
+    records, _ = filter_rows(rows, tokenizer, max_tokens=10**6)
+    for row, rec in zip(rows, records, strict=True):
+        content = row["messages"][-1]["content"]
+        sources = row["metadata"]["quote_sources"]
+        src = rec["quote_source_positions"]
+        groups = [src[k : k + 3] for k in range(0, len(src), 3)]
+        want = sorted({content[s:e] for s, e in sources})  # a value recalled twice has one source
+        assert sorted(_token_text(tokenizer, [rec["input_ids"][i] for i in g]) for g in groups) == want
+        assert max(src) < min(rec["quote_positions"])  # definitions come before their quotes
+
+
 def test_bad_quotes_are_skipped(tiny_tokenizer):
     row = generate_traces(1, seed=0)[0]
     row["metadata"]["quotes"] = [[0, 10**6]]

@@ -18,7 +18,9 @@ SHAPE = dict(num_layers=2, num_kv_heads=2, head_dim=16)
 
 
 def test_registry_holds_every_policy_once_under_its_own_name():
-    assert list(REGISTRY) == ["dense", "streaming_llm", "tova", "h2o", "streaming_llm_plus", "kvpop_mlp", "kvpop"]
+    assert list(REGISTRY) == [
+        "dense", "streaming_llm", "tova", "h2o", "streaming_llm_plus", "kvpop_mlp", "kvpop", "oracle_target", "oracle_sources",
+    ]
     for name, cls in REGISTRY.items():
         assert cls.name == name
         assert cls.__name__.lower() == name.replace("_", "")  # class names match policy names
@@ -32,12 +34,14 @@ def test_declared_capabilities():
     assert names(trained=True) == ("streaming_llm_plus", "kvpop_mlp", "kvpop")
     assert names(needs_attention=True) == ("tova", "h2o")
     assert names(scores_on_exit=True) == ("kvpop",)
-    assert names(layer_independent=True, evicts=True) == ("streaming_llm", "streaming_llm_plus")
+    assert names(layer_independent=True, evicts=True) == ("streaming_llm", "streaming_llm_plus", "oracle_sources")
+    assert names(oracle=True) == ("oracle_target", "oracle_sources")
     for cls in REGISTRY.values():
         c = cls.capabilities()
         assert not (c["learned"] and not c["trained"])  # a learned scorer is trained with its student
         assert not (c["needs_attention"] and (c["trained"] or c["layer_independent"] or c["scores_on_exit"]))
         assert cls.chunked_prefill <= cls.scores_on_exit
+        assert not (c["oracle"] and (c["trained"] or c["needs_attention"] or c["scores_on_exit"]))  # evaluation only
     with pytest.raises(ValueError, match="unknown capability 'fast'"):
         names(fast=True)
 
@@ -54,6 +58,12 @@ def test_declared_hooks_are_implemented():
             with pytest.raises(NotImplementedError, match=f"policy '{name}' has no full-sequence pattern"):
                 p.scores(0, k, k, pos)
             continue
+        if p.oracle:  # scores only a trace it has seen (tests/test_oracle.py)
+            with pytest.raises(RuntimeError, match="call fit_trace first"):
+                p.scores(0, k, k, pos)
+            continue
+        with pytest.raises(NotImplementedError, match=f"policy '{name}' is not an oracle"):
+            p.fit_trace(model=None, input_ids=pos, record={}, sinks=0, window=2)
         s = p.scores(0, k, k, pos, doc_ids=torch.zeros_like(pos), window=2)
         assert (s is None) == (not p.evicts)
         if s is not None:

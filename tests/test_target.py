@@ -1,4 +1,4 @@
-"""Tests of kvpop.target against a float64 dense reference."""
+"""Tests of kvpop.target against a float64 dense reference, for every kind of target."""
 
 import math
 import time
@@ -6,12 +6,15 @@ import time
 import pytest
 import torch
 
-from kvpop.target import future_attention_target
+from kvpop.target import TARGET_KINDS, future_attention_target
 
 B, H, HK, S, D = 2, 6, 2, 70, 16
 WINDOW = 5
 SCALE = 0.6
 EPS = 1e-6
+# (kind, beta) pairs covered by the reference tests; beta only matters for "power".
+KINDS = [("mean", 8.0), ("power", 2.0), ("power", 16.0), ("max", 8.0)]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def packed_docs():
@@ -36,8 +39,20 @@ def true_lse(q, k, doc_ids, scale):
     return lse.float()
 
 
-def dense_reference(q, k, lse, doc_ids, window, scale, eps):
-    """Obviously-right float64 target: full probability matrix, explicit doc ends."""
+def doc_end(doc_ids, b, t):
+    """Exclusive end of token ``t``'s document in row ``b``, found by walking."""
+    d, end = int(doc_ids[b, t]), t
+    while end < doc_ids.shape[1] and int(doc_ids[b, end]) == d:
+        end += 1
+    return end
+
+
+def dense_reference(q, k, lse, doc_ids, window, scale, eps, kind="mean", beta=8.0):
+    """Obviously-right float64 target: full probability matrix, explicit doc ends, each kind literally.
+
+    ``col`` holds ``p_{u -> t}`` for ``u = t + w .. S_d - 1``; mean ``sum(col) / n``, power
+    ``(sum(col^beta) / n)^(1/beta)``, max ``max(col)`` (0 for an empty column).
+    """
     Bq, Hq, Sq, _ = q.shape
     Hk = k.shape[1]
     G = Hq // Hk
@@ -47,64 +62,178 @@ def dense_reference(q, k, lse, doc_ids, window, scale, eps):
     for b in range(Bq):
         for t in range(Sq):
             d = int(doc_ids[b, t])
-            end = t
-            while end < Sq and int(doc_ids[b, end]) == d:
-                end += 1
+            end = doc_end(doc_ids, b, t)
             n = max(1, end - t - window)
             for h in range(Hk):
                 best = -math.inf
                 for g in range(h * G, (h + 1) * G):
-                    total = 0.0
-                    if d >= 0:
-                        total = sum(float(p[b, g, u, t]) for u in range(t + window, end))
-                    best = max(best, math.log(eps + total / n))
+                    col = p[b, g, t + window : end, t] if d >= 0 else p.new_zeros(0)
+                    if kind == "mean":
+                        m = float(col.sum()) / n
+                    elif kind == "power":
+                        m = (float((col**beta).sum()) / n) ** (1 / beta)
+                    else:
+                        m = float(col.max()) if col.numel() else 0.0
+                    best = max(best, math.log(eps + m))
                 out[b, h, t] = best
     return out
 
 
-def make_inputs(seed):
+def n_queries(doc_ids, window):
+    """``N_t = max(1, S_d - t - w)``, ``(B, S)`` float64, by walking the documents."""
+    return torch.tensor(
+        [[max(1, doc_end(doc_ids, b, t) - t - window) for t in range(doc_ids.shape[1])] for b in range(doc_ids.shape[0])],
+        dtype=torch.float64,
+    )
+
+
+def make_inputs(seed, heads=(H, HK)):
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, S, D, generator=gen)
-    k = torch.randn(B, HK, S, D, generator=gen)
+    q = torch.randn(B, heads[0], S, D, generator=gen)
+    k = torch.randn(B, heads[1], S, D, generator=gen)
     return q, k, packed_docs()
+
+
+def floor_value(eps=EPS):
+    return torch.tensor(math.log(eps)).float()
+
+
+def flex_on_cpu_ok(kind):
+    """Torch refuses flex_attention's max_scores for CPU inputs: flex "max" runs on CUDA only."""
+    return kind != "max"
 
 
 @pytest.mark.parametrize("impl", ["chunked", "flex"])
 @pytest.mark.parametrize("lse_kind", ["random", "true"])
-def test_matches_dense_reference(impl, lse_kind):
+@pytest.mark.parametrize("kind, beta", KINDS)
+def test_matches_dense_reference(impl, lse_kind, kind, beta):
+    """Both executors equal the literal float64 definition: B=2, G=3, several documents per row
+    (one shorter than the window), padding, chunk 16 not dividing S=70."""
+    if impl == "flex" and not flex_on_cpu_ok(kind):
+        pytest.skip("flex max needs CUDA (test_cuda_flex_matches_reference)")
     q, k, doc_ids = make_inputs(0)
     if lse_kind == "true":
         lse = true_lse(q, k, doc_ids, SCALE)
     else:
         lse = 2.0 + torch.randn(B, H, S, generator=torch.Generator().manual_seed(1))
-    ref = dense_reference(q, k, lse, doc_ids, WINDOW, SCALE, EPS)
-    got = future_attention_target(
-        q, k, lse, doc_ids, window=WINDOW, scale=SCALE, eps=EPS, impl=impl, chunk=16
-    )
+    ref = dense_reference(q, k, lse, doc_ids, WINDOW, SCALE, EPS, kind, beta)
+    got = future_attention_target(q, k, lse, doc_ids, window=WINDOW, scale=SCALE, eps=EPS, impl=impl, chunk=16, kind=kind, beta=beta)
     assert got.shape == (B, HK, S) and got.dtype == torch.float32
     # The targets are informative (not all at the floor) ...
     assert (ref > math.log(EPS) + 1.0).float().mean() > 0.5
     # ... and match the reference.
     torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=0)
     # Padding and empty sums sit at the floor.
-    assert torch.all(got[(doc_ids < 0)[:, None].expand_as(got)] == torch.tensor(math.log(EPS)).float())
+    assert torch.all(got[(doc_ids < 0)[:, None].expand_as(got)] == floor_value())
 
 
 @pytest.mark.parametrize("window", [0, 1, 80])
-def test_executors_agree_edge_windows(window):
+@pytest.mark.parametrize("kind, beta", KINDS)
+def test_executors_agree_edge_windows(window, kind, beta):
+    """Window 0 (a token's own query counts), 1, and 80 (> every document: all at the floor)."""
     q, k, doc_ids = make_inputs(2)
     lse = true_lse(q, k, doc_ids, SCALE)
-    a = future_attention_target(q, k, lse, doc_ids, window=window, scale=SCALE, impl="chunked", chunk=7)
-    b = future_attention_target(q, k, lse, doc_ids, window=window, scale=SCALE, impl="flex")
-    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    kw = dict(window=window, scale=SCALE, kind=kind, beta=beta)
+    a = future_attention_target(q, k, lse, doc_ids, impl="chunked", chunk=9, **kw)
+    if flex_on_cpu_ok(kind):
+        b = future_attention_target(q, k, lse, doc_ids, impl="flex", **kw)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     if window == 0:
-        ref = dense_reference(q, k, lse, doc_ids, window, SCALE, 1e-6)
+        ref = dense_reference(q, k, lse, doc_ids, window, SCALE, 1e-6, kind, beta)
         torch.testing.assert_close(a.double(), ref, atol=1e-5, rtol=0)
     if window == 80:
-        assert torch.all(a == torch.tensor(math.log(1e-6)).float())
+        assert torch.all(a == floor_value())
 
 
-def test_chunked_timing():
+@pytest.mark.parametrize("heads", [(4, 4), (6, 1)])
+@pytest.mark.parametrize("chunk", [1, 13, 100])
+@pytest.mark.parametrize("kind, beta", KINDS)
+def test_chunked_head_layouts_and_chunks(heads, chunk, kind, beta):
+    """G = 1 and G = H (one KV head); chunks of one row, not dividing S, and larger than S."""
+    q, k, doc_ids = make_inputs(3, heads)
+    lse = true_lse(q, k, doc_ids, SCALE)
+    ref = dense_reference(q, k, lse, doc_ids, WINDOW, SCALE, EPS, kind, beta)
+    got = future_attention_target(q, k, lse, doc_ids, window=WINDOW, scale=SCALE, impl="chunked", chunk=chunk, kind=kind, beta=beta)
+    assert got.shape == (B, heads[1], S)
+    torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["chunked", "flex"])
+def test_power_beta_one_is_mean_and_default_is_mean(impl):
+    """power with beta = 1 is the mean; the default kind is the paper's mean."""
+    q, k, doc_ids = make_inputs(4)
+    lse = true_lse(q, k, doc_ids, SCALE)
+    kw = dict(window=WINDOW, scale=SCALE, impl=impl, chunk=16)
+    mean = future_attention_target(q, k, lse, doc_ids, kind="mean", **kw)
+    assert torch.equal(future_attention_target(q, k, lse, doc_ids, **kw), mean)
+    power = future_attention_target(q, k, lse, doc_ids, kind="power", beta=1.0, **kw)
+    torch.testing.assert_close(power, mean, atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("lse_kind", ["random", "true"])
+def test_power_between_mean_and_max(lse_kind):
+    """Power-mean inequality and the limit: mean <= power(beta) <= power(beta') <= max for
+    1 <= beta <= beta', and max - power(beta) <= log(N_t) / beta for every token (exactly,
+    per query head; log(eps + .) and the max over the group are 1-Lipschitz and monotone)."""
+    q, k, doc_ids = make_inputs(5)
+    lse = true_lse(q, k, doc_ids, SCALE) if lse_kind == "true" else 1.0 + torch.randn(B, H, S, generator=torch.Generator().manual_seed(6))
+    kw = dict(window=WINDOW, scale=SCALE, impl="chunked", chunk=16)
+    mean = future_attention_target(q, k, lse, doc_ids, kind="mean", **kw).double()
+    mx = future_attention_target(q, k, lse, doc_ids, kind="max", **kw).double()
+    log_n = n_queries(doc_ids, WINDOW).log()[:, None, :]  # (B, 1, S)
+    tol = 1e-5
+    prev = mean
+    for beta in [1.0, 2.0, 4.0, 8.0, 16.0, 64.0, 1024.0]:
+        power = future_attention_target(q, k, lse, doc_ids, kind="power", beta=beta, **kw).double()
+        assert torch.all(power >= prev - tol) and torch.all(power <= mx + tol)
+        assert torch.all(mx - power <= log_n / beta + tol)
+        prev = power
+    assert (mx - mean).amax() > 1.0  # the kinds do differ here
+    assert (mx - prev).abs().amax() < 0.01  # beta = 1024: log(58) / 1024 < 0.004
+
+
+@pytest.mark.parametrize("impl", ["chunked", "flex", pytest.param("flex-cuda", marks=cuda)])
+@pytest.mark.parametrize("kind", TARGET_KINDS)
+def test_log_space_survives_tiny_attention(impl, kind):
+    """Scaling every p by e^-c (lse + c) scales every kind's m_t by e^-c exactly, so with a
+    floor eps far below, r shifts by -c.  At c = 30 and beta = 16, p^beta ~ e^-500 underflows
+    float32 (and nearly float64): only a log-space computation keeps this."""
+    if impl == "flex" and not flex_on_cpu_ok(kind):
+        pytest.skip("flex max needs CUDA")
+    q, k, doc_ids = make_inputs(7)
+    lse = true_lse(q, k, doc_ids, SCALE)
+    c, eps = 30.0, 1e-300
+    dev = "cuda" if impl == "flex-cuda" else "cpu"
+    kw = dict(window=WINDOW, scale=SCALE, impl=impl.removesuffix("-cuda"), chunk=16, kind=kind, beta=16.0, eps=eps)
+
+    def target(lse):
+        return future_attention_target(q.to(dev), k.to(dev), lse.to(dev), doc_ids.to(dev), **kw).cpu()
+
+    base = target(lse)
+    shifted = target(lse + c)
+    real = (doc_ids >= 0)[:, None].expand_as(base) & (base > -100)  # not padding, not empty
+    assert real.float().mean() > 0.6  # the rest: padding, the last w tokens of each document
+    torch.testing.assert_close(shifted[real], base[real] - c, atol=1e-4, rtol=0)
+    assert torch.all(shifted[~real] == floor_value(eps)) and torch.all(base[~real] == floor_value(eps))
+    ref = dense_reference(q, k, lse, doc_ids, WINDOW, SCALE, eps, kind, 16.0)
+    torch.testing.assert_close(base[real].double(), ref[real], atol=1e-5, rtol=0)  # (the floor -690.8 is not within 1e-5 in float32)
+
+
+def test_rejects_bad_arguments():
+    q, k, doc_ids = make_inputs(0)
+    lse = torch.zeros(B, H, S)
+    kw = dict(window=WINDOW, scale=SCALE, impl="chunked")
+    with pytest.raises(ValueError, match="unknown target kind"):
+        future_attention_target(q, k, lse, doc_ids, kind="median", **kw)
+    for beta in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="beta"):
+            future_attention_target(q, k, lse, doc_ids, kind="power", beta=beta, **kw)
+    with pytest.raises(ValueError, match="needs CUDA"):  # torch refuses max_scores on the CPU
+        future_attention_target(q, k, lse, doc_ids, window=WINDOW, scale=SCALE, impl="flex", kind="max")
+
+
+@pytest.mark.parametrize("kind", TARGET_KINDS)
+def test_chunked_timing(kind):
     """S = 2048, H = 9 on CPU (no speed assertion)."""
     gen = torch.Generator().manual_seed(0)
     Bt, Ht, Hkt, St, Dt = 1, 9, 3, 2048, 64
@@ -114,16 +243,38 @@ def test_chunked_timing():
     doc_ids[:, 1500:] = 1
     lse = torch.randn(Bt, Ht, St, generator=gen) + 5
     t0 = time.perf_counter()
-    r = future_attention_target(q, k, lse, doc_ids, window=64, scale=Dt**-0.5, impl="chunked")
-    print(f"chunked target S={St} H={Ht}: {time.perf_counter() - t0:.3f}s")
+    r = future_attention_target(q, k, lse, doc_ids, window=64, scale=Dt**-0.5, impl="chunked", kind=kind)
+    print(f"chunked {kind} target S={St} H={Ht}: {time.perf_counter() - t0:.3f}s")
     assert r.shape == (Bt, Hkt, St) and torch.isfinite(r).all()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.fixture
+def many_compiles():
+    """Each (shape, kind) is one compilation of the same flex function: lift dynamo's recompile limit."""
+    with torch._dynamo.config.patch(recompile_limit=64):
+        yield
+
+
+@cuda
+@pytest.mark.parametrize("kind, beta", KINDS)
+def test_cuda_flex_matches_reference(kind, beta, many_compiles):
+    """Compiled flex on CUDA (max: through AuxRequest(max_scores=True)) equals the float64 definition."""
+    q, k, doc_ids = make_inputs(0)
+    lse = true_lse(q, k, doc_ids, SCALE)
+    ref = dense_reference(q, k, lse, doc_ids, WINDOW, SCALE, EPS, kind, beta)
+    got = future_attention_target(
+        q.cuda(), k.cuda(), lse.cuda(), doc_ids.cuda(), window=WINDOW, scale=SCALE, eps=EPS, impl="flex", kind=kind, beta=beta
+    )
+    torch.testing.assert_close(got.cpu().double(), ref, atol=1e-5, rtol=0)
+    assert torch.all(got.cpu()[(doc_ids < 0)[:, None].expand_as(got)] == floor_value())
+
+
+@cuda
+@pytest.mark.parametrize("kind", TARGET_KINDS)
 @pytest.mark.parametrize(
     "shape", [(2, 6, 2, 300, 16, torch.float32), (1, 8, 2, 4096, 64, torch.bfloat16), (2, 32, 8, 2048, 128, torch.bfloat16)]
 )
-def test_cuda_flex_matches_chunked(shape):
+def test_cuda_flex_matches_chunked(shape, kind, many_compiles):
     """Compiled flex executor on CUDA agrees with the chunked one (and with CPU)."""
     Bc, Hc, Hkc, Sc, Dc, dtype = shape
     gen = torch.Generator().manual_seed(0)
@@ -135,7 +286,7 @@ def test_cuda_flex_matches_chunked(shape):
     doc_ids[0, Sc - 50 :] = -1
     doc_ids = doc_ids.cuda()
     lse = (torch.randn(Bc, Hc, Sc, generator=gen) + 3).cuda()
-    kw = dict(window=16, scale=Dc**-0.5)
+    kw = dict(window=16, scale=Dc**-0.5, kind=kind, beta=8.0)
     for _ in range(2):  # the first call compiles
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -148,6 +299,6 @@ def test_cuda_flex_matches_chunked(shape):
     torch.cuda.synchronize()
     t_chunked = time.perf_counter() - t0
     cpu = future_attention_target(q.cpu(), k.cpu(), lse.cpu(), doc_ids.cpu(), impl="chunked", **kw)
-    print(f"{shape}: flex {t_flex:.4f}s chunked {t_chunked:.4f}s")
+    print(f"{shape} {kind}: flex {t_flex:.4f}s chunked {t_chunked:.4f}s")
     torch.testing.assert_close(flex, chunked, atol=1e-4, rtol=0)
     torch.testing.assert_close(chunked.cpu(), cpu, atol=1e-4, rtol=0)

@@ -40,7 +40,7 @@ from kvpop.boundary import boundary_loss
 from kvpop.masks import block_mask_from_eviction_times, dense_mask, make_eviction_mask_mod
 from kvpop.policies import Policy
 from kvpop.selection import NEVER, eviction_times
-from kvpop.target import future_attention_target
+from kvpop.target import TargetKind, future_attention_target
 
 ATTN_IMPLEMENTATION = "kvpop"
 Executor = Literal["sdpa", "flex"]
@@ -90,6 +90,8 @@ class ScorerTraining:
     tie_margin: float = 0.5
     query_samples: int = 0
     target_normalizer: Literal["sparse", "dense"] = "sparse"
+    target: TargetKind = "mean"  # kind of future_attention_target: mean (the paper's), power or max
+    target_beta: float = 8.0  # order of the power mean (target "power" only)
     generator: torch.Generator | None = None
 
 
@@ -207,7 +209,10 @@ class SparseContext:
                     never = torch.full_like(evict, NEVER)
                     _, lse = self.run(q.detach(), k.detach(), v.detach(), never, scale, True, "dense", keep=self.executor == "flex")
                 impl = "flex" if self.executor == "flex" else "chunked"
-                r_tgt = future_attention_target(q.detach(), k.detach(), lse.detach(), self.doc_ids, window=self.window, scale=scale, impl=impl)
+                r_tgt = future_attention_target(
+                    q.detach(), k.detach(), lse.detach(), self.doc_ids, window=self.window, scale=scale, impl=impl,
+                    kind=st.target, beta=st.target_beta,
+                )
             with _kept_saved_tensors():
                 loss, stats = boundary_loss(
                     scores.r_hat, r_tgt, scores.log_gamma, self.doc_ids, self.pos,

@@ -19,9 +19,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from kvpop.policies import REGISTRY, names
+from kvpop.policies import names
 
-POLICIES, TRAINED = tuple(REGISTRY), names(trained=True)
+POLICIES, TRAINED = names(oracle=False), names(trained=True)  # oracles run in the evaluate stage only
 
 DEFAULT_SINKS, DEFAULT_WINDOW = 4, 64
 err = Console(stderr=True, highlight=False, soft_wrap=True)

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvpop.policies import names
+from kvpop.target import TargetKind
 
 #: The embedded default teacher: SmolLM2-135M-Instruct, shipped as GGUF inside a PyPI wheel.
 EMBEDDED_MODEL = "embedded"
@@ -131,6 +132,14 @@ class TrainConfig(_Section):
     )
     target_normalizer: Literal["sparse", "dense"] = Field(
         "sparse", description="log-normalizers of the target: the student's sparse ones, or dense"
+    )
+    target: TargetKind = Field(
+        "mean",
+        description="how the future attention a token receives becomes its target: 'mean' (the paper's), 'power' "
+        "(power mean of order target_beta) or 'max' (kvpop.target)",
+    )
+    target_beta: float = Field(
+        8.0, gt=0, allow_inf_nan=False, description="order beta of the 'power' target (1: the mean; large: toward the max)"
     )
     precision: Literal["auto", "32-true", "bf16-mixed", "bf16-true"] = Field(
         "auto", description="'auto': bf16-mixed where the hardware runs bf16 natively (CUDA, or a CPU with "

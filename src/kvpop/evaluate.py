@@ -9,6 +9,10 @@ policy's pattern at the run's budget and is compared with the dense teacher on t
   step copies from a definition many hundreds of tokens back).
 
 Scored positions are the next-token predictions of assistant tokens (the trace's loss mask).
+
+Oracle policies (``oracle_target``, ``oracle_sources``: ceilings that read the trace's future) see
+each trace first (:meth:`kvpop.policies.Policy.fit_trace`); ``oracle_target`` ranks by the dense
+teacher's own training target on the trace (:func:`kvpop.policies.oracle.teacher_targets`).
 """
 
 from __future__ import annotations
@@ -89,7 +93,9 @@ def evaluate_fidelity(
     device: str | torch.device = "cpu",
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, dict[str, float]]:
-    """Per-policy fidelity metrics over the records at one nominal budget (see module docstring)."""
+    """Per-policy fidelity metrics over the records at one nominal budget (see module docstring).
+
+    A policy that scored no trace (an oracle whose input no record has) is left out of the result."""
     candidates = list(candidates)
     slots = {
         c.name: c.policy.long_range_slots(budget=budget, sinks=sinks, window=window, head_dim=model_shape(c.model)["head_dim"])
@@ -109,6 +115,8 @@ def evaluate_fidelity(
         for c in candidates:
             if c.max_traces is not None and n >= c.max_traces:
                 continue
+            if c.policy.oracle and not c.policy.fit_trace(model=c.model, input_ids=ids, record=rec, sinks=sinks, window=window):
+                continue  # the trace lacks what this oracle reads (e.g. no recorded quote sources)
             acc[c.name].traces += 1
             if c.policy.needs_attention:
                 from kvpop.decode import teacher_forced_logits
@@ -130,4 +138,5 @@ def evaluate_fidelity(
                 a.quotes += quotes.numel()
         if progress:
             progress(n + 1, len(records))
-    return {name: a.result() for name, a in acc.items()}
+    # an oracle that no trace could serve (e.g. oracle_sources without recorded sources) reports nothing
+    return {name: a.result() for name, a in acc.items() if a.traces}

@@ -10,6 +10,9 @@ onto token indices:
   after the content's end, e.g. ``<|im_end|>`` in ChatML).
 * ``quote_positions`` are the tokens ``i`` overlapping a quote span; evaluation
   scores them as "predict token ``i`` from the prefix ``[0, i)``".
+* ``quote_source_positions`` are the tokens overlapping the quotes' source spans
+  (the definitions, ``metadata["quote_sources"]``); the ``oracle_sources``
+  ceiling keeps exactly these.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class TokenizedTrace:
     input_ids: list[int]
     loss_mask: list[int]
     quote_positions: list[int]
+    quote_source_positions: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -87,6 +91,7 @@ def format_and_tokenize(
     tokenizer: Any,
     *,
     quotes: Sequence[Sequence[int]] | None = None,
+    sources: Sequence[Sequence[int]] | None = None,
 ) -> TokenizedTrace:
     """Render ``messages`` with the chat template and tokenize it.
 
@@ -95,6 +100,7 @@ def format_and_tokenize(
         tokenizer: a fast Hugging Face tokenizer with a chat template.
         quotes: ``[start, end)`` character spans into the content of the *last*
             assistant turn (as in ``metadata["quotes"]`` of synthetic rows).
+        sources: the quotes' source spans, likewise (``metadata["quote_sources"]``).
 
     Raises:
         ChatFormatError: the chat template rejects the conversation, or a
@@ -127,16 +133,20 @@ def format_and_tokenize(
         if end_of_turn is not None:
             loss_mask[end_of_turn] = 1
 
-    quote_positions: set[int] = set()
-    if quotes:
+    def span_tokens(spans: Sequence[Sequence[int]] | None) -> list[int]:
+        if not spans:
+            return []
         if not assistant:
             raise ValueError("quotes given but there is no assistant turn")
         content = messages[assistant[-1]]["content"]
         base, _, lead = located[assistant[-1]]
-        for q in quotes:
+        out: set[int] = set()
+        for q in spans:
             lo, hi = _parse_span(q, len(content))
-            quote_positions.update(overlapping(base + lo - lead, base + hi - lead))
-    return TokenizedTrace(input_ids, loss_mask, sorted(quote_positions))
+            out.update(overlapping(base + lo - lead, base + hi - lead))
+        return sorted(out)
+
+    return TokenizedTrace(input_ids, loss_mask, span_tokens(quotes), span_tokens(sources))
 
 
 def _parse_span(span: object, length: int) -> tuple[int, int]:
@@ -149,9 +159,9 @@ def _parse_span(span: object, length: int) -> tuple[int, int]:
     return lo, hi
 
 
-def _quotes_of(row: dict) -> list | None:
+def _quotes_of(row: dict, key: str = "quotes") -> list | None:
     metadata = row.get("metadata")
-    quotes = metadata.get("quotes") if isinstance(metadata, dict) else None
+    quotes = metadata.get(key) if isinstance(metadata, dict) else None
     return quotes if isinstance(quotes, list) and quotes else None
 
 
@@ -171,7 +181,7 @@ def filter_rows(
 
     Returns:
         ``(records, stats)``; each record is ``{"id", "input_ids", "loss_mask",
-        "quote_positions", "expected_answer", "problem"}``.
+        "quote_positions", "quote_source_positions", "expected_answer", "problem"}``.
     """
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
@@ -191,7 +201,7 @@ def filter_rows(
             continue
         quotes = _quotes_of(row)
         try:
-            trace = format_and_tokenize(messages, tokenizer, quotes=quotes)
+            trace = format_and_tokenize(messages, tokenizer, quotes=quotes, sources=_quotes_of(row, "quote_sources"))
         except ChatFormatError:
             skipped[TEMPLATE_ERROR] += 1
             continue
@@ -208,6 +218,7 @@ def filter_rows(
                 "input_ids": trace.input_ids,
                 "loss_mask": trace.loss_mask,
                 "quote_positions": trace.quote_positions,
+                "quote_source_positions": trace.quote_source_positions,
                 "expected_answer": str(row.get("expected_answer") or ""),
                 "problem": str(row.get("problem") or ""),
             }

@@ -1,42 +1,82 @@
-"""Training target of the eviction scorer: the future attention a token receives.
+"""Training target of the eviction scorer: how much future queries need a token.
 
-For a token ``t`` of KV head ``h`` and a query head ``g`` of its group, the mean
-future attention is::
+For a token ``t`` of KV head ``h`` and a query head ``g`` of its group, the attention that a
+later query ``u`` pays to ``t`` (under the student's normalizer) is::
 
-    m_t^(g) = (1 / N_t) * sum_{u = t + w}^{S_d - 1} p^(g)_{u -> t},
-    p^(g)_{u -> t} = exp(scale * q^(g)_u . k_t - lse^(g)_u),
+    p^(g)_{u -> t} = exp(scale * q^(g)_u . k_t - lse^(g)_u),     u in U_t = {t + w, ..., S_d - 1},
     N_t = max(1, S_d - t - w),
 
-where ``S_d`` is the exclusive end of ``t``'s document (not of the packed row),
-``w`` the recent window and ``lse`` the log-normalizer of each query's attention
-(as returned by the student's sparse attention).  The target is the maximum over
-the ``G`` query heads sharing KV head ``h`` (query heads ``h*G .. h*G + G-1``)::
+where ``S_d`` is the exclusive end of ``t``'s document (not of the packed row), ``w`` the
+recent window and ``lse`` the log-normalizer of each query's attention (as returned by the
+student's sparse attention).  ``N_t = |U_t|`` whenever ``U_t`` is not empty.  A *kind* of
+target aggregates the column ``p_{. -> t}`` into one importance ``m_t^(g)``:
+
+* ``"mean"`` (the paper's)::
+
+      m_t = (1 / N_t) * sum_{u in U_t} p_{u -> t}
+
+* ``"power"`` (power mean of order ``beta > 0``)::
+
+      m_t = ((1 / N_t) * sum_{u in U_t} p_{u -> t}^beta)^(1 / beta)
+
+* ``"max"``::
+
+      m_t = max_{u in U_t} p_{u -> t}
+
+``power`` with ``beta = 1`` is ``mean``; ``power`` grows with ``beta`` (power-mean inequality)
+and ``log max - log(N_t) / beta <= log m_t^power <= log max``, so it tends to ``max``.  The mean
+dilutes a token that a few later queries need badly; ``power`` and ``max`` do not.
+
+The target is the maximum over the ``G`` query heads sharing KV head ``h`` (query heads
+``h*G .. h*G + G-1``)::
 
     r_tgt(h, t) = max_j log(eps + m_t^(h*G + j)).
 
-Padding tokens and tokens with an empty sum get ``log(eps)``.
+Padding tokens and tokens with an empty ``U_t`` get ``log(eps)``.
 
 Shapes: ``B`` batch, ``H`` query heads, ``Hk`` KV heads, ``G = H / Hk``,
 ``S`` sequence length, ``D`` head dim.
 
-Two executors compute the column sums ``sum_u p_{u -> t}``:
+Every kind is computed from one log-space column statistic ``L_t`` (float64, ``-inf`` for an
+empty column), never from an ``S x S`` map::
 
-* ``"chunked"``: plain torch, loops over chunks of query rows ``u``; memory
-  ``O(chunk * S)`` per head.  The CPU path.
-* ``"flex"``: one *transposed* FlexAttention pass where the keys act as queries
-  and the student's queries act as keys; ``score_mod`` subtracts ``lse_u``, so the
-  pass's log-sum-exp at row ``t`` is ``log sum_u p_{u -> t}``.  Compiled on CUDA.
+    mean:   L_t = log sum_u p_{u -> t}          log m_t = L_t - log N_t
+    power:  L_t = log sum_u p_{u -> t}^beta     log m_t = (L_t - log N_t) / beta
+    max:    L_t = log max_u p_{u -> t}          log m_t = L_t
+
+and ``log(eps + m_t) = logaddexp(log eps, log m_t)``.  ``sum_u p^beta`` underflows in linear
+space (``p = 1e-3``, ``beta = 16``: ``1e-48``, below float32's range), so ``power`` and ``max``
+stay in log space throughout.  Two executors compute ``L_t``:
+
+* ``"chunked"``: plain torch, loops over chunks of query rows ``u``; memory ``O(chunk * S)``
+  per head.  The CPU path.  ``mean`` sums ``p`` linearly (float32 within a chunk, float64
+  across chunks); ``power`` takes a float32 ``logsumexp`` of ``beta * log p`` within a chunk
+  and ``logaddexp`` across chunks in float64; ``max`` an ``amax`` of ``log p`` per chunk and
+  ``maximum`` across chunks.
+* ``"flex"``: one *transposed* FlexAttention pass where the keys act as queries and the
+  student's queries act as keys; ``score_mod`` returns ``score - lse_u`` (``= log p_{u -> t}``;
+  ``beta * (score - lse_u)`` for ``power``), so the pass's log-sum-exp at row ``t`` is ``L_t``
+  for ``mean`` and ``power``.  For ``max`` the pass returns ``AuxRequest(max_scores=True)``:
+  the row maximum of ``score_mod``'s output over the unmasked entries (``-inf`` for a row with
+  none), in natural-log units, i.e. ``log max_u p_{u -> t}``.  Compiled on CUDA.  Torch
+  refuses ``max_scores`` for CPU inputs, so ``max`` with the flex executor needs CUDA (on the
+  CPU, ``impl="auto"`` takes the chunked executor).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Literal, get_args
 
 import torch
 
 from kvpop.selection import document_spans
 
-__all__ = ["future_attention_target"]
+__all__ = ["TARGET_KINDS", "TargetKind", "future_attention_target"]
+
+#: How the future attention a token receives is aggregated (see the module docstring).
+TargetKind = Literal["mean", "power", "max"]
+TARGET_KINDS: tuple[str, ...] = get_args(TargetKind)
 
 _compiled_flex_attention = None
 
@@ -53,14 +93,14 @@ def _flex_attention_fn(device: torch.device):
     return _compiled_flex_attention
 
 
-def _column_sums_chunked(q, k, lse, doc_ids, *, window: int, scale: float, chunk: int) -> torch.Tensor:
-    """``sum_u p_{u -> t}`` over ``u >= t + w`` of the same document, plain torch.
+def _column_stats_chunked(q, k, lse, doc_ids, *, window: int, scale: float, chunk: int, kind: str, beta: float) -> torch.Tensor:
+    """Column statistic ``L_t`` over ``u >= t + w`` of the same document, plain torch.
 
     Args:
         q: ``(B, H, S, D)``; k: ``(B, Hk, S, D)``; lse: ``(B, H, S)``; doc_ids: ``(B, S)``.
 
     Returns:
-        ``(B, H, S)`` float64.
+        ``(B, H, S)`` float64 ``L_t`` (``-inf`` for an empty column).
     """
     B, H, S, D = q.shape
     Hk = k.shape[1]
@@ -70,7 +110,10 @@ def _column_sums_chunked(q, k, lse, doc_ids, *, window: int, scale: float, chunk
     lse = lse.float().reshape(B, Hk, G, S)
     idx = torch.arange(S, device=q.device)
     doc_start = document_spans(doc_ids)[0].amin(dim=0).tolist()  # (S,) min over the batch
-    sums = torch.zeros(B, Hk, G, S, dtype=torch.float64, device=q.device)
+    if kind == "mean":
+        acc = torch.zeros(B, Hk, G, S, dtype=torch.float64, device=q.device)  # sum_u p
+    else:
+        acc = torch.full((B, Hk, G, S), -math.inf, dtype=torch.float64, device=q.device)  # L_t so far
     for u0 in range(window, S, chunk):
         u1 = min(u0 + chunk, S)
         # Keys receiving attention from this chunk: same document (t >= start of
@@ -80,20 +123,32 @@ def _column_sums_chunked(q, k, lse, doc_ids, *, window: int, scale: float, chunk
         # (B, cu, ct): causal-with-window, same document, key not padding.
         allowed = (u[:, None] >= t[None, :] + window) & (doc_ids[:, u0:u1, None] == doc_ids[:, None, t0:t1])
         allowed &= doc_ids[:, None, t0:t1] >= 0
-        p = q[:, :, :, u0:u1] @ k_t[..., t0:t1].unsqueeze(2)  # (B, Hk, G, cu, ct) logits
-        p.sub_(lse[:, :, :, u0:u1, None]).masked_fill_(~allowed[:, None, None], -math.inf).exp_()
-        sums[..., t0:t1] += p.sum(dim=-2)  # float32 within a chunk, float64 across chunks
-    return sums.view(B, H, S)
+        logp = q[:, :, :, u0:u1] @ k_t[..., t0:t1].unsqueeze(2)  # (B, Hk, G, cu, ct) logits
+        logp.sub_(lse[:, :, :, u0:u1, None]).masked_fill_(~allowed[:, None, None], -math.inf)  # log p, -inf if not allowed
+        part = acc[..., t0:t1]  # (B, Hk, G, ct) view
+        if kind == "mean":
+            part += logp.exp_().sum(dim=-2)  # float32 within a chunk, float64 across chunks
+        elif kind == "power":
+            part.copy_(torch.logaddexp(part, logp.mul_(beta).logsumexp(dim=-2).double()))  # log sum p^beta
+        else:
+            part.copy_(torch.maximum(part, logp.amax(dim=-2).double()))  # log max p
+    if kind == "mean":
+        acc = acc.log()
+    return acc.view(B, H, S)
 
 
-def _column_sums_flex(q, k, lse, doc_ids, *, window: int, scale: float) -> torch.Tensor:
-    """``sum_u p_{u -> t}`` via one transposed FlexAttention pass (see module doc).
+def _column_stats_flex(q, k, lse, doc_ids, *, window: int, scale: float, kind: str, beta: float) -> torch.Tensor:
+    """Column statistic ``L_t`` via one transposed FlexAttention pass (see module doc).
 
     Returns:
-        ``(B, H, S)`` float32.
+        ``(B, H, S)`` float64 ``L_t`` (``-inf`` for an empty column).
     """
     from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 
+    if kind == "max" and q.device.type != "cuda":
+        raise ValueError(
+            f"kind='max' with impl='flex' needs CUDA: torch refuses flex_attention's max_scores on {q.device.type} inputs; use impl='chunked'"
+        )
     B, H, S, D = q.shape
     G = H // k.shape[1]
     doc = doc_ids.to(torch.int32).contiguous()
@@ -103,27 +158,31 @@ def _column_sums_flex(q, k, lse, doc_ids, *, window: int, scale: float) -> torch
     def mask_mod(b, h, t, u):
         return (u >= t + window) & (doc[b, u] == doc[b, t]) & (doc[b, t] >= 0)
 
-    def score_mod(score, b, h, t, u):
+    def log_p(score, b, h, t, u):  # mean, max: log p_{u -> t}
         return score - lse[b, h, u]
+
+    def beta_log_p(score, b, h, t, u):  # power: log p_{u -> t}^beta
+        return beta * (score - lse[b, h, u])
 
     block_mask = create_block_mask(mask_mod, B, None, S, S, device=q.device)
     # Inputs keep their dtype: flex multiplies bf16/fp16 operands exactly and
-    # accumulates scores and the LSE in float32 (an fp32 upcast would only make
-    # the kernel much slower on CUDA).
+    # accumulates scores, the LSE and the row maximum in float32 (an fp32 upcast
+    # would only make the kernel much slower on CUDA).
     keys_as_queries = k.repeat_interleave(G, dim=1)  # (B, H, S, D)
-    values = q.new_zeros(B, H, S, 16)  # only the LSE is used
+    values = q.new_zeros(B, H, S, 16)  # only the LSE / row maximum is used
     flex = _flex_attention_fn(q.device)
     _, aux = flex(
         keys_as_queries,
         q,
         values,
-        score_mod=score_mod,
+        score_mod=beta_log_p if kind == "power" else log_p,
         block_mask=block_mask,
         scale=scale,
-        return_aux=AuxRequest(lse=True),
+        return_aux=AuxRequest(lse=True) if kind != "max" else AuxRequest(max_scores=True),
     )
-    # aux.lse is the natural-log LSE; rows with no allowed u give -inf (-> 0).
-    return torch.nan_to_num(aux.lse.exp(), nan=0.0)
+    # Natural-log statistics, (B, H, S); rows with no allowed u give -inf.
+    stat = (aux.max_scores if kind == "max" else aux.lse).double()
+    return torch.where(stat.isnan(), -math.inf, stat)
 
 
 @torch.no_grad()
@@ -138,8 +197,10 @@ def future_attention_target(
     eps: float = 1e-6,
     impl: str = "auto",
     chunk: int = 1024,
+    kind: TargetKind = "mean",
+    beta: float = 8.0,
 ) -> torch.Tensor:
-    """Log mean future attention received by every token, max over each GQA group.
+    """Log future attention received by every token (mean, power mean or max), max over each GQA group.
 
     Args:
         q: ``(B, H, S, D)`` student queries.
@@ -151,6 +212,8 @@ def future_attention_target(
         eps: floor inside the log.
         impl: ``"flex"``, ``"chunked"`` or ``"auto"`` (flex on CUDA, chunked otherwise).
         chunk: query rows per step of the chunked executor.
+        kind: ``"mean"`` (the paper's), ``"power"`` or ``"max"`` (module docstring).
+        beta: order of the power mean, ``> 0`` (only used by ``"power"``).
 
     Returns:
         ``(B, Hk, S)`` float32 targets ``r_tgt``.
@@ -159,19 +222,28 @@ def future_attention_target(
     Hk = k.shape[1]
     if H % Hk:
         raise ValueError(f"H={H} is not a multiple of Hk={Hk}")
+    if kind not in TARGET_KINDS:
+        raise ValueError(f"unknown target kind {kind!r}; one of {', '.join(TARGET_KINDS)}")
+    if not (math.isfinite(beta) and beta > 0):
+        raise ValueError(f"beta must be a finite number > 0, got {beta!r}")
     if impl == "auto":
         impl = "flex" if q.is_cuda else "chunked"
     if impl == "chunked":
-        sums = _column_sums_chunked(q, k, lse, doc_ids, window=window, scale=scale, chunk=chunk)
+        stat = _column_stats_chunked(q, k, lse, doc_ids, window=window, scale=scale, chunk=chunk, kind=kind, beta=beta)
     elif impl == "flex":
-        sums = _column_sums_flex(q, k, lse, doc_ids, window=window, scale=scale)
+        stat = _column_stats_flex(q, k, lse, doc_ids, window=window, scale=scale, kind=kind, beta=beta)
     else:
         raise ValueError(f"unknown impl {impl!r}")
 
     _, end = document_spans(doc_ids)
     idx = torch.arange(S, device=q.device)
     n_queries = (end - idx - window).clamp(min=1)  # (B, S)
-    m = sums.double() / n_queries[:, None, :]
-    m = torch.where((doc_ids >= 0)[:, None, :], m, 0.0)
-    r = torch.log(eps + m).view(B, Hk, H // Hk, S).amax(dim=2)
-    return r.float()
+    if kind == "max":
+        log_m = stat
+    else:
+        log_m = stat - n_queries.double().log()[:, None, :]  # (B, H, S)
+        if kind == "power":
+            log_m = log_m / beta
+    log_m = torch.where((doc_ids >= 0)[:, None, :], log_m, -math.inf)
+    r = torch.logaddexp(log_m, torch.tensor(math.log(eps), dtype=torch.float64, device=q.device))  # log(eps + m)
+    return r.view(B, Hk, H // Hk, S).amax(dim=2).float()

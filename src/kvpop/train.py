@@ -133,7 +133,8 @@ class TrainSettings:
             scorer_warmup=cfg.scorer_warmup, weight_decay=cfg.weight_decay, top_logits=cfg.top_logits,
             scorer_training=ScorerTraining(
                 tau=cfg.tau, tie_margin=cfg.tie_margin, query_samples=cfg.query_samples,
-                target_normalizer=cfg.target_normalizer, generator=torch.Generator().manual_seed(seed),
+                target_normalizer=cfg.target_normalizer, target=cfg.target, target_beta=cfg.target_beta,
+                generator=torch.Generator().manual_seed(seed),
             ),
             activation_checkpointing=cfg.activation_checkpointing,
         )

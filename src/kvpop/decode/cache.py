@@ -338,6 +338,8 @@ class BoundedCache(Cache):
         cfg = config.get_text_config(decoder=True)
         if not policy.evicts:
             raise ValueError(f"policy {policy.name!r} never evicts: decode it with a DynamicCache")
+        if policy.oracle:
+            raise ValueError(f"policy {policy.name!r} is an oracle (it reads the trace's future): teacher-forced evaluation only")
         if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
             raise NotImplementedError("BoundedCache does not support sliding-window attention layers")
         self.policy = policy

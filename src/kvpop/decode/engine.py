@@ -99,6 +99,8 @@ def engine_refusal(model, policy: Policy | None) -> str | None:
         return f"DecodeEngine supports {SUPPORTED}, not {cfg.model_type!r}; decode it with kvpop.decode.BoundedCache"
     if "sliding_attention" in (getattr(cfg, "layer_types", None) or []) or getattr(cfg, "sliding_window", None) and cfg.model_type == "mistral":
         return "DecodeEngine does not support sliding-window attention layers"
+    if policy is not None and policy.oracle:
+        return f"policy {policy.name!r} is an oracle (it reads the trace's future): teacher-forced evaluation only"
     if policy is not None and policy.needs_attention:
         return f"policy {policy.name!r} needs attention weights: decode it with kvpop.decode.BoundedCache"
     return None

@@ -76,6 +76,8 @@ class GenerationStats:
 
 def choose_path(model, policy: Policy, path: Path = "auto") -> Literal["engine", "reference"]:
     """The decode path for ``policy`` on ``model``: the engine wherever it supports them."""
+    if policy.oracle:
+        raise ValueError(f"policy {policy.name!r} is an oracle (it reads the trace's future): it cannot be decoded")
     refusal = engine_refusal(model, policy)
     if path == "engine" and refusal is not None:
         raise NotImplementedError(refusal)

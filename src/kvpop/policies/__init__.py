@@ -17,12 +17,13 @@ from kvpop.policies.dense import Dense
 from kvpop.policies.h2o import H2O
 from kvpop.policies.kvpop import Kvpop
 from kvpop.policies.kvpop_mlp import KvpopMLP
+from kvpop.policies.oracle import OracleSources, OracleTarget
 from kvpop.policies.streaming_llm import StreamingLLM, StreamingLLMPlus
 from kvpop.policies.tova import TOVA
 
 #: name -> policy class, in the order tables list them
 REGISTRY: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Dense, StreamingLLM, TOVA, H2O, StreamingLLMPlus, KvpopMLP, Kvpop)
+    cls.name: cls for cls in (Dense, StreamingLLM, TOVA, H2O, StreamingLLMPlus, KvpopMLP, Kvpop, OracleTarget, OracleSources)
 }
 
 
@@ -66,6 +67,7 @@ def resolve_policy(name: str, exported: Policy | None = None) -> Policy:
 
 
 __all__ = [
-    "REGISTRY", "Dense", "H2O", "Kvpop", "KvpopMLP", "Policy", "Scores", "ScorerSpec", "StreamingLLM", "StreamingLLMPlus", "TOVA",
+    "REGISTRY", "Dense", "H2O", "Kvpop", "KvpopMLP", "OracleSources", "OracleTarget",
+    "Policy", "Scores", "ScorerSpec", "StreamingLLM", "StreamingLLMPlus", "TOVA",
     "make_policy", "names", "policy_class", "resolve_policy",
 ]

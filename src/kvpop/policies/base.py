@@ -74,10 +74,13 @@ class Policy(nn.Module):
     needs_attention: ClassVar[bool] = False
     scores_on_exit: ClassVar[bool] = False
     chunked_prefill: ClassVar[bool] = False
+    #: priorities from the evaluated trace's own future (a ceiling): teacher-forced evaluation only,
+    #: never trained or decoded; :meth:`fit_trace` sees each trace first
+    oracle: ClassVar[bool] = False
 
     #: the capabilities, in the order the registry and the README list them
     CAPABILITIES: ClassVar[tuple[str, ...]] = (
-        "evicts", "learned", "trained", "layer_independent", "needs_attention", "scores_on_exit",
+        "evicts", "learned", "trained", "layer_independent", "needs_attention", "scores_on_exit", "oracle",
     )
 
     @classmethod
@@ -100,6 +103,11 @@ class Policy(nn.Module):
         ``doc_ids`` (B, S) and ``window`` are given for scorers that read beyond the token itself
         (the delayed mLSTM); the others ignore them."""
         raise NotImplementedError(f"policy {self.name!r} has no full-sequence pattern (needs_attention: decode only)")
+
+    def fit_trace(self, *, model, input_ids: Tensor, record: dict, sinks: int, window: int) -> bool:
+        """``oracle``: look at the evaluated trace (input_ids (1, S), its filter record) before the
+        forward that scores it; False if the trace lacks what the oracle needs (it is then skipped)."""
+        raise NotImplementedError(f"policy {self.name!r} is not an oracle")
 
     # --- decode-time hooks -------------------------------------------------------------------------
     def token_scores(self, layer: int, keys: Tensor, values: Tensor, pos: Tensor) -> Tensor:

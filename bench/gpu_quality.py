@@ -1,0 +1,270 @@
+"""Quality at the paper's compression: trained policies vs their ceilings vs the baselines, same rows.
+
+The embedded SmolLM2-135M-Instruct on the synthetic long-range testbed, scaled the way
+``bench/gpu_embedded_run.py`` scales it (the definitions first, the quotes thousands of tokens
+later), at two configurations of 88% compression:
+
+* ``4k``: 4,096-token rows, budget 512 (traces of 3,000-4,900 characters, 32 values, 8 recalls,
+  quotes at least 2,000 characters after their definitions);
+* ``8k``: 8,192-token rows, budget 1,024 (6,200-9,600 characters, 40 values, 8 recalls, 4,000).
+
+Every trained policy is a *label* ``name[@target]``: ``kvpop_mlp`` trains against the paper's target
+(log mean future attention), ``kvpop_mlp@max`` against the max future attention, ``kvpop@power:16``
+against the power mean with beta 16 (:func:`kvpop.target.future_attention_target`). All labels get the
+same rows in the same order and the same step count (``--steps``, also the scorers' cosine length).
+
+Phases, so that one device call can train several labels side by side, one process per GPU, and a
+long training can continue in the next call:
+
+* ``train``: trains the given labels one after another into ``--work/<config>/<label>``; a run that
+  reaches ``--time-limit`` saves a Lightning checkpoint (``resume.ckpt``: weights, optimizer, schedule,
+  loader position) and the next ``train`` call with the same arguments resumes it; a finished one is
+  exported (safetensors, :func:`kvpop.export.export`) with its training log.
+* ``eval``: teacher-forced evaluation (:func:`kvpop.evaluate.evaluate_fidelity`, float32) of dense,
+  streaming_llm, every finished export, ``oracle_target`` under each of ``--oracle-targets`` (the dense
+  teacher's own ranking by that target, a ceiling; the first is named plain ``oracle_target``, the
+  others ``oracle_target@<target>``) and ``oracle_sources`` (keeps the recorded definitions, name and digits;
+  ``oracle_sources@digits``: the digits alone), on the
+  same held-out traces; merges the configuration into ``--out`` in the schema
+  ``{"configurations": [{"seq_len", "budget", "steps", "target", "policies": {name: {...}}}]}``.
+
+Device call (four GPUs; the model and wheels as in ``bench/gpu_embedded_run.py``'s docstring)::
+
+    for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i python3 bench/gpu_quality.py train --config 4k \\
+        --labels ${LABELS[$i]} --steps 300 --time-limit 420 & done; wait
+    python3 bench/gpu_quality.py eval --config 4k --oracle-targets max,mean,power:8 --out $OUT/quality_h200.json
+
+CPU smoke test: ``PYTHONPATH=src .venv/bin/python bench/gpu_quality.py all --config tiny --model-dir models/base``
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from gpu_embedded_run import convert_gguf, length_stats, make_records, step_timer
+from kvpop.config import TrainConfig
+from kvpop.evaluate import Candidate, evaluate_fidelity, score_positions
+from kvpop.export import export, load_export
+from kvpop.modeling import load_model, model_shape
+from kvpop.pack import pack_records
+from kvpop.policies import make_policy
+from kvpop.train import build_training, resolve_precision
+
+#: data and geometry of each configuration (the testbed of the quality issue)
+CONFIGS = {
+    "4k": dict(seq_len=4096, budget=512, min_chars=3_000, max_chars=4_900, num_values=32, num_recalls=8, min_quote_distance_chars=2_000),
+    "8k": dict(seq_len=8192, budget=1024, min_chars=6_200, max_chars=9_600, num_values=40, num_recalls=8, min_quote_distance_chars=4_000),
+    "tiny": dict(seq_len=768, budget=160, min_chars=700, max_chars=900, num_values=24, num_recalls=4, min_quote_distance_chars=500),
+}
+
+
+def parse_label(label: str) -> tuple[str, str, float]:
+    """``name[@kind[:beta]]`` -> (policy name, target kind, beta); no target = the paper's mean."""
+    name, _, tgt = label.partition("@")
+    kind, _, beta = (tgt or "mean").partition(":")
+    if kind not in ("mean", "power", "max"):
+        raise SystemExit(f"label {label!r}: unknown target {kind!r} (mean, power[:beta], max)")
+    return name, kind, float(beta) if beta else 8.0
+
+
+def target_name(kind: str, beta: float) -> str:
+    return f"power:{beta:g}" if kind == "power" else kind
+
+
+class _StopAfter:
+    """Lightning callback: stop once ``seconds`` of fitting have passed (checked after each step)."""
+
+    def __new__(cls, seconds: float):
+        import lightning as L
+
+        class Stop(L.Callback):
+            def on_train_start(self, trainer, pl_module):
+                self.t0 = time.time()
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if time.time() - self.t0 > seconds:
+                    trainer.should_stop = True
+
+        return Stop()
+
+
+def setup(args):
+    """(device, tokenizer, teacher, shape, geometry dict) for ``args.config``."""
+    args.cfg = dict(CONFIGS[args.config], sinks=4, window=64 if args.config == "tiny" else 256)
+    cuda = torch.cuda.is_available()
+    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "config.json").is_file():
+        if not args.gguf:
+            raise SystemExit(f"{model_dir} has no config.json and no --gguf was given")
+        convert_gguf(Path(args.gguf), model_dir)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    dev = "cuda" if cuda else "cpu"
+    teacher = load_model(model_dir, "float32").to(dev)
+    return dev, tok, teacher, model_shape(teacher)
+
+
+def data_args(args, *, train: bool) -> argparse.Namespace:
+    c = args.cfg
+    n = args.train_traces if train else args.eval_traces
+    return argparse.Namespace(seq_len=c["seq_len"], min_chars=c["min_chars"], max_chars=c["max_chars"], num_values=c["num_values"],
+                              num_recalls=c["num_recalls"], min_quote_distance_chars=c["min_quote_distance_chars"], n=n)
+
+
+def train_phase(args) -> None:
+    dev, tok, teacher, shape = setup(args)
+    c = args.cfg
+    d = data_args(args, train=True)
+    recs, stats, _, _ = make_records(tok, d.n, args.seed, d)
+    packed = pack_records(recs, seq_len=c["seq_len"], pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
+    print(f"[{args.config}] train data: {stats}, {packed.stats.rows} rows (fill {packed.stats.fill_ratio:.2f})", flush=True)
+    accelerator = "cuda" if dev == "cuda" else "cpu"
+    t_start = time.time()
+    for label in args.labels.split(","):
+        name, kind, beta = parse_label(label)
+        run_dir = Path(args.work) / args.config / label
+        if (run_dir / "export").is_dir():  # written atomically: present means complete
+            print(f"[{label}] already exported, skipped", flush=True)
+            continue
+        left = args.time_limit - (time.time() - t_start)
+        if left < 60:
+            print(f"[{label}] no time left in this call ({left:.0f}s); run train again to continue", flush=True)
+            continue
+        cfg = TrainConfig(steps=args.steps, seq_len=c["seq_len"], batch_size=1, model_lr=args.model_lr, scorer_lr=args.scorer_lr,
+                          scorer_hidden=args.scorer_hidden, top_logits=256, precision=resolve_precision("auto", accelerator),
+                          accelerator=accelerator, target=kind, target_beta=beta)
+        training = build_training(teacher, name, packed, cfg=cfg, budget=c["budget"], sinks=c["sinks"], window=c["window"], seed=args.seed)
+        ckpt = run_dir / "resume.ckpt"
+        timer = step_timer()
+        t0 = time.time()
+        trainer = training.fit(ckpt_path=ckpt if ckpt.is_file() else None, callbacks=[timer, _StopAfter(left - 45)], enable_progress_bar=False)
+        final = {k.removeprefix("train/"): round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
+        log = {"label": label, "policy": name, "target": target_name(kind, beta), "steps": trainer.global_step, "k": training.long_range,
+               "seconds_this_call": round(time.time() - t0, 1), "precision": training.precision, **timer.summary(), **final}
+        run_dir.mkdir(parents=True, exist_ok=True)
+        logs = json.loads((run_dir / "log.json").read_text()) if (run_dir / "log.json").is_file() else []
+        (run_dir / "log.json").write_text(json.dumps(logs + [log], indent=2))
+        print(f"[{label}] {log}", flush=True)
+        if trainer.global_step < args.steps:
+            trainer.save_checkpoint(ckpt)
+            print(f"[{label}] stopped at step {trainer.global_step}/{args.steps}: saved {ckpt}", flush=True)
+            continue
+        policy = training.policy
+        if not policy.learned:
+            policy = make_policy(name, **{x: shape[x] for x in ("num_layers", "num_kv_heads", "head_dim")})
+        export(training.student.float(), tok, policy.float(), run_dir / "export", budget=c["budget"], sinks=c["sinks"], window=c["window"],
+               extra={"label": label, "target": target_name(kind, beta), "steps": trainer.global_step})
+        ckpt.unlink(missing_ok=True)
+        del training, trainer
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
+
+def eval_phase(args) -> None:
+    dev, tok, teacher, shape = setup(args)
+    c = args.cfg
+    d = data_args(args, train=False)
+    recs, stats, qd, _ = make_records(tok, d.n, args.eval_seed, d)
+    # right-pad to seq_len: one shape, one FlexAttention compile; padding is never scored, and
+    # trace_tokens tells oracle_target where the trace ends
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    padded = [{**r, "input_ids": r["input_ids"] + [pad_id] * (c["seq_len"] - len(r["input_ids"])),
+               "loss_mask": r["loss_mask"] + [0] * (c["seq_len"] - len(r["input_ids"])), "trace_tokens": len(r["input_ids"])} for r in recs]
+    out = Path(args.out)
+    doc = json.loads(out.read_text()) if out.is_file() else {"configurations": []}
+    prev = next((e for e in doc["configurations"] if e.get("config") == args.config), None)
+    # --incremental: keep the policies an earlier call evaluated on the same traces; run only the new ones
+    done = set(prev["policies"]) if prev and args.incremental and prev["eval"].get("seed") == args.eval_seed else set()
+    cands = [Candidate("dense", teacher, make_policy("dense")), Candidate("streaming_llm", teacher, make_policy("streaming_llm"))]
+    steps, logs = {}, {}
+    root = Path(args.work) / args.config
+    for run_dir in sorted(root.iterdir()) if root.is_dir() else []:
+        if not (run_dir / "export").is_dir():
+            print(f"[eval] {run_dir.name}: not finished, left out", flush=True)
+            continue
+        model, _, pol, meta = load_export(run_dir / "export")
+        cands.append(Candidate(run_dir.name, model.to(dev).eval(), pol.to(dev)))
+        steps[run_dir.name] = meta.get("steps")
+        logs[run_dir.name] = json.loads((run_dir / "log.json").read_text())
+    targets = [parse_label(f"x@{t}")[1:] for t in args.oracle_targets.split(",")]
+    for i, (kind, beta) in enumerate(targets):
+        label = "oracle_target" if i == 0 else f"oracle_target@{target_name(kind, beta)}"
+        cands.append(Candidate(label, teacher, make_policy("oracle_target").configure(target=kind, target_beta=beta)))
+    cands.append(Candidate("oracle_sources", teacher, make_policy("oracle_sources")))  # definitions: name and digits
+    cands.append(Candidate("oracle_sources@digits", teacher, make_policy("oracle_sources").configure(lead=0)))  # the digits alone
+    cands = [cd for cd in cands if cd.name not in done or cd.name == "dense"]  # dense: the reference of every KL
+    t0 = time.time()
+    res = evaluate_fidelity(padded, teacher, cands, budget=c["budget"], sinks=c["sinks"], window=c["window"], device=dev,
+                            progress=lambda i, n: print(f"  eval trace {i}/{n} ({time.time() - t0:.0f}s)", flush=True))
+    if done:
+        res = {**prev["policies"], **res}
+        steps = {**prev.get("steps_per_policy", {}), **steps}
+        logs = {**prev.get("train_logs", {}), **logs}
+    distinct = sorted(set(steps.values()), key=str)
+    entry = {
+        "config": args.config, "seq_len": c["seq_len"], "budget": c["budget"], "sinks": c["sinks"], "window": c["window"],
+        "steps": distinct[0] if len(distinct) == 1 else None,  # every trained policy's, when they agree
+        "steps_per_policy": steps,
+        "target": target_name(*targets[0]),
+        "policies": {n: {k: m[k] for k in ("quote_accuracy", "kl", "top1_agreement", "traces")} for n, m in res.items()},
+        "k": {**(prev.get("k", {}) if done else {}),
+              **{cd.name: cd.policy.long_range_slots(budget=c["budget"], sinks=c["sinks"], window=c["window"], head_dim=shape["head_dim"])
+                 for cd in cands}},
+        "train_logs": logs,
+        "eval": {"traces": len(recs), "filter": stats, "trace_tokens": length_stats([len(r["input_ids"]) for r in recs], c["seq_len"]),
+                 "quote_distance_chars": length_stats(qd, None), "scored_tokens": sum(score_positions(r)[0].numel() for r in recs),
+                 "quote_tokens": sum(len(r["quote_positions"]) for r in recs), "seconds": round(time.time() - t0, 1), "seed": args.eval_seed},
+        "data": {k: c[k] for k in ("min_chars", "max_chars", "num_values", "num_recalls", "min_quote_distance_chars")},
+        "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+    doc["configurations"] = [e for e in doc["configurations"] if e.get("config") != args.config] + [entry]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"\n{args.config}: budget {c['budget']} of {c['seq_len']}-token rows, steps {entry['steps']}, "
+          f"{entry['eval']['quote_tokens']} quote tokens on {len(recs)} held-out traces")
+    print(f"{'policy':<28}{'quote acc':>10}{'KL':>10}{'top-1':>8}")
+    for n, m in res.items():
+        print(f"{n:<28}{m['quote_accuracy']:>10.3f}{m['kl']:>10.4f}{m['top1_agreement']:>8.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("phase", choices=["train", "eval", "all"])
+    ap.add_argument("--config", choices=sorted(CONFIGS), default="4k")
+    ap.add_argument("--labels", default="streaming_llm_plus,kvpop_mlp,kvpop", help="trained labels name[@target], in order")
+    ap.add_argument("--oracle-targets", default="max,mean", help="targets of oracle_target; the first is the headline")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--time-limit", type=float, default=540.0, help="seconds for this call's training (then a resume checkpoint)")
+    ap.add_argument("--train-traces", type=int, default=320)
+    ap.add_argument("--eval-traces", type=int, default=16)
+    ap.add_argument("--model-lr", type=float, default=1e-5)
+    ap.add_argument("--scorer-lr", type=float, default=3e-3)
+    ap.add_argument("--scorer-hidden", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-seed", type=int, default=1)
+    ap.add_argument("--gguf", default=None)
+    ap.add_argument("--model-dir", default="/tmp/smol-hf")
+    ap.add_argument("--work", default=".quality", help="exports and resume checkpoints, per configuration and label")
+    ap.add_argument("--out", default="results/quality_h200.json")
+    ap.add_argument("--incremental", action="store_true", help="keep the policies --out already holds for this config; evaluate the rest")
+    args = ap.parse_args()
+    if args.config == "tiny":
+        args.train_traces, args.eval_traces = min(args.train_traces, 4), min(args.eval_traces, 2)
+    if args.phase in ("train", "all"):
+        train_phase(args)
+    if args.phase in ("eval", "all"):
+        eval_phase(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Ceilings, not policies one can deploy: ``oracle_target`` and ``oracle_sources``.
+
+Both rank tokens by something only the evaluated trace's *future* reveals, so they exist for
+teacher-forced evaluation alone (``oracle = True``: never trained, never decoded). Reported beside
+the trained policies they separate the two limits of a learned policy: what the training target
+would give if the scorer fitted it perfectly, and what the budget allows at all.
+
+* ``oracle_target``: the dense teacher's own ranking by the training target (``train.target``,
+  :func:`kvpop.target.future_attention_target`), computed on the evaluated trace itself. Per layer
+  and KV head, priority = the target ``r_tgt`` (no decay): the best a perfectly fitted scorer of
+  that target could do.
+* ``oracle_sources``: on synthetic traces, keeps the recorded source tokens of every long-range
+  quote (the definition digits, ``quote_source_positions`` of the filter's records; with ``lead``,
+  also that many tokens before each, e.g. the name) ahead of every other token, the others by
+  recency. The same pattern in every layer and KV head.
+
+:meth:`Policy.fit_trace` hands each one the trace before its forward pass (see
+:func:`kvpop.evaluate.evaluate_fidelity`).
+
+Shapes: B batch (1 here), Hk KV heads, S sequence, L layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvpop.policies.base import Policy, Scores
+from kvpop.target import future_attention_target
+
+
+class _TargetCapture:
+    """A ``kvpop_ctx`` for one dense forward (causal within the trace) that records every layer's
+    training target on the way. Dense attention and its log-normalizers are computed here in plain
+    torch, chunked over queries (memory O(chunk x S) per head), so this module needs no executor."""
+
+    def __init__(self, length: Tensor, *, window: int, target: str, target_beta: float, chunk: int = 1024):
+        self.length, self.window, self.target, self.target_beta, self.chunk = length, window, target, target_beta, chunk
+        self.targets: dict[int, Tensor] = {}
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """q (1, H, S, D), k, v (1, Hk, S, D) -> attention output (1, S, H, D)."""
+        B, H, S, D = q.shape
+        G = H // k.shape[1]
+        kk, vv = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, H, S, D)
+        idx = torch.arange(S, device=q.device)
+        out = torch.empty_like(q)
+        lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+        for s0 in range(0, S, self.chunk):
+            s1 = min(S, s0 + self.chunk)
+            logits = torch.einsum("bhqd,bhkd->bhqk", q[:, :, s0:s1].float(), kk.float()) * scale  # (B, H, c, S)
+            logits.masked_fill_(idx[None, :] > idx[s0:s1, None], float("-inf"))  # causal
+            lse[:, :, s0:s1] = logits.logsumexp(-1)
+            out[:, :, s0:s1] = torch.einsum("bhqk,bhkd->bhqd", logits.softmax(-1), vv.float()).to(q.dtype)
+        doc = torch.where(idx < self.length, 0, -1)[None]  # (1, S): right padding is no document
+        self.targets[layer] = future_attention_target(q, k, lse, doc, window=self.window, scale=scale, kind=self.target, beta=self.target_beta)
+        return out.transpose(1, 2).contiguous()
+
+
+@torch.no_grad()
+def teacher_targets(model, input_ids: Tensor, *, window: int, target: str = "mean", target_beta: float = 8.0, length: int | None = None) -> list[Tensor]:
+    """The training target (:func:`kvpop.target.future_attention_target`, kind ``target``) of every
+    layer from the dense ``model`` (``attn_implementation="kvpop"``) on one trace (1, S): a list of
+    (1, Hk, S) float32. ``length``: tokens of the trace proper; the rest is right padding, which
+    sends no attention."""
+    S = input_ids.shape[1]
+    pos = torch.arange(S, device=input_ids.device)[None]
+    ctx = _TargetCapture(torch.tensor(S if length is None else length, device=input_ids.device), window=window, target=target,
+                         target_beta=target_beta)
+    model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx)
+    return [ctx.targets[i] for i in range(len(ctx.targets))]
+
+
+class _Oracle(Policy):
+    oracle = True
+
+    def _check(self, pos: Tensor, S: int) -> None:
+        if pos.shape[-1] != S:
+            raise RuntimeError(f"{self.name}: fitted to a {S}-token trace, asked to score {pos.shape[-1]} tokens (call fit_trace first)")
+
+
+class OracleTarget(_Oracle):
+    """Priority = the dense teacher's training target on the evaluated trace (a ceiling)."""
+
+    name = "oracle_target"
+    layer_independent = False
+
+    def __init__(self, target: str = "mean", target_beta: float = 8.0):
+        super().__init__()
+        self.target, self.target_beta = target, target_beta
+        self.r_tgt: list[Tensor] = []  # per layer (1, Hk, S)
+
+    def configure(self, *, target: str, target_beta: float) -> OracleTarget:
+        """The training target to rank by (``train.target``, ``train.target_beta``); returns self."""
+        self.target, self.target_beta = target, target_beta
+        return self
+
+    def fit_trace(self, *, model, input_ids: Tensor, record: dict, sinks: int, window: int) -> bool:
+        length = record.get("trace_tokens")  # set where a trace was right-padded
+        self.r_tgt = teacher_targets(model, input_ids, window=window, target=self.target, target_beta=self.target_beta, length=length)
+        return True
+
+    def scores(self, layer, keys, values, pos, **_):
+        if not self.r_tgt:
+            raise RuntimeError("oracle_target: no trace fitted (call fit_trace first)")
+        r = self.r_tgt[layer]  # (1, Hk, S)
+        self._check(pos, r.shape[-1])
+        return Scores(prio=r.to(torch.float64).expand(keys.shape[0], -1, -1))
+
+
+class OracleSources(_Oracle):
+    """Priority: the recorded quote sources first, then recency (a ceiling on synthetic traces)."""
+
+    name = "oracle_sources"
+
+    def __init__(self, lead: int = 4):
+        super().__init__()
+        # also keep this many tokens before each run of source digits: 4 covers the synthetic format's
+        # "Let comet = " (SmolLM2 tokens "Let", " comet", " =", " "); without the name a quote finds no value
+        self.lead = lead
+        self.sources: Tensor | None = None  # (S,) bool
+
+    def configure(self, *, lead: int) -> OracleSources:
+        """Keep ``lead`` tokens before each source run too; returns self."""
+        self.lead = lead
+        return self
+
+    def fit_trace(self, *, model, input_ids: Tensor, record: dict, sinks: int, window: int) -> bool:
+        src = record.get("quote_source_positions") or []
+        if not src:
+            self.sources = None
+            return False  # no recorded sources (not a synthetic trace): nothing to measure
+        S = input_ids.shape[-1]
+        mask = torch.zeros(S, dtype=torch.bool, device=input_ids.device)
+        src = sorted(i for i in set(src) if i < S)
+        starts = [i for i in src if i - 1 not in src]  # first token of each contiguous run
+        keep = set(src) | {j for i in starts for j in range(max(0, i - self.lead), i)}
+        mask[torch.tensor(sorted(keep), dtype=torch.long, device=input_ids.device)] = True
+        self.sources = mask
+        return True
+
+    def scores(self, layer, keys, values, pos, **_):
+        if self.sources is None:
+            raise RuntimeError("oracle_sources: no trace with quote sources fitted (call fit_trace first)")
+        self._check(pos, self.sources.shape[0])
+        B, Hk, S = keys.shape[:3]
+        # sources outrank everything (priority >= S); among equals, newer first
+        prio = pos.to(torch.float64) + self.sources.to(torch.float64) * (S + 1)  # (B, S)
+        return Scores(prio=prio[:, None, :].expand(B, Hk, S))
