@@ -1,4 +1,4 @@
-"""The delayed mLSTM scorer (policy ``kvpop``): parallel vs recurrent, delay, gradients, accounting."""
+"""The delayed mLSTM scorer (policy ``kvpop``): chunkwise vs parallel vs recurrent, delay, gradients, accounting."""
 
 from __future__ import annotations
 
@@ -56,11 +56,13 @@ def recurrent_reference(scorer: MLSTMScorer, layer: int, k, v, doc_ids, window: 
 @pytest.mark.parametrize(("dtype", "gate_std", "tol"), [(torch.float32, 0.2, 1e-5), (torch.float64, 1.0, 1e-10)])
 @pytest.mark.parametrize("forget_gate", ["sigmoid", "exp"])
 @pytest.mark.parametrize("window", [0, 3, 7, 100])
-def test_parallel_equals_recurrent(forget_gate, window, dtype, gate_std, tol):
+@pytest.mark.parametrize("form", ["chunkwise", "parallel"])
+def test_training_forms_equal_recurrent(form, forget_gate, window, dtype, gate_std, tol):
+    """raw_scores, by either training form (chunk 16 < S = 48), equals the recurrent form on packed rows."""
     _, doc, _ = packed_toy(B=B, S=48, seed=1)
     k, v = _kv(B, HK, 48, D, seed=2)
     k, v = k.to(dtype), v.to(dtype)
-    sc = _scorer(forget_gate=forget_gate, gate_std=gate_std).to(dtype)
+    sc = _scorer(forget_gate=forget_gate, gate_std=gate_std, form=form).to(dtype)
     with torch.no_grad():
         for layer in range(2):
             par = sc.raw_scores(layer, k, v, doc_ids=doc, window=window)
@@ -69,12 +71,13 @@ def test_parallel_equals_recurrent(forget_gate, window, dtype, gate_std, tol):
             torch.testing.assert_close(par, ref, atol=tol, rtol=tol)
 
 
-def test_chunking_and_checkpoint_do_not_change_scores():
+@pytest.mark.parametrize("form", ["chunkwise", "parallel"])
+def test_chunking_and_checkpoint_do_not_change_scores(form):
     _, doc, _ = packed_toy(B=B, S=64, seed=3)
     k, v = _kv(B, HK, 64, D, seed=4)
-    sc = _scorer(chunk=64)
+    sc = _scorer(chunk=64, form=form)
     full = sc.raw_scores(0, k, v, doc_ids=doc, window=5)
-    for chunk in (1, 7, 16):
+    for chunk in (1, 7, 16, 100):
         sc.chunk = chunk
         torch.testing.assert_close(sc.raw_scores(0, k, v, doc_ids=doc, window=5), full, atol=1e-5, rtol=1e-5)
     # activation checkpointing per chunk: same values, same gradients
@@ -82,7 +85,7 @@ def test_chunking_and_checkpoint_do_not_change_scores():
     grads = []
     for ckpt in (False, True):
         sc.zero_grad()
-        r = sc.layers[0].parallel(k, v, start, tau, chunk=16, use_checkpoint=ckpt)
+        r = getattr(sc.layers[0], form)(k, v, start, tau, chunk=16, use_checkpoint=ckpt)
         (r * torch.linspace(-1, 1, 64)).sum().backward()
         grads.append([p.grad.clone() for p in sc.layers[0].parameters()])
     for g0, g1 in zip(*grads):
@@ -103,11 +106,12 @@ def test_readout_times():
     assert tau.tolist() == [[2, 3, 3, 3, 6, 6, 6, 8, 8]]
 
 
-def test_long_row_is_finite_and_matches_float64():
+@pytest.mark.parametrize("form", ["chunkwise", "parallel"])
+def test_long_row_is_finite_and_matches_float64(form):
     """Float64 cumulative forget gates: a long row stays accurate in float32."""
     S = 3000
     k, v = _kv(1, HK, S, D, seed=6)
-    sc = _scorer(chunk=512, gate_std=0.1)
+    sc = _scorer(chunk=512 if form == "parallel" else 256, gate_std=0.1, form=form)
     with torch.no_grad():
         for cell in sc.layers:  # strong forgetting: |F| grows to ~2000 over the row
             cell.b_gate[:, 1] = 0.0
@@ -289,3 +293,173 @@ def test_chunk_equals_recurrent(forget_gate, carried, dtype, gate_std, tol):
         probe_k, probe_v = _kv(B, HK, 1, D, seed=5)
         probe_k, probe_v = probe_k[:, :, 0].to(dtype), probe_v[:, :, 0].to(dtype)
         torch.testing.assert_close(cell.readout(end, probe_k, probe_v), cell.readout(s, probe_k, probe_v), atol=tol, rtol=tol)
+
+
+# ---------------------------------------------------------------------------------------------------
+# chunkwise form (raw_scores' default): the parallel form's scores in time linear in S
+
+# Two rows of S = 80 with different layouts (-1: padding). Row 0: documents of 5, 13, 2, 44, 16
+# tokens (starts 0, 5, 18, 20, 64: 64 on a boundary of chunk 64); row 1: 14, 1, 7, 40, 12 tokens and
+# 6 of padding (starts 0, 14, 15, 22, 62, 74: 14 on a boundary of chunk 7). Documents of 1
+# and 2 tokens are shorter than the windows 3 and 6; chunk 100 and window 100 exceed S.
+LAYOUT = ([5, 13, 2, 44, 16], [14, 1, 7, 40, 12, 6])
+CHUNKS = (1, 7, 64, 100)
+
+
+def _layout() -> torch.Tensor:
+    """doc_ids (2, 80) of LAYOUT; row 1 ends with a padding run (-1)."""
+    rows = []
+    for r, lens in enumerate(LAYOUT):
+        ids = [torch.full((n,), d if (r == 0 or d < len(lens) - 1) else -1) for d, n in enumerate(lens)]
+        rows.append(torch.cat(ids))
+    return torch.stack(rows).long()
+
+
+def _cell_grads(cell, r, proj):
+    """Gradients of sum(r * proj) w.r.t. every parameter of ``cell`` (each one must be reached)."""
+    return torch.autograd.grad((r * proj).sum(), list(cell.parameters()))
+
+
+@pytest.mark.parametrize("forget_gate", ["sigmoid", "exp"])
+@pytest.mark.parametrize("window", [0, 3, 6, 100])
+def test_chunkwise_equals_parallel_and_recurrent_with_gradients(forget_gate, window):
+    """float64, wide gates: chunkwise (chunk 1, 7, 64, 100 > S; checkpointed or not) == parallel ==
+    recurrent, values and gradients w.r.t. every parameter, on two rows of different packed layouts."""
+    doc = _layout()
+    S = doc.shape[1]
+    k, v = (t.double() for t in _kv(B, HK, S, D, seed=21))
+    proj = torch.randn(B, HK, S, generator=torch.Generator().manual_seed(22), dtype=torch.float64)
+    sc = _scorer(forget_gate=forget_gate, gate_std=1.0, layers=1).double()
+    cell = sc.layers[0]
+    start, tau = readout_times(doc, B, S, window)
+    ref = recurrent_reference(sc, 0, k, v, doc, window)
+    g_ref = _cell_grads(cell, ref, proj)
+    runs = {"parallel": cell.parallel(k, v, start, tau, chunk=16)}
+    for chunk in CHUNKS:
+        for ckpt in (False, True):
+            runs[f"chunkwise chunk={chunk} checkpoint={ckpt}"] = cell.chunkwise(k, v, start, tau, chunk=chunk, use_checkpoint=ckpt)
+    for name, r in runs.items():
+        assert r.shape == (B, HK, S) and r.dtype == torch.float64, name
+        torch.testing.assert_close(r, ref.detach(), atol=1e-10, rtol=1e-10, msg=lambda m, name=name: f"{name}: {m}")
+        for p_name, g, g0 in zip([n for n, _ in cell.named_parameters()], _cell_grads(cell, r, proj), g_ref):
+            torch.testing.assert_close(g, g0, atol=1e-9, rtol=1e-9, msg=lambda m, name=name, p_name=p_name: f"{name}, d/d{p_name}: {m}")
+
+
+@pytest.mark.parametrize("forget_gate", ["sigmoid", "exp"])
+def test_chunkwise_is_stable_at_extreme_gates(forget_gate):
+    """Input-gate biases of +60, -60 and +800 per head (exp(800) overflows float32 and float64 alike, and
+    exp(-m) underflows both) and wide gate weights, with fast forgetting (sigmoid, bias -4) or a memory
+    that grows (exp, bias +1: log f ~ 1 +- 4): no NaN or inf in values or gradients, float64 chunkwise ==
+    parallel (values and gradients), and float32 close to float64."""
+    doc = _layout()
+    S = doc.shape[1]
+    k, v = _kv(B, HK, S, D, seed=23)
+    proj = torch.randn(B, HK, S, generator=torch.Generator().manual_seed(24))
+    sc = _scorer(forget_gate=forget_gate, gate_std=1.0, layers=1)
+    with torch.no_grad():
+        sc.layers[0].b_gate[:, 0] = torch.tensor([60.0, -60.0, 800.0])
+        sc.layers[0].b_gate[:, 1] = -4.0 if forget_gate == "sigmoid" else 1.0
+    out = {}
+    for dtype in (torch.float32, torch.float64):
+        cell = sc.to(dtype).layers[0]
+        start, tau = readout_times(doc, B, S, 6)
+        kk, vv, pp = k.to(dtype), v.to(dtype), proj.to(dtype)
+        for form, chunk in (("chunkwise", 7), ("chunkwise", 64), ("parallel", 16)):
+            r = getattr(cell, form)(kk, vv, start, tau, chunk=chunk)
+            grads = _cell_grads(cell, r, pp)
+            assert torch.isfinite(r).all(), (dtype, form, chunk)
+            assert all(torch.isfinite(g).all() for g in grads), (dtype, form, chunk)
+            out[dtype, form, chunk] = r.detach().double(), grads
+    r64, g64 = out[torch.float64, "parallel", 16]
+    for (dtype, _, _), (r, grads) in out.items():
+        # float32 is off by up to ~5e-3 relative here, for either form alike: i~ ~ 800 carries an ulp of
+        # 6e-5 into every log-weight, and the read-out's |n^T q| nearly cancels for some tokens
+        tol = 1e-10 if dtype == torch.float64 else 1e-2
+        torch.testing.assert_close(r, r64, atol=tol, rtol=tol)
+        if dtype == torch.float64:
+            for g, g0 in zip(grads, g64):
+                torch.testing.assert_close(g, g0, atol=1e-8, rtol=1e-8)
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_chunkwise_is_blind_to_later_tokens_and_other_documents(chunk):
+    """A score is unchanged when any token after its tau_t changes: bitwise (torch.equal, float32).
+    It is unchanged when any token of another document (earlier or later) changes: up to rounding
+    (float64, 1e-12): the chunk-local cumulative forget gates start at the chunk's start, not at the
+    document's, so an earlier document in the same chunk moves their last bits (as the parallel form's
+    row-wide ones do). The changes do reach the scores that read them."""
+    doc = _layout()
+    S, w = doc.shape[1], 6
+    k, v = _kv(B, HK, S, D, seed=25)
+    cell = _scorer(gate_std=0.5, layers=1).layers[0]
+    start, end = document_spans(doc)
+    _, tau = readout_times(doc, B, S, w)
+    with torch.no_grad():
+        base = cell.chunkwise(k, v, start, tau, chunk=chunk)
+        for q in (0, 4, 13, 14, 21, 40, 63, 64, 70, 78):
+            k2, v2 = k.clone(), v.clone()
+            k2[:, :, q + 1 :] = 3.0 * torch.randn_like(k2[:, :, q + 1 :])
+            v2[:, :, q + 1 :] -= 1.0
+            r = cell.chunkwise(k2, v2, start, tau, chunk=chunk)
+            seen = (tau <= q)[:, None].expand_as(r)  # (B, Hk, S): scores read out by q
+            assert torch.equal(r[seen], base[seen]), q
+            assert (r[~seen] != base[~seen]).all(), q
+        cell, k, v = cell.double(), k.double(), v.double()
+        base = cell.chunkwise(k, v, start, tau, chunk=chunk)
+        for b in range(B):
+            for s0 in start[b].unique().tolist():
+                e0 = int(end[b, s0])
+                k2, v2 = k.clone(), v.clone()
+                k2[b, :, s0:e0] *= -2.0
+                v2[b, :, s0:e0] += 1.0
+                r = cell.chunkwise(k2, v2, start, tau, chunk=chunk)
+                inside = torch.zeros(B, S, dtype=torch.bool)
+                inside[b, s0:e0] = True
+                inside = inside[:, None].expand_as(r)
+                torch.testing.assert_close(r[~inside], base[~inside], atol=1e-12, rtol=1e-12)
+                assert ((r[inside] - base[inside]).abs() > 1e-6).all(), (b, s0)
+
+
+@pytest.mark.parametrize("w", [2, 5])
+def test_chunkwise_carries_the_state_and_restarts_it_at_documents(w):
+    """Documents longer than the chunk (4): the read-outs need the state carried over chunk boundaries,
+    and a document starting inside (row 0, at 21) or at (row 1, at 8) a chunk must not see the previous
+    one, whose tokens are scaled up so that a leak is large: neither through the state handed to the
+    next chunk, nor, with a window (2) below the chunk, in the chunk where it starts (t = 21 reads at 23).
+    Each document's scores equal the recurrent form and the same document scored alone (other chunk
+    offsets)."""
+    S, chunk = 60, 4
+    doc = torch.tensor([[0] * 21 + [1] * 39, [0] * 8 + [1] * 52])
+    k, v = (t.double() for t in _kv(B, HK, S, D, seed=26))
+    k[0, :, :21] *= 4.0
+    v[1, :, :8] *= 4.0
+    sc = _scorer(gate_std=0.5, layers=1).double()
+    with torch.no_grad():
+        sc.layers[0].b_gate[:, 1] = 6.0  # long memory: a leaked or a dropped state shows
+        start, tau = readout_times(doc, B, S, w)
+        got = sc.layers[0].chunkwise(k, v, start, tau, chunk=chunk)
+        torch.testing.assert_close(got, recurrent_reference(sc, 0, k, v, doc, w), atol=1e-10, rtol=1e-10)
+        for b, s0 in ((0, 0), (0, 21), (1, 0), (1, 8)):
+            e0 = int(document_spans(doc)[1][b, s0])
+            n = e0 - s0
+            st, ta = readout_times(None, 1, n, w)
+            alone = sc.layers[0].chunkwise(k[b : b + 1, :, s0:e0], v[b : b + 1, :, s0:e0], st, ta, chunk=chunk)
+            torch.testing.assert_close(got[b : b + 1, :, s0:e0], alone, atol=1e-10, rtol=1e-10)
+
+
+def test_chunkwise_rejects_a_layout_it_cannot_carry():
+    """``start, tau`` must be readout_times' layout (contiguous documents, tau non-decreasing)."""
+    k, v = _kv(1, HK, 6, D, seed=27)
+    cell = _scorer(layers=1).layers[0]
+    start, tau = readout_times(torch.tensor([[0, 0, 0, 1, 1, 1]]), 1, 6, window=1)
+    cell.chunkwise(k, v, start, tau, chunk=2)
+    assert start.tolist() == [[0, 0, 0, 3, 3, 3]] and tau.tolist() == [[1, 2, 2, 4, 5, 5]]
+    bad = [
+        (start, torch.tensor([[2, 1, 2, 4, 5, 5]])),  # tau decreasing
+        (start, torch.tensor([[1, 2, 3, 4, 5, 5]])),  # tau_2 = 3 leaves document 0
+        (torch.tensor([[0, 0, 1, 3, 3, 3]]), tau),  # start 1 is not a document start (start[1] = 0)
+        (torch.tensor([[0, 0, 0, 3, 3, 2]]), tau),  # start decreasing
+    ]
+    for st, ta in bad:
+        with pytest.raises(ValueError, match="readout_times"):
+            cell.chunkwise(k, v, st, ta, chunk=2)

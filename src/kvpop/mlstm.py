@@ -23,7 +23,7 @@ Read-out of token t (``readout``), with the state at ``tau_t``::
     h_t = C^T q~_t / max(|n^T q~_t|, exp(-m))          (d_v; xLSTM normalization)
     r_hat_t = w_o . h_t + w_p . x_t + b
 
-Parallel form (``raw_scores``, training), with ``F_j = sum_{u <= j} log f_u`` and
+Parallel form (``parallel``: the reference twin of the chunkwise form), with ``F_j = sum_{u <= j} log f_u`` and
 ``log D[t, s] = F_{tau_t} - F_s + i~_s`` for ``start_t <= s <= tau_t`` (else ``-inf``)::
 
     m_t = max_s log D[t, s],   D'[t, s] = exp(log D[t, s] - m_t),   W[t, s] = D'[t, s] (q~_t . k~_s)
@@ -31,9 +31,37 @@ Parallel form (``raw_scores``, training), with ``F_j = sum_{u <= j} log f_u`` an
 
 Both forms compute ``exp(-m) C~^T q / max(|n~^T q| exp(-m), exp(-m))`` for the unstabilized
 ``C~, n~``, so they agree for any stabilizer; the parallel one runs chunked over t (memory
-O(chunk x S) per head, with activation checkpointing per chunk when gradients are needed).
+O(chunk x S) per head, with activation checkpointing per chunk when gradients are needed). Its
+cost is quadratic in the document length: a read-out touches every key from its document's start.
 
-Shapes: B batch, Hk KV heads, S sequence, D head dim, L layers; d_k, d_v the memory's dims.
+Chunkwise form (``chunkwise``, what ``raw_scores`` runs in training; linear in S): the time axis
+is cut into chunks ``[c0, c1)`` of ``Lc`` tokens, run in order, carrying the stabilized state ``(C, n, m)`` of the
+document of token ``c0 - 1`` (built from tokens ``start_{c0-1} .. c0 - 1``) into the chunk. With
+``G_j = sum_{c0 <= u <= j} log f_u`` (float64, local to the chunk), every token t whose
+``tau_t`` falls in the chunk is read out there, with::
+
+    log D0[t]   = G_{tau_t} + m                      if start_t < c0 (its document crosses c0), else -inf
+    log D[t, s] = G_{tau_t} - G_s + i~_s             for max(start_t, c0) <= s <= tau_t, else -inf
+    m_t = max(log D0[t], max_s log D[t, s])
+    h_t = (exp(log D0 - m_t) C^T q~_t + sum_s exp(log D[t, s] - m_t) (q~_t . k~_s) v~_s)
+          / max(|exp(log D0 - m_t) n^T q~_t + sum_s exp(log D[t, s] - m_t) (q~_t . k~_s)|, exp(-m_t))
+
+i.e. the parallel form's sum split at ``c0`` (the carried state holds ``exp(-m)`` times the
+terms ``s < c0``, decayed to ``c0 - 1``). The state then moves to the chunk's end, restarting where
+a document starts inside the chunk (``e = c1 - 1``)::
+
+    m' = max(G_e + m [if start_e < c0], max_{s >= max(start_e, c0)} G_e - G_s + i~_s)
+    C' = exp(G_e + m - m') C [if start_e < c0] + sum_{s >= max(start_e, c0)} exp(G_e - G_s + i~_s - m') k~_s v~_s^T
+
+(likewise ``n'``). A chunk reads out at most ``Lc + window`` tokens (``Lc`` inside a document; the
+last ``window`` tokens of a document all read at its end) against at most ``Lc`` keys each, so the
+cost per head is O(S Lc (d_k + d_v) + S d_k d_v), plus O(window Lc (d_k + d_v)) per document end,
+and the memory O((Lc + window) Lc) per chunk, with activation checkpointing per chunk when
+gradients are needed. The stabilizers carry no gradient (h does not depend on them). Scores are
+bitwise blind to the tokens after ``tau_t`` (masked terms are exact zeros), as the parallel form's.
+
+Shapes: B batch, Hk KV heads, S sequence, D head dim, L layers; d_k, d_v the memory's dims; Lc the
+chunkwise form's chunk length.
 """
 
 from __future__ import annotations
@@ -50,6 +78,7 @@ from kvpop.scorer import LearnedDecay
 from kvpop.selection import document_spans
 
 ForgetGate = Literal["sigmoid", "exp"]
+TrainingForm = Literal["chunkwise", "parallel"]
 
 
 class MLSTMState(NamedTuple):
@@ -224,6 +253,52 @@ class HeadwiseMLSTM(nn.Module):
         h = torch.cat(outs, dim=2)  # (B, Hk, S, d_v)
         return self.head(h, f.direct)
 
+    # ------------------------------------------------------------------ chunkwise form
+    def chunkwise(self, k: Tensor, v: Tensor, start: Tensor, tau: Tensor, chunk: int = 256, use_checkpoint: bool | None = None) -> Tensor:
+        """k, v (B, Hk, S, D); start, tau (B, S) int64 -> r_hat (B, Hk, S): :meth:`parallel`'s result, linear in S.
+
+        Runs over chunks of ``chunk`` tokens of the time axis, in order, carrying the stabilized
+        state across chunk boundaries (module docstring, "Chunkwise form"); token t is read out in
+        the chunk that holds ``tau_t``. ``start, tau`` must be laid out as :func:`readout_times`
+        makes them: ``start`` is the first token of each contiguous document (so it is non-decreasing
+        and ``start[start_t] = start_t``), ``start_t <= tau_t`` in t's document (``start[tau_t] =
+        start_t``), and ``tau`` is non-decreasing; a ``ValueError`` says otherwise. The readers of a
+        chunk are a contiguous range of t per row (their union over the batch is processed, the
+        others masked), at most ``chunk + window`` of them. One host sync (the readers' ranges).
+        """
+        B, Hk, S, _ = k.shape
+        Lc = max(1, int(chunk))
+        f = self.features(k, v)
+        if use_checkpoint is None:
+            use_checkpoint = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        start, tau = start.to(k.device, torch.int64), tau.to(k.device, torch.int64)
+        edges = torch.cat([torch.arange(0, S, Lc, device=k.device), torch.tensor([S], device=k.device)])  # (N + 1,) chunk edges
+        # bounds[b, c] = #{t : tau[b, t] < edges[c]}: the readers of chunk c in row b are bounds[b, c] .. bounds[b, c + 1] - 1
+        bounds = torch.searchsorted(tau.contiguous(), edges.expand(B, -1).contiguous())  # (B, N + 1)
+        meta = torch.cat([bounds[:, :-1].amin(0), bounds[:, 1:].amax(0), _spans_ok(start, tau).long().view(1)]).tolist()
+        N = len(edges) - 1
+        lo, hi, ok = meta[:N], meta[N : 2 * N], meta[-1]
+        if not ok:
+            raise ValueError("chunkwise needs readout_times' layout: contiguous documents, start_t <= tau_t in t's document, tau non-decreasing")
+        # the memory and its normalizer as one matrix [C | n] (d_k x (d_v + 1)), written with [v~; 1]
+        vn = torch.cat([f.v, torch.ones_like(f.v[..., :1])], dim=-1)  # (B, Hk, S, d_v + 1)
+        state = (
+            f.k.new_zeros(B, Hk, self.d_k, self.d_v + 1),  # [C | n] (B, Hk, d_k, d_v + 1), stabilized
+            torch.full((B, Hk), float("-inf"), device=k.device, dtype=torch.float64),  # m (B, Hk): empty state
+        )
+        hs = []
+        for c in range(N):
+            c0, c1, r0, r1 = c * Lc, min(S, c * Lc + Lc), lo[c], hi[c]
+            args = (*state, f.q[:, :, r0:r1], f.k[:, :, c0:c1], vn[:, :, c0:c1], f.i_pre[:, :, c0:c1], f.log_f[:, :, c0:c1],
+                    tau[:, r0:r1] - c0, start[:, r0:r1] - c0, start[:, c1 - 1] - c0)
+            fn = _chunkwise_chunk
+            h, *state = checkpoint(fn, *args, use_reentrant=False) if use_checkpoint else fn(*args)
+            hs.append(h)  # (B, Hk, r1 - r0, d_v); zero where tau_t is not in this chunk
+        # every (b, t) is read out in exactly one chunk and is zero in the others: the sum is exact
+        idx = torch.cat([torch.arange(lo[c], hi[c]) for c in range(N)]).to(k.device)  # (sum of r1 - r0,)
+        h = f.v.new_zeros(B, Hk, S, self.d_v).index_add(2, idx, torch.cat(hs, dim=2))  # (B, Hk, S, d_v)
+        return self.head(h, f.direct)
+
 
 def _parallel_chunk(q: Tensor, k: Tensor, v: Tensor, i_pre: Tensor, cum: Tensor, cum_tau: Tensor, st: Tensor, ta: Tensor) -> Tensor:
     """One chunk of the parallel form; returns h (B, Hk, c, d_v).
@@ -251,6 +326,60 @@ def _parallel_chunk(q: Tensor, k: Tensor, v: Tensor, i_pre: Tensor, cum: Tensor,
     return num / den[..., None]
 
 
+def _chunkwise_chunk(Cn0: Tensor, m0: Tensor, q: Tensor, k: Tensor, vn: Tensor, i_pre: Tensor, log_f: Tensor,
+                     ta: Tensor, st: Tensor, st_end: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One chunk of the chunkwise form: read out its readers, then move the state to the chunk's end.
+
+    Cn0 (B, Hk, d_k, d_v + 1) the carried state [C | n], stabilized by m0 (B, Hk) float64 (-inf:
+    empty); q (B, Hk, R, d_k) the readers' queries; k (B, Hk, Lc, d_k), vn (B, Hk, Lc, d_v + 1) = [v~; 1],
+    i_pre, log_f (B, Hk, Lc) the chunk's tokens; ta, st (B, R) the readers' tau and start, st_end (B,)
+    the start of the chunk's last token, all relative to the chunk's start (st < 0: the document
+    crosses into the chunk and uses the carried state). Readers whose tau is not in [0, Lc) are
+    computed on a clamped tau (finite, so no NaN reaches the gradients) and returned as zero.
+    Returns (h (B, Hk, R, d_v), [C | n] and m after the chunk). The stabilizers are detached: h and
+    the unstabilized state do not depend on them, so they carry no gradient.
+    """
+    B, Hk, Lc = log_f.shape
+    dt, j = k.dtype, torch.arange(Lc, device=k.device)
+    lt = torch.promote_types(dt, torch.float32)  # dtype of the (R, Lc) log-weights: at least float32
+    reads = (ta >= 0) & (ta < Lc)  # (B, R): tau_t in this chunk
+    ta = ta.clamp(0, Lc - 1)
+    st = torch.minimum(st, ta)
+    G = log_f.double().cumsum(-1)  # (B, Hk, Lc) float64: G_j = sum_{u <= j} log f_u within the chunk
+    ib = i_pre.double() - G  # (B, Hk, Lc): i~_s - G_s
+    # read-outs: log-weights of the carried state (B, Hk, R) and of the chunk's tokens (B, Hk, R, Lc)
+    Ga = G.gather(-1, ta[:, None].expand(B, Hk, -1))  # (B, Hk, R)
+    lw0 = (Ga + m0[..., None]).masked_fill((st >= 0)[:, None], float("-inf"))  # no carried state if start_t >= c0
+    keys = (j >= st[..., None]) & (j <= ta[..., None])  # (B, R, Lc): max(start_t, c0) <= s <= tau_t
+    # log D = G_tau + (i~_s - G_s): both halves are sums over this chunk only, formed in float64 and
+    # rounded once to lt, so the (R, Lc) matrix and its exp run in lt at a rounding relative to them.
+    lw = (Ga.to(lt)[..., None] + ib.to(lt)[..., None, :]).masked_fill(~keys[:, None], float("-inf"))
+    m = torch.maximum(lw.amax(-1), lw0.to(lt)).detach()  # (B, Hk, R); finite: s = tau_t is always a key
+    w = torch.exp(lw - m[..., None]).to(dt) * torch.einsum("bhrd,bhld->bhrl", q, k)  # (B, Hk, R, Lc)
+    w0 = torch.exp(lw0 - m.double()).to(dt)  # (B, Hk, R); the same stabilizer m as w
+    nd = torch.einsum("bhrl,bhlv->bhrv", w, vn) + w0[..., None] * torch.einsum("bhkv,bhrk->bhrv", Cn0, q)  # (B, Hk, R, d_v + 1)
+    den = torch.maximum(nd[..., -1].abs(), torch.exp(-m).to(dt))  # (B, Hk, R)
+    h = torch.where(reads[:, None, :, None], nd[..., :-1] / den[..., None], 0.0)
+    # the state at the chunk's end, restarted where a document starts inside the chunk
+    le = (G[..., -1:] + ib).masked_fill((j < st_end[:, None])[:, None], float("-inf"))  # (B, Hk, Lc)
+    le0 = (G[..., -1] + m0).masked_fill((st_end >= 0)[:, None], float("-inf"))  # (B, Hk)
+    m1 = torch.maximum(le.amax(-1), le0).detach()  # (B, Hk); finite: the last token is always in
+    we, we0 = torch.exp(le - m1[..., None]).to(dt), torch.exp(le0 - m1).to(dt)
+    Cn1 = we0[..., None, None] * Cn0 + torch.einsum("bhl,bhlk,bhlv->bhkv", we, k, vn)
+    return h, Cn1, m1
+
+
+def _spans_ok(start: Tensor, tau: Tensor) -> Tensor:
+    """() bool tensor (no host sync): ``start, tau`` (B, S) have :func:`readout_times`' layout
+    (contiguous documents; see :meth:`HeadwiseMLSTM.chunkwise`)."""
+    S = start.shape[1]
+    t = torch.arange(S, device=start.device)
+    ok = (start >= 0).all() & (start <= t).all() & (start <= tau).all() & (tau < S).all()
+    s_in, t_in = start.clamp(0, S - 1), tau.clamp(0, S - 1)  # in range for the gathers (ok is False otherwise)
+    ok = ok & (start[:, 1:] >= start[:, :-1]).all() & (tau[:, 1:] >= tau[:, :-1]).all()
+    return ok & (start.gather(1, s_in) == start).all() & (start.gather(1, t_in) == start).all()
+
+
 def readout_times(doc_ids: Tensor | None, B: int, S: int, window: int, device=None) -> tuple[Tensor, Tensor]:
     """(start, tau), both (B, S) int64: document start of every token and its read-out time.
 
@@ -268,13 +397,19 @@ def readout_times(doc_ids: Tensor | None, B: int, S: int, window: int, device=No
 class MLSTMScorer(nn.Module):
     """KVpop: the delayed mLSTM scorers of every layer and the decay (interface of ``MLPScorer``)."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, d_k: int = 16, d_v: int = 16, forget_gate: ForgetGate = "sigmoid", chunk: int = 256):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, d_k: int = 16, d_v: int = 16, forget_gate: ForgetGate = "sigmoid",
+                 chunk: int = 256, form: TrainingForm = "chunkwise"):
         super().__init__()
+        if form not in ("chunkwise", "parallel"):
+            raise ValueError(f"form must be 'chunkwise' or 'parallel', got {form!r}")
         self.config = dict(
             kind="mlstm", num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
             d_k=d_k, d_v=d_v, forget_gate=forget_gate,
         )
-        self.chunk = chunk  # parallel form: read-out tokens per chunk (speed/memory, not a model setting)
+        # how raw_scores computes (speed/memory, not model settings; both forms give the same scores):
+        # form "chunkwise" (linear in S): chunk = tokens of the time axis per chunk (Lc);
+        # form "parallel" (the quadratic reference twin): chunk = read-out tokens per chunk
+        self.form, self.chunk = form, chunk
         self.layers = nn.ModuleList(HeadwiseMLSTM(num_kv_heads, head_dim, d_k, d_v, forget_gate) for _ in range(num_layers))
         self.decay = LearnedDecay(num_layers, num_kv_heads)
 
@@ -287,10 +422,13 @@ class MLSTMScorer(nn.Module):
 
         ``doc_ids`` (B, S) restarts the memory at every document (``None``: one document per row).
         ``pos`` is accepted for interface symmetry and unused: boundaries come from ``doc_ids``.
+        Computed by the chunkwise form (``self.form``; ``"parallel"``: the quadratic reference twin).
         """
         B, _, S, _ = k.shape
         start, tau = readout_times(doc_ids, B, S, window, device=k.device)
-        return self.layers[layer].parallel(k, v, start, tau, chunk=self.chunk)
+        cell = self.layers[layer]
+        form = cell.chunkwise if self.form == "chunkwise" else cell.parallel
+        return form(k, v, start, tau, chunk=self.chunk)
 
     # recurrent API for the decode cache (one layer's state; same layout in every layer)
     def init_state(self, B: int, device=None) -> MLSTMState:

@@ -2,7 +2,7 @@
 
 A token is scored when it leaves the window, by an mLSTM that has by then read the ``window``
 tokens after it (:mod:`kvpop.mlstm`). In training the scores come from the parallel form over
-whole documents (:meth:`scores`); at decode time the recurrent state lives in the cache and a
+whole documents (:meth:`scores`, the chunkwise form with carried state: linear in the row length); at decode time the recurrent state lives in the cache and a
 token is scored at its exit (:meth:`step`, :meth:`exit_scores`), a prompt in closed form
 (:meth:`prefill`, :meth:`prefill_chunk`). Its state takes the memory of a few long-range slots
 (:func:`kvpop.mlstm.kvpop_k`), so at a nominal budget it costs what ``kvpop_mlp`` costs.
