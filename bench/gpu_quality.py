@@ -10,7 +10,8 @@ later), at two configurations of 88% compression:
 
 Every trained policy is a *label* ``name[@target]``: ``kvpop_mlp`` trains against the paper's target
 (log mean future attention), ``kvpop_mlp@max`` against the max future attention, ``kvpop@power:16``
-against the power mean with beta 16 (:func:`kvpop.target.future_attention_target`). All labels get the
+against the power mean with beta 16 (:func:`kvpop.target.future_attention_target`); a ``+regret`` suffix
+trains with the regret-weighted boundary loss (``train.boundary_weight: regret``, :func:`kvpop.boundary.boundary_loss`). All labels get the
 same rows in the same order and the same step count (``--steps``, also the scorers' cosine length).
 
 Phases, so that one device call can train several labels side by side, one process per GPU, and a
@@ -47,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_embedded_run import convert_gguf, length_stats, make_records, step_timer
+from gpu_embedded_run import StopAfter, convert_gguf, length_stats, make_records, step_timer
 from kvpop.config import TrainConfig
 from kvpop.evaluate import Candidate, evaluate_fidelity, score_positions
 from kvpop.export import export, load_export
@@ -64,34 +65,21 @@ CONFIGS = {
 }
 
 
-def parse_label(label: str) -> tuple[str, str, float]:
-    """``name[@kind[:beta]]`` -> (policy name, target kind, beta); no target = the paper's mean."""
+def parse_label(label: str) -> tuple[str, str, float, str]:
+    """``name[@kind[:beta]][+regret]`` -> (policy name, target kind, beta, boundary weighting); no
+    target = the paper's mean, no ``+regret`` = the paper's tie/class-balance weights."""
+    label, plus, weighting = label.partition("+")
+    if plus and weighting != "regret":
+        raise SystemExit(f"label {label!r}: unknown suffix +{weighting} (+regret)")
     name, _, tgt = label.partition("@")
     kind, _, beta = (tgt or "mean").partition(":")
     if kind not in ("mean", "power", "max"):
         raise SystemExit(f"label {label!r}: unknown target {kind!r} (mean, power[:beta], max)")
-    return name, kind, float(beta) if beta else 8.0
+    return name, kind, float(beta) if beta else 8.0, weighting or "tie"
 
 
 def target_name(kind: str, beta: float) -> str:
     return f"power:{beta:g}" if kind == "power" else kind
-
-
-class _StopAfter:
-    """Lightning callback: stop once ``seconds`` of fitting have passed (checked after each step)."""
-
-    def __new__(cls, seconds: float):
-        import lightning as L
-
-        class Stop(L.Callback):
-            def on_train_start(self, trainer, pl_module):
-                self.t0 = time.time()
-
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                if time.time() - self.t0 > seconds:
-                    trainer.should_stop = True
-
-        return Stop()
 
 
 def setup(args):
@@ -130,7 +118,7 @@ def train_phase(args) -> None:
     accelerator = "cuda" if dev == "cuda" else "cpu"
     t_start = time.time()
     for label in args.labels.split(","):
-        name, kind, beta = parse_label(label)
+        name, kind, beta, weighting = parse_label(label)
         run_dir = Path(args.work) / args.config / label
         if (run_dir / "export").is_dir():  # written atomically: present means complete
             print(f"[{label}] already exported, skipped", flush=True)
@@ -141,15 +129,15 @@ def train_phase(args) -> None:
             continue
         cfg = TrainConfig(steps=args.steps, seq_len=c["seq_len"], batch_size=1, model_lr=args.model_lr, scorer_lr=args.scorer_lr,
                           scorer_hidden=args.scorer_hidden, top_logits=256, precision=resolve_precision("auto", accelerator),
-                          accelerator=accelerator, target=kind, target_beta=beta)
+                          accelerator=accelerator, target=kind, target_beta=beta, boundary_weight=weighting)
         training = build_training(teacher, name, packed, cfg=cfg, budget=c["budget"], sinks=c["sinks"], window=c["window"], seed=args.seed)
         ckpt = run_dir / "resume.ckpt"
         timer = step_timer()
         t0 = time.time()
-        trainer = training.fit(ckpt_path=ckpt if ckpt.is_file() else None, callbacks=[timer, _StopAfter(left - 45)], enable_progress_bar=False)
+        trainer = training.fit(ckpt_path=ckpt if ckpt.is_file() else None, callbacks=[timer, StopAfter.make(left - 45)], enable_progress_bar=False)
         final = {k.removeprefix("train/"): round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
-        log = {"label": label, "policy": name, "target": target_name(kind, beta), "steps": trainer.global_step, "k": training.long_range,
-               "seconds_this_call": round(time.time() - t0, 1), "precision": training.precision, **timer.summary(), **final}
+        log = {"label": label, "policy": name, "target": target_name(kind, beta), "boundary_weight": weighting, "steps": trainer.global_step,
+               "k": training.long_range, "seconds_this_call": round(time.time() - t0, 1), "precision": training.precision, **timer.summary(), **final}
         run_dir.mkdir(parents=True, exist_ok=True)
         logs = json.loads((run_dir / "log.json").read_text()) if (run_dir / "log.json").is_file() else []
         (run_dir / "log.json").write_text(json.dumps(logs + [log], indent=2))
@@ -195,7 +183,7 @@ def eval_phase(args) -> None:
         cands.append(Candidate(run_dir.name, model.to(dev).eval(), pol.to(dev)))
         steps[run_dir.name] = meta.get("steps")
         logs[run_dir.name] = json.loads((run_dir / "log.json").read_text())
-    targets = [parse_label(f"x@{t}")[1:] for t in args.oracle_targets.split(",")]
+    targets = [parse_label(f"x@{t}")[1:3] for t in args.oracle_targets.split(",")]
     for i, (kind, beta) in enumerate(targets):
         label = "oracle_target" if i == 0 else f"oracle_target@{target_name(kind, beta)}"
         cands.append(Candidate(label, teacher, make_policy("oracle_target").configure(target=kind, target_beta=beta)))
@@ -245,8 +233,8 @@ def main() -> None:
     ap.add_argument("--oracle-targets", default="max,mean", help="targets of oracle_target; the first is the headline")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--time-limit", type=float, default=540.0, help="seconds for this call's training (then a resume checkpoint)")
-    ap.add_argument("--train-traces", type=int, default=320)
-    ap.add_argument("--eval-traces", type=int, default=16)
+    ap.add_argument("--train-traces", type=int, default=None, help="default 320 (tiny: 4)")
+    ap.add_argument("--eval-traces", type=int, default=None, help="default 16 (tiny: 2)")
     ap.add_argument("--model-lr", type=float, default=1e-5)
     ap.add_argument("--scorer-lr", type=float, default=3e-3)
     ap.add_argument("--scorer-hidden", type=int, default=64)
@@ -258,8 +246,9 @@ def main() -> None:
     ap.add_argument("--out", default="results/quality_h200.json")
     ap.add_argument("--incremental", action="store_true", help="keep the policies --out already holds for this config; evaluate the rest")
     args = ap.parse_args()
-    if args.config == "tiny":
-        args.train_traces, args.eval_traces = min(args.train_traces, 4), min(args.eval_traces, 2)
+    tiny = args.config == "tiny"
+    args.train_traces = args.train_traces or (4 if tiny else 320)
+    args.eval_traces = args.eval_traces or (2 if tiny else 16)
     if args.phase in ("train", "all"):
         train_phase(args)
     if args.phase in ("eval", "all"):

@@ -68,3 +68,48 @@ def test_loss_is_small_when_student_matches_teacher():
     bad, s_bad = boundary_loss(-r_tgt * 50, r_tgt, lg, doc, pos, sinks=2, window=4, long_range=3, tie_margin=0.0)
     assert s_good["agreement"] > 0.95 and s_bad["agreement"] < 0.05
     assert good < 0.05 < bad
+
+
+def test_regret_weights_are_the_attention_mass_a_wrong_decision_costs():
+    """``weighting="regret"``: each decision's logistic loss weighted by |exp(r_new) - exp(r_bnd)|
+    (the competitor's score at t_new's age), normalized to mean 1 per head; brute force over the
+    brute-force labels."""
+    B, Hk, S, sinks, window, k = 2, 2, 48, 2, 4, 3
+    _, doc, pos = packed_toy(B, S, seed=3)
+    g = torch.Generator().manual_seed(3)
+    r_tgt = torch.randn(B, Hk, S, generator=g) - 3
+    r_hat = torch.randn(B, Hk, S, generator=g)
+    log_gamma = torch.log(torch.tensor([0.99, 0.999], dtype=torch.float64))
+    loss, _ = boundary_loss(r_hat, r_tgt, log_gamma, doc, pos, sinks=sinks, window=window, long_range=k, tau=0.7, weighting="regret")
+    lab = brute_labels(r_tgt, log_gamma, doc, pos, sinks, window, k)
+    per_head: dict[int, list[tuple[float, float]]] = {}
+    for (row, t_new), (t_bnd, y) in lab.items():
+        b, h = divmod(row, Hk)
+        age = (t_bnd - t_new) * log_gamma[h].item()  # < 0 for an older competitor: its score decays
+        regret = abs(torch.tensor(r_tgt[b, h, t_new].item(), dtype=torch.float64).exp() - torch.tensor(r_tgt[b, h, t_bnd].item() - age,
+                                                                                                    dtype=torch.float64).exp()).item()
+        delta = r_hat[b, h, t_new].item() - r_hat[b, h, t_bnd].item() + age
+        per_head.setdefault(h, []).append((regret, torch.nn.functional.softplus(torch.tensor(-y * delta / 0.7, dtype=torch.float64)).item()))
+    terms = [w / (sum(x for x, _ in v) / len(v)) * f for v in per_head.values() for w, f in v]
+    assert loss.item() == pytest.approx(sum(terms) / len(terms), rel=1e-5)
+
+
+@pytest.mark.parametrize("weighting, direction", [("tie", -1), ("regret", +1)])
+def test_regret_weighting_keeps_a_rarely_but_badly_needed_token(weighting, direction):
+    """Tokens of kind A are needed badly but rarely (target log 0.5 for a tenth of them, else log
+    1e-4); kind B always a little (log 0.01), so keeping A keeps more attention mass on average
+    (0.05 against 0.01).
+    A scorer that shifts A by ``a`` gets a gradient that lowers A under the paper's tie/class-balance
+    weights (labels only count how often A wins) and raises it under regret weights."""
+    S, sinks, window, k = 600, 2, 8, 20
+    g = torch.Generator().manual_seed(0)
+    is_a = torch.rand(S, generator=g) < 0.2
+    big = torch.rand(S, generator=g) < 0.1
+    r_tgt = torch.where(is_a, torch.where(big, torch.tensor(0.5).log(), torch.tensor(1e-4).log()), torch.tensor(0.01).log())[None, None]
+    doc, pos = torch.zeros(1, S, dtype=torch.long), torch.arange(S)[None]
+    a = torch.zeros((), requires_grad=True)
+    r_hat = a * is_a.float()[None, None]
+    loss, _ = boundary_loss(r_hat, r_tgt, torch.zeros(1, dtype=torch.float64), doc, pos, sinks=sinks, window=window, long_range=k,
+                            weighting=weighting)
+    loss.backward()
+    assert torch.sign(-a.grad).item() == direction  # gradient descent moves a this way

@@ -41,6 +41,7 @@ def test_repo_params_are_valid():
         (lambda r: r["train"].update(target_beta=0), "train.target_beta"),
         (lambda r: r["train"].update(target_beta=-2.0), "train.target_beta"),
         (lambda r: r["train"].update(target_beta=float("inf")), "train.target_beta"),
+        (lambda r: r["train"].update(boundary_weight="margin"), "train.boundary_weight"),
     ],
 )
 def test_bad_params_name_the_key(edit, key):
@@ -73,3 +74,17 @@ def test_target_reaches_scorer_training(target, beta):
     p = parse_params(r)
     st = TrainSettings.from_config(p.train, sinks=p.sinks, window=p.window, long_range=p.long_range, seed=0).scorer_training
     assert (st.target, st.target_beta) == (target, beta if beta is not None else 8.0)
+
+
+@pytest.mark.parametrize("weighting", ["tie", "regret"])
+def test_boundary_weight_reaches_scorer_training(weighting):
+    """train.boundary_weight (default: the paper's tie/class-balance weights) reaches the boundary loss's settings."""
+    from kvpop.train import TrainSettings
+
+    r = raw()
+    r["train"].pop("boundary_weight", None)
+    assert parse_params(r).train.boundary_weight == "tie"
+    r["train"]["boundary_weight"] = weighting
+    p = parse_params(r)
+    st = TrainSettings.from_config(p.train, sinks=p.sinks, window=p.window, long_range=p.long_range, seed=0).scorer_training
+    assert st.weighting == weighting

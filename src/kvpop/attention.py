@@ -92,6 +92,7 @@ class ScorerTraining:
     target_normalizer: Literal["sparse", "dense"] = "sparse"
     target: TargetKind = "mean"  # kind of future_attention_target: mean (the paper's), power or max
     target_beta: float = 8.0  # order of the power mean (target "power" only)
+    weighting: Literal["tie", "regret"] = "tie"  # boundary-loss weights (kvpop.boundary.boundary_loss)
     generator: torch.Generator | None = None
 
 
@@ -217,7 +218,7 @@ class SparseContext:
                 loss, stats = boundary_loss(
                     scores.r_hat, r_tgt, scores.log_gamma, self.doc_ids, self.pos,
                     sinks=self.sinks, window=self.window, long_range=self.long_range, tau=st.tau, tie_margin=st.tie_margin,
-                    query_samples=st.query_samples, generator=st.generator,
+                    query_samples=st.query_samples, generator=st.generator, weighting=st.weighting,
                 )
             self.losses.append(loss)
             self.stats.append(stats)

@@ -19,6 +19,7 @@ Shapes: B batch, Hk KV heads, S sequence.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -101,12 +102,20 @@ def boundary_loss(
     tie_margin: float = 0.5,
     query_samples: int = 0,
     generator: torch.Generator | None = None,
+    weighting: Literal["tie", "regret"] = "tie",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Weighted logistic loss at the eviction boundary; returns (loss, detached stats).
 
-    The weight omega = (near-tie discount) x (per-head class balance): a decision whose teacher
-    margin |Delta_tgt| is small says little and gets weight 1 - exp(-|Delta_tgt| / tie_margin);
-    keep and drop labels each carry half the weight of their head.
+    ``weighting="tie"`` (the paper's): omega = (near-tie discount) x (per-head class balance): a
+    decision whose teacher margin |Delta_tgt| is small says little and gets weight
+    1 - exp(-|Delta_tgt| / tie_margin); keep and drop labels each carry half the weight of their head.
+
+    ``weighting="regret"``: omega = what a wrong decision costs in the target's own units, not in
+    log space: |exp(r_tgt(t_new)) - exp(r_tgt(t_bnd))| (decay included), divided by its mean over the
+    head's decisions. The logistic loss on labels alone ranks a token by how *often* it beats its
+    competitor, so a token that a later step needs badly but rarely (a definition that may be
+    recalled) loses to one that is always mildly useful; weighting by regret ranks by the expected
+    attention mass the decision keeps. No class balance (the regret already prices both errors).
     """
     B, Hk, S = r_hat.shape
     lab = boundary_labels(r_tgt, log_gamma, doc_ids, pos, sinks=sinks, window=window, long_range=long_range)
@@ -124,13 +133,22 @@ def boundary_loss(
     delta = (flat_hat[lab.row, lab.t_new] - flat_hat[lab.row, lab.t_bnd]).double() + gap * log_gamma[h]
     with torch.no_grad():
         delta_tgt = (flat_tgt[lab.row, lab.t_new] - flat_tgt[lab.row, lab.t_bnd]).double() + gap * log_gamma[h].detach()
-        w_tie = 1.0 - torch.exp(-delta_tgt.abs() / tie_margin) if tie_margin > 0 else torch.ones_like(delta_tgt)
         pos_lab = (lab.y > 0).double()
-        n_pos = torch.zeros(Hk, dtype=torch.float64, device=h.device).index_add_(0, h, pos_lab)
         n_all = torch.zeros(Hk, dtype=torch.float64, device=h.device).index_add_(0, h, torch.ones_like(pos_lab))
-        n_cls = torch.where(lab.y > 0, n_pos[h], n_all[h] - n_pos[h])
-        w_bal = 0.5 * n_all[h] / n_cls
-        omega = w_tie * w_bal
+        if weighting == "regret":
+            eff_new = flat_tgt[lab.row, lab.t_new].double()
+            eff_bnd = flat_tgt[lab.row, lab.t_bnd].double() - gap * log_gamma[h].detach()  # both at t_new's age
+            regret = (eff_new.exp() - eff_bnd.exp()).abs()  # (M,)
+            mean = torch.zeros(Hk, dtype=torch.float64, device=h.device).index_add_(0, h, regret) / n_all.clamp(min=1)
+            omega = regret / mean[h].clamp(min=1e-30)
+        elif weighting == "tie":
+            w_tie = 1.0 - torch.exp(-delta_tgt.abs() / tie_margin) if tie_margin > 0 else torch.ones_like(delta_tgt)
+            n_pos = torch.zeros(Hk, dtype=torch.float64, device=h.device).index_add_(0, h, pos_lab)
+            n_cls = torch.where(lab.y > 0, n_pos[h], n_all[h] - n_pos[h])
+            w_bal = 0.5 * n_all[h] / n_cls
+            omega = w_tie * w_bal
+        else:
+            raise ValueError(f"unknown weighting {weighting!r}: 'tie' or 'regret'")
     loss = (omega * F.softplus(-lab.y.double() * delta / tau)).mean().float()
     stats = {
         "decisions": torch.tensor(float(lab.row.numel())),

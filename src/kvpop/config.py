@@ -141,6 +141,10 @@ class TrainConfig(_Section):
     target_beta: float = Field(
         8.0, gt=0, allow_inf_nan=False, description="order beta of the 'power' target (1: the mean; large: toward the max)"
     )
+    boundary_weight: Literal["tie", "regret"] = Field(
+        "tie", description="boundary-loss weights: 'tie' (the paper's near-tie discount x class balance) or 'regret' "
+        "(the attention mass a wrong keep/drop decision costs; kvpop.boundary)"
+    )
     precision: Literal["auto", "32-true", "bf16-mixed", "bf16-true"] = Field(
         "auto", description="'auto': bf16-mixed where the hardware runs bf16 natively (CUDA, or a CPU with "
         "AVX512_BF16/AMX), 32-true elsewhere"

@@ -134,6 +134,7 @@ class TrainSettings:
             scorer_training=ScorerTraining(
                 tau=cfg.tau, tie_margin=cfg.tie_margin, query_samples=cfg.query_samples,
                 target_normalizer=cfg.target_normalizer, target=cfg.target, target_beta=cfg.target_beta,
+                weighting=cfg.boundary_weight,
                 generator=torch.Generator().manual_seed(seed),
             ),
             activation_checkpointing=cfg.activation_checkpointing,
