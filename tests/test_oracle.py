@@ -142,11 +142,12 @@ def test_evaluation_reports_oracles_only_where_they_apply(tiny_model):
     model = tiny_model(attn_implementation=register())
     ids = torch.randint(0, model.config.vocab_size, (40,)).tolist()
     rec = {"input_ids": ids, "loss_mask": [1] * 40, "quote_positions": [30, 31], "quote_source_positions": [5, 6]}
-    cands = [Candidate("dense", model, make_policy("dense")), Candidate("oracle_target", model, make_policy("oracle_target")),
-             Candidate("oracle_sources", model, make_policy("oracle_sources"))]
+    # h2o first: its token-by-token decoding switches the shared model to the cache attention
+    cands = [Candidate("dense", model, make_policy("dense")), Candidate("h2o", model, make_policy("h2o")),
+             Candidate("oracle_target", model, make_policy("oracle_target")), Candidate("oracle_sources", model, make_policy("oracle_sources"))]
     res = evaluate_fidelity([rec], model, cands, budget=64, sinks=2, window=4)
-    assert set(res) == {"dense", "oracle_target", "oracle_sources"}
+    assert set(res) == {"dense", "h2o", "oracle_target", "oracle_sources"}
     for name in ("oracle_target", "oracle_sources"):
         assert res[name]["kl"] == pytest.approx(0.0, abs=1e-6) and res[name]["top1_agreement"] == 1.0
     res = evaluate_fidelity([{**rec, "quote_source_positions": []}], model, cands, budget=12, sinks=2, window=4)
-    assert set(res) == {"dense", "oracle_target"}
+    assert set(res) == {"dense", "h2o", "oracle_target"}
