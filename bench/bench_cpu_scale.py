@@ -1,4 +1,4 @@
-"""CPU cost at long context (S = 16,384): the selection and the mLSTM scorer's parallel form.
+"""CPU cost at long context (S = 16,384): the selection and the mLSTM scorer's training form (chunkwise since 2026-12-01).
 
 These were shape-only "runs quickly" tests in the default suite (tests/test_selection.py,
 tests/test_mlstm.py); they are timings, so they live here. Each row prints seconds per call

@@ -12,7 +12,7 @@ which is also the scorers' cosine-schedule length): ``kvpop`` (the delayed mLSTM
 window), then ``streaming_llm_plus``. ``kvpop`` is trained first, under a wall-clock safety guard
 (``--first-budget``): should the guard stop it early, the other two get exactly the steps it
 reached (the schedule length stays ``--steps`` for all three). Measured on an H200 at these sizes
-(steady state, per step): kvpop 5.5 s (the mLSTM's chunked parallel form over 8K-token rows, with
+(steady state, per step, before the chunkwise form of 2026-12-01): kvpop 5.5 s (the mLSTM's chunked parallel form over 8K-token rows, with
 recomputation), kvpop_mlp 1.2 s, streaming_llm_plus 0.25 s; conversion + data + evaluation of 16
 traces about 65 s. So ``--steps 56 --first-budget 340`` fills a 575-s device call; the first run
 used ``--steps 140 --first-budget 230``, and the guard stopped kvpop (hence all three) at 39 steps. Lightning precision
