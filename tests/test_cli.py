@@ -102,3 +102,11 @@ def test_corrupt_checkpoint_exits_2(exported, tmp_path, damage, capsys):
     assert gen(ckpt, "kvpop_mlp", "--prompt", "x") == 2
     err = capsys.readouterr().err
     assert "cannot load checkpoint" in err
+
+
+def test_plain_folder_geometry_defaults_are_the_pipelines():
+    """A plain model folder (no export metadata) decodes with the pipeline's sinks and window."""
+    from kvpop import cli
+    from kvpop.config import Params
+
+    assert (cli.DEFAULT_SINKS, cli.DEFAULT_WINDOW) == (Params.model_fields["sinks"].default, Params.model_fields["window"].default)

@@ -23,7 +23,7 @@ from kvpop.policies import names
 
 POLICIES, TRAINED = names(oracle=False), names(trained=True)  # oracles run in the evaluate stage only
 
-DEFAULT_SINKS, DEFAULT_WINDOW = 4, 64
+DEFAULT_SINKS, DEFAULT_WINDOW = 4, 256  # the pipeline's defaults (kvpop.config.Params), for plain model folders
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
