@@ -11,9 +11,8 @@ import torch
 from kvpop.attention import SparseContext, register
 from kvpop.decode import BoundedCache, generate
 from kvpop.decode.engine import engine_refusal
-from kvpop.evaluate import Candidate, evaluate_fidelity
+from kvpop.evaluate import Candidate, evaluate_fidelity, teacher_targets
 from kvpop.policies import make_policy, names
-from kvpop.policies.oracle import teacher_targets
 from kvpop.selection import NEVER
 
 EPS = 1e-6
@@ -82,7 +81,8 @@ def test_oracle_target_keeps_the_tokens_the_target_ranks_first(tiny_model):
     S, sinks, window, k = 48, 2, 6, 5
     ids = torch.randint(0, model.config.vocab_size, (1, S))
     pol = make_policy("oracle_target").configure(target="max", target_beta=8.0)
-    assert pol.fit_trace(model=model, input_ids=ids, record={}, sinks=sinks, window=window)
+    targets = {pol.teacher_target(): teacher_targets(model, ids, window=window, target="max", target_beta=8.0)}
+    assert pol.fit_trace(input_ids=ids, record={}, targets=targets)
     pos = torch.arange(S)[None]
     ctx = SparseContext.for_rows(pol, torch.zeros_like(pos), pos, sinks=sinks, window=window, long_range=k)
     for layer in range(model.config.num_hidden_layers):
@@ -105,8 +105,8 @@ def test_oracle_sources_keeps_every_source_token(tiny_model):
     src = [10, 11, 12, 30, 31]  # fewer than k: all kept to the end
     pol = make_policy("oracle_sources").configure(lead=0)
     ids = torch.zeros(1, S, dtype=torch.long)
-    assert not pol.fit_trace(model=None, input_ids=ids, record={}, sinks=sinks, window=window)  # nothing recorded
-    assert pol.fit_trace(model=None, input_ids=ids, record={"quote_source_positions": src}, sinks=sinks, window=window)
+    assert not pol.fit_trace(input_ids=ids, record={}, targets={})  # nothing recorded
+    assert pol.fit_trace(input_ids=ids, record={"quote_source_positions": src}, targets={})
     pos = torch.arange(S)[None]
     ctx = SparseContext.for_rows(pol, torch.zeros_like(pos), pos, sinks=sinks, window=window, long_range=k)
     evict, _ = ctx.evictions(0, torch.zeros(1, 2, S, 4), torch.zeros(1, 2, S, 4))
@@ -119,8 +119,8 @@ def test_oracle_sources_keeps_every_source_token(tiny_model):
 def test_oracle_sources_lead_keeps_the_tokens_before_each_source_run():
     S = 40
     pol = make_policy("oracle_sources")  # lead 4 by default: "Let comet = " before the digits
-    pol.fit_trace(model=None, input_ids=torch.zeros(1, S, dtype=torch.long), record={"quote_source_positions": [10, 11, 12, 30, 31, 2]},
-                  sinks=0, window=4)
+    pol.fit_trace(input_ids=torch.zeros(1, S, dtype=torch.long), record={"quote_source_positions": [10, 11, 12, 30, 31, 2]},
+                  targets={})
     assert pol.sources.nonzero().squeeze(-1).tolist() == [0, 1, 2, 6, 7, 8, 9, 10, 11, 12, 26, 27, 28, 29, 30, 31]
 
 

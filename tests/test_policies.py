@@ -63,7 +63,7 @@ def test_declared_hooks_are_implemented():
                 p.scores(0, k, k, pos)
             continue
         with pytest.raises(NotImplementedError, match=f"policy '{name}' is not an oracle"):
-            p.fit_trace(model=None, input_ids=pos, record={}, sinks=0, window=2)
+            p.fit_trace(input_ids=pos, record={}, targets={})
         s = p.scores(0, k, k, pos, doc_ids=torch.zeros_like(pos), window=2)
         assert (s is None) == (not p.evicts)
         if s is not None:

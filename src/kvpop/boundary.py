@@ -136,9 +136,8 @@ def boundary_loss(
         pos_lab = (lab.y > 0).double()
         n_all = torch.zeros(Hk, dtype=torch.float64, device=h.device).index_add_(0, h, torch.ones_like(pos_lab))
         if weighting == "regret":
-            eff_new = flat_tgt[lab.row, lab.t_new].double()
-            eff_bnd = flat_tgt[lab.row, lab.t_bnd].double() - gap * log_gamma[h].detach()  # both at t_new's age
-            regret = (eff_new.exp() - eff_bnd.exp()).abs()  # (M,)
+            # both scores at t_new's age: exp(r_new) - exp(r_new - delta_tgt)
+            regret = (flat_tgt[lab.row, lab.t_new].double().exp() * -torch.expm1(-delta_tgt)).abs()  # (M,)
             mean = torch.zeros(Hk, dtype=torch.float64, device=h.device).index_add_(0, h, regret) / n_all.clamp(min=1)
             omega = regret / mean[h].clamp(min=1e-30)
         elif weighting == "tie":

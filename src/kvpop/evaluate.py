@@ -12,13 +12,14 @@ Scored positions are the next-token predictions of assistant tokens (the trace's
 
 Oracle policies (``oracle_target``, ``oracle_sources``: ceilings that read the trace's future) see
 each trace first (:meth:`kvpop.policies.Policy.fit_trace`); ``oracle_target`` ranks by the dense
-teacher's own training target on the trace (:func:`kvpop.policies.oracle.teacher_targets`).
+teacher's own training target on the trace, recorded during the dense reference forward that every
+trace runs anyway (:class:`TargetCapture`, no extra forward).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -26,6 +27,10 @@ from torch import Tensor
 from kvpop.attention import SparseContext
 from kvpop.modeling import model_shape
 from kvpop.policies import Dense, Policy
+from kvpop.selection import NEVER
+from kvpop.target import future_attention_target
+
+TargetKey = tuple[str, float]  # (train.target, train.target_beta)
 
 
 @dataclass
@@ -63,14 +68,60 @@ class _Acc:
         }
 
 
+@dataclass
+class TargetCapture(SparseContext):
+    """The dense forward (``policy`` Dense) that also records, in every layer, the training target
+    (:func:`kvpop.target.future_attention_target`) of each requested kind: ``targets[key][layer]``
+    (B, Hk, S). ``target_doc_ids`` (B, S) marks right padding with -1 for the target alone (padding
+    sends no attention); the forward itself sees ``doc_ids``, as every other candidate does."""
+
+    kinds: tuple[TargetKey, ...] = ()
+    target_doc_ids: Tensor | None = None
+    targets: dict[TargetKey, dict[int, Tensor]] = field(default_factory=dict)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        never = torch.full(k.shape[:3], NEVER, dtype=torch.int64, device=k.device)
+        out, lse = self.run(q, k, v, never, scale, need_lse=bool(self.kinds), layer_key="dense", keep=True)
+        doc = self.doc_ids if self.target_doc_ids is None else self.target_doc_ids
+        for kind, beta in self.kinds:
+            self.targets.setdefault((kind, beta), {})[layer] = future_attention_target(
+                q, k, lse, doc, window=self.window, scale=scale, kind=kind, beta=beta, impl="flex" if self.executor == "flex" else "chunked",
+            )
+        return out.transpose(1, 2).contiguous()
+
+
 @torch.no_grad()
 def forward_logits(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: int, long_range: int) -> Tensor:
     """One trace (1, S) under a policy -> logits (S, V) float32."""
+    return _forward(model, policy, input_ids, sinks=sinks, window=window, long_range=long_range)[0]
+
+
+def _forward(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: int, long_range: int, kinds: tuple[TargetKey, ...] = (),
+             length: int | None = None) -> tuple[Tensor, dict[TargetKey, list[Tensor]]]:
+    """(logits (S, V) float32, {key: per-layer (1, Hk, S) targets}) of one trace (1, S); targets only
+    for ``kinds`` (then ``policy`` must be dense). ``length``: tokens of the trace before right padding."""
     S = input_ids.shape[1]
     pos = torch.arange(S, device=input_ids.device)[None]
     doc = torch.zeros_like(pos)
-    ctx = SparseContext.for_rows(policy, doc, pos, sinks=sinks, window=window, long_range=long_range, executor="flex" if input_ids.is_cuda else "sdpa")
-    return model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx).logits[0].float()
+    kw = dict(sinks=sinks, window=window, long_range=long_range, executor="flex" if input_ids.is_cuda else "sdpa")
+    if not kinds:
+        ctx = SparseContext.for_rows(policy, doc, pos, **kw)
+        return model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx).logits[0].float(), {}
+    if policy.evicts:
+        raise ValueError(f"targets come from the dense forward, not from {policy.name!r}")
+    tdoc = torch.where(pos < (S if length is None else length), 0, -1)
+    ctx = TargetCapture.for_rows(policy, doc, pos, kinds=tuple(kinds), target_doc_ids=tdoc, **kw)
+    logits = model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx).logits[0].float()
+    return logits, {key: [t[i] for i in sorted(t)] for key, t in ctx.targets.items()}
+
+
+@torch.no_grad()
+def teacher_targets(model, input_ids: Tensor, *, window: int, target: str = "mean", target_beta: float = 8.0, length: int | None = None) -> list[Tensor]:
+    """The training target (kind ``target``) of every layer from the dense ``model`` on one trace (1, S):
+    a list of (1, Hk, S) float32; ``length``: tokens of the trace proper, the rest right padding."""
+    key = (target, float(target_beta))
+    _, t = _forward(model, Dense(), input_ids, sinks=0, window=window, long_range=input_ids.shape[1], kinds=(key,), length=length)
+    return t[key]
 
 
 def score_positions(record: dict) -> tuple[Tensor, Tensor]:
@@ -104,18 +155,21 @@ def evaluate_fidelity(
     }
     acc = {c.name: _Acc() for c in candidates}
     dense = Dense()
+    # the oracles' teacher targets come with the reference forward
+    kinds = tuple(sorted({k for c in candidates if (k := c.policy.teacher_target()) is not None}))
     for n, rec in enumerate(records):
         ids = torch.tensor(rec["input_ids"], device=device)[None]
         scored, quotes = score_positions(rec)
         scored, quotes = scored.to(device), quotes.to(device)
-        ref = forward_logits(teacher, dense, ids, sinks=sinks, window=window, long_range=budget)  # (S, V)
+        ref, tgts = _forward(teacher, dense, ids, sinks=sinks, window=window, long_range=budget, kinds=kinds,
+                             length=rec.get("trace_tokens"))  # (S, V); trace_tokens: where a right-padded trace ends
         ref_logp = torch.log_softmax(ref, -1)
         ref_top = ref.argmax(-1)
         targets = ids[0, 1:]
         for c in candidates:
             if c.max_traces is not None and n >= c.max_traces:
                 continue
-            if c.policy.oracle and not c.policy.fit_trace(model=c.model, input_ids=ids, record=rec, sinks=sinks, window=window):
+            if c.policy.oracle and not c.policy.fit_trace(input_ids=ids, record=rec, targets=tgts):
                 continue  # the trace lacks what this oracle reads (e.g. no recorded quote sources)
             acc[c.name].traces += 1
             if c.policy.needs_attention:

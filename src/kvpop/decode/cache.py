@@ -63,7 +63,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvpop.attention import flex_execute, sdpa_execute
+from kvpop.attention import SparseContext, flex_execute, sdpa_execute
 from kvpop.decode.layout import NEG_INF, CacheLayout
 from kvpop.masks import block_mask_from_eviction_times, dense_mask, make_eviction_mask_mod
 from kvpop.modeling import head_dim_of
@@ -384,8 +384,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             raise NotImplementedError("BoundedCache: padded batches are not supported (all rows must have one length)")
         if kwargs.get("sliding_window"):
             raise NotImplementedError("BoundedCache does not support sliding-window attention layers")
-    elif not callable(getattr(kvpop_ctx, "attend", None)):  # a SparseContext, or another context with its protocol
-        raise TypeError(f"kvpop_ctx must be a BoundedCache or a SparseContext (attend(layer, q, k, v, scale)), got {type(kvpop_ctx).__name__}")
+    elif not isinstance(kvpop_ctx, SparseContext):
+        raise TypeError(f"kvpop_ctx must be a BoundedCache or a SparseContext, got {type(kvpop_ctx).__name__}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return kvpop_ctx.attend(module.layer_idx, query, key, value, scale), None
 

@@ -104,9 +104,16 @@ class Policy(nn.Module):
         (the delayed mLSTM); the others ignore them."""
         raise NotImplementedError(f"policy {self.name!r} has no full-sequence pattern (needs_attention: decode only)")
 
-    def fit_trace(self, *, model, input_ids: Tensor, record: dict, sinks: int, window: int) -> bool:
-        """``oracle``: look at the evaluated trace (input_ids (1, S), its filter record) before the
-        forward that scores it; False if the trace lacks what the oracle needs (it is then skipped)."""
+    def teacher_target(self) -> tuple[str, float] | None:
+        """``oracle``: the (target, beta) of :func:`kvpop.target.future_attention_target` whose dense-
+        teacher values :meth:`fit_trace` needs, or None."""
+        return None
+
+    def fit_trace(self, *, input_ids: Tensor, record: dict, targets: dict) -> bool:
+        """``oracle``: look at the evaluated trace (input_ids (1, S), its filter record, the dense
+        teacher's targets ``{(target, beta): per-layer (1, Hk, S)}`` of the kinds the oracles asked
+        for) before the forward that scores it; False if the trace lacks what the oracle needs (it
+        is then skipped)."""
         raise NotImplementedError(f"policy {self.name!r} is not an oracle")
 
     # --- decode-time hooks -------------------------------------------------------------------------

@@ -14,8 +14,9 @@ would give if the scorer fitted it perfectly, and what the budget allows at all.
   also that many tokens before each, e.g. the name) ahead of every other token, the others by
   recency. The same pattern in every layer and KV head.
 
-:meth:`Policy.fit_trace` hands each one the trace before its forward pass (see
-:func:`kvpop.evaluate.evaluate_fidelity`).
+:meth:`Policy.fit_trace` hands each one the trace before its forward pass, with the dense
+teacher's targets that :meth:`Policy.teacher_target` asked for, recorded during the evaluation's
+reference forward (:func:`kvpop.evaluate.evaluate_fidelity`).
 
 Shapes: B batch (1 here), Hk KV heads, S sequence, L layers.
 """
@@ -26,49 +27,6 @@ import torch
 from torch import Tensor
 
 from kvpop.policies.base import Policy, Scores
-from kvpop.target import future_attention_target
-
-
-class _TargetCapture:
-    """A ``kvpop_ctx`` for one dense forward (causal within the trace) that records every layer's
-    training target on the way. Dense attention and its log-normalizers are computed here in plain
-    torch, chunked over queries (memory O(chunk x S) per head), so this module needs no executor."""
-
-    def __init__(self, length: Tensor, *, window: int, target: str, target_beta: float, chunk: int = 1024):
-        self.length, self.window, self.target, self.target_beta, self.chunk = length, window, target, target_beta, chunk
-        self.targets: dict[int, Tensor] = {}
-
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-        """q (1, H, S, D), k, v (1, Hk, S, D) -> attention output (1, S, H, D)."""
-        B, H, S, D = q.shape
-        G = H // k.shape[1]
-        kk, vv = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, H, S, D)
-        idx = torch.arange(S, device=q.device)
-        out = torch.empty_like(q)
-        lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
-        for s0 in range(0, S, self.chunk):
-            s1 = min(S, s0 + self.chunk)
-            logits = torch.einsum("bhqd,bhkd->bhqk", q[:, :, s0:s1].float(), kk.float()) * scale  # (B, H, c, S)
-            logits.masked_fill_(idx[None, :] > idx[s0:s1, None], float("-inf"))  # causal
-            lse[:, :, s0:s1] = logits.logsumexp(-1)
-            out[:, :, s0:s1] = torch.einsum("bhqk,bhkd->bhqd", logits.softmax(-1), vv.float()).to(q.dtype)
-        doc = torch.where(idx < self.length, 0, -1)[None]  # (1, S): right padding is no document
-        self.targets[layer] = future_attention_target(q, k, lse, doc, window=self.window, scale=scale, kind=self.target, beta=self.target_beta)
-        return out.transpose(1, 2).contiguous()
-
-
-@torch.no_grad()
-def teacher_targets(model, input_ids: Tensor, *, window: int, target: str = "mean", target_beta: float = 8.0, length: int | None = None) -> list[Tensor]:
-    """The training target (:func:`kvpop.target.future_attention_target`, kind ``target``) of every
-    layer from the dense ``model`` (``attn_implementation="kvpop"``) on one trace (1, S): a list of
-    (1, Hk, S) float32. ``length``: tokens of the trace proper; the rest is right padding, which
-    sends no attention."""
-    S = input_ids.shape[1]
-    pos = torch.arange(S, device=input_ids.device)[None]
-    ctx = _TargetCapture(torch.tensor(S if length is None else length, device=input_ids.device), window=window, target=target,
-                         target_beta=target_beta)
-    model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx)
-    return [ctx.targets[i] for i in range(len(ctx.targets))]
 
 
 class _Oracle(Policy):
@@ -95,9 +53,11 @@ class OracleTarget(_Oracle):
         self.target, self.target_beta = target, target_beta
         return self
 
-    def fit_trace(self, *, model, input_ids: Tensor, record: dict, sinks: int, window: int) -> bool:
-        length = record.get("trace_tokens")  # set where a trace was right-padded
-        self.r_tgt = teacher_targets(model, input_ids, window=window, target=self.target, target_beta=self.target_beta, length=length)
+    def teacher_target(self) -> tuple[str, float]:
+        return self.target, float(self.target_beta)
+
+    def fit_trace(self, *, input_ids: Tensor, record: dict, targets: dict) -> bool:
+        self.r_tgt = targets[self.teacher_target()]
         return True
 
     def scores(self, layer, keys, values, pos, **_):
@@ -125,7 +85,7 @@ class OracleSources(_Oracle):
         self.lead = lead
         return self
 
-    def fit_trace(self, *, model, input_ids: Tensor, record: dict, sinks: int, window: int) -> bool:
+    def fit_trace(self, *, input_ids: Tensor, record: dict, targets: dict) -> bool:
         src = record.get("quote_source_positions") or []
         if not src:
             self.sources = None
