@@ -55,6 +55,7 @@ from kvpop.export import export, load_export
 from kvpop.modeling import load_model, model_shape
 from kvpop.pack import pack_records
 from kvpop.policies import make_policy
+from kvpop.target import TARGET_KINDS, TARGET_POOLS
 from kvpop.train import build_training, resolve_precision
 
 #: data and geometry of each configuration (the testbed of the quality issue)
@@ -65,21 +66,25 @@ CONFIGS = {
 }
 
 
-def parse_label(label: str) -> tuple[str, str, float, str]:
-    """``name[@kind[:beta]][+regret]`` -> (policy name, target kind, beta, boundary weighting); no
-    target = the paper's mean, no ``+regret`` = the paper's tie/class-balance weights."""
+def parse_label(label: str) -> tuple[str, str, float, str, str]:
+    """``name[@kind[:beta][.pool]][+regret]`` -> (policy name, target kind, beta, target pool, boundary
+    weighting); no target = the paper's mean, no pool = the paper's (each KV head's query group), no
+    ``+regret`` = the paper's tie/class-balance weights."""
     label, plus, weighting = label.partition("+")
     if plus and weighting != "regret":
         raise SystemExit(f"label {label!r}: unknown suffix +{weighting} (+regret)")
     name, _, tgt = label.partition("@")
-    kind, _, beta = (tgt or "mean").partition(":")
-    if kind not in ("mean", "power", "max"):
+    tgt, _, pool = (tgt or "mean").partition(".")
+    kind, _, beta = tgt.partition(":")
+    if kind not in TARGET_KINDS:
         raise SystemExit(f"label {label!r}: unknown target {kind!r} (mean, power[:beta], max)")
-    return name, kind, float(beta) if beta else 8.0, weighting or "tie"
+    if (pool or "group") not in TARGET_POOLS:
+        raise SystemExit(f"label {label!r}: unknown target pool {pool!r} ({', '.join(TARGET_POOLS)})")
+    return name, kind, float(beta) if beta else 8.0, pool or "group", weighting or "tie"
 
 
-def target_name(kind: str, beta: float) -> str:
-    return f"power:{beta:g}" if kind == "power" else kind
+def target_name(kind: str, beta: float, pool: str = "group") -> str:
+    return (f"power:{beta:g}" if kind == "power" else kind) + ("" if pool == "group" else f".{pool}")
 
 
 def setup(args):
@@ -118,7 +123,7 @@ def train_phase(args) -> None:
     accelerator = "cuda" if dev == "cuda" else "cpu"
     t_start = time.time()
     for label in args.labels.split(","):
-        name, kind, beta, weighting = parse_label(label)
+        name, kind, beta, pool, weighting = parse_label(label)
         run_dir = Path(args.work) / args.config / label
         if (run_dir / "export").is_dir():  # written atomically: present means complete
             print(f"[{label}] already exported, skipped", flush=True)
@@ -129,14 +134,14 @@ def train_phase(args) -> None:
             continue
         cfg = TrainConfig(steps=args.steps, seq_len=c["seq_len"], batch_size=1, model_lr=args.model_lr, scorer_lr=args.scorer_lr,
                           scorer_hidden=args.scorer_hidden, top_logits=256, precision=resolve_precision("auto", accelerator),
-                          accelerator=accelerator, target=kind, target_beta=beta, boundary_weight=weighting)
+                          accelerator=accelerator, target=kind, target_beta=beta, target_pool=pool, boundary_weight=weighting)
         training = build_training(teacher, name, packed, cfg=cfg, budget=c["budget"], sinks=c["sinks"], window=c["window"], seed=args.seed)
         ckpt = run_dir / "resume.ckpt"
         timer = step_timer()
         t0 = time.time()
         trainer = training.fit(ckpt_path=ckpt if ckpt.is_file() else None, callbacks=[timer, StopAfter.make(left - 45)], enable_progress_bar=False)
         final = {k.removeprefix("train/"): round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
-        log = {"label": label, "policy": name, "target": target_name(kind, beta), "boundary_weight": weighting, "steps": trainer.global_step,
+        log = {"label": label, "policy": name, "target": target_name(kind, beta, pool), "boundary_weight": weighting, "steps": trainer.global_step,
                "k": training.long_range, "seconds_this_call": round(time.time() - t0, 1), "precision": training.precision, **timer.summary(), **final}
         run_dir.mkdir(parents=True, exist_ok=True)
         logs = json.loads((run_dir / "log.json").read_text()) if (run_dir / "log.json").is_file() else []
@@ -150,7 +155,7 @@ def train_phase(args) -> None:
         if not policy.learned:
             policy = make_policy(name, **{x: shape[x] for x in ("num_layers", "num_kv_heads", "head_dim")})
         export(training.student.float(), tok, policy.float(), run_dir / "export", budget=c["budget"], sinks=c["sinks"], window=c["window"],
-               extra={"label": label, "target": target_name(kind, beta), "steps": trainer.global_step})
+               extra={"label": label, "target": target_name(kind, beta, pool), "steps": trainer.global_step})
         ckpt.unlink(missing_ok=True)
         del training, trainer
         if dev == "cuda":
@@ -183,10 +188,10 @@ def eval_phase(args) -> None:
         cands.append(Candidate(run_dir.name, model.to(dev).eval(), pol.to(dev)))
         steps[run_dir.name] = meta.get("steps")
         logs[run_dir.name] = json.loads((run_dir / "log.json").read_text())
-    targets = [parse_label(f"x@{t}")[1:3] for t in args.oracle_targets.split(",")]
-    for i, (kind, beta) in enumerate(targets):
-        label = "oracle_target" if i == 0 else f"oracle_target@{target_name(kind, beta)}"
-        cands.append(Candidate(label, teacher, make_policy("oracle_target").configure(target=kind, target_beta=beta)))
+    targets = [parse_label(f"x@{t}")[1:4] for t in args.oracle_targets.split(",")]
+    for i, (kind, beta, pool) in enumerate(targets):
+        label = "oracle_target" if i == 0 else f"oracle_target@{target_name(kind, beta, pool)}"
+        cands.append(Candidate(label, teacher, make_policy("oracle_target").configure(target=kind, target_beta=beta, pool=pool)))
     cands.append(Candidate("oracle_sources", teacher, make_policy("oracle_sources")))  # definitions: name and digits
     cands.append(Candidate("oracle_sources@digits", teacher, make_policy("oracle_sources").configure(lead=0)))  # the digits alone
     cands = [cd for cd in cands if cd.name not in done or cd.name == "dense"]  # dense: the reference of every KL

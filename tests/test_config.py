@@ -88,3 +88,20 @@ def test_boundary_weight_reaches_scorer_training(weighting):
     p = parse_params(r)
     st = TrainSettings.from_config(p.train, sinks=p.sinks, window=p.window, long_range=p.long_range, seed=0).scorer_training
     assert st.weighting == weighting
+
+
+@pytest.mark.parametrize("pool", ["group", "layer", "model"])
+def test_target_pool_reaches_scorer_training(pool):
+    """train.target_pool (default: the paper's per-query-group target) reaches the boundary loss's settings."""
+    from kvpop.train import TrainSettings
+
+    r = raw()
+    r["train"].pop("target_pool", None)
+    assert parse_params(r).train.target_pool == "group"
+    r["train"]["target_pool"] = pool
+    p = parse_params(r)
+    st = TrainSettings.from_config(p.train, sinks=p.sinks, window=p.window, long_range=p.long_range, seed=0).scorer_training
+    assert st.pool == pool
+    r["train"]["target_pool"] = "heads"
+    with pytest.raises(Exception, match="target_pool"):
+        parse_params(r)

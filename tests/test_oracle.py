@@ -76,13 +76,18 @@ def test_teacher_targets_ignore_right_padding(tiny_model):
         torch.testing.assert_close(b[..., :30], a, atol=1e-5, rtol=1e-5)
 
 
-def test_oracle_target_keeps_the_tokens_the_target_ranks_first(tiny_model):
+@pytest.mark.parametrize("pool", ["group", "model"])
+def test_oracle_target_keeps_the_tokens_the_target_ranks_first(tiny_model, pool):
     model = tiny_model(attn_implementation=register())
     S, sinks, window, k = 48, 2, 6, 5
     ids = torch.randint(0, model.config.vocab_size, (1, S))
-    pol = make_policy("oracle_target").configure(target="max", target_beta=8.0)
-    targets = {pol.teacher_target(): teacher_targets(model, ids, window=window, target="max", target_beta=8.0)}
-    assert pol.fit_trace(input_ids=ids, record={}, targets=targets)
+    pol = make_policy("oracle_target").configure(target="max", target_beta=8.0, pool=pool)
+    raw = teacher_targets(model, ids, window=window, target="max", target_beta=8.0)
+    assert pol.fit_trace(input_ids=ids, record={}, targets={pol.teacher_target(): raw})
+    if pool == "model":  # one ranking for every layer and head: the max over all of them
+        best_of_all = torch.stack(raw).amax(dim=(0, 2))  # (1, S)
+        for r in pol.r_tgt:
+            assert torch.equal(r, best_of_all[:, None].expand_as(r))
     pos = torch.arange(S)[None]
     ctx = SparseContext.for_rows(pol, torch.zeros_like(pos), pos, sinks=sinks, window=window, long_range=k)
     for layer in range(model.config.num_hidden_layers):

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from kvpop.target import TARGET_KINDS, future_attention_target
+from kvpop.target import TARGET_KINDS, future_attention_target, pool_targets
 
 B, H, HK, S, D = 2, 6, 2, 70, 16
 WINDOW = 5
@@ -302,3 +302,22 @@ def test_cuda_flex_matches_chunked(shape, kind, many_compiles):
     print(f"{shape} {kind}: flex {t_flex:.4f}s chunked {t_chunked:.4f}s")
     torch.testing.assert_close(flex, chunked, atol=1e-4, rtol=0)
     torch.testing.assert_close(chunked.cpu(), cpu, atol=1e-4, rtol=0)
+
+
+def test_pool_targets():
+    """group: unchanged; layer: max over the layer's KV heads; model: max over every layer and head."""
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(2, 3, 7, generator=g) for _ in range(4)]  # 4 layers of (B, Hk, S)
+    assert all(a is b for a, b in zip(pool_targets(ts, "group"), ts, strict=True))
+    for L, t in enumerate(pool_targets(ts, "layer")):
+        for b in range(2):
+            for h in range(3):
+                for s in range(7):
+                    assert t[b, h, s] == max(ts[L][b, g2, s] for g2 in range(3))
+    for t in pool_targets(ts, "model"):
+        for b in range(2):
+            for h in range(3):
+                for s in range(7):
+                    assert t[b, h, s] == max(ts[L2][b, g2, s] for L2 in range(4) for g2 in range(3))
+    with pytest.raises(ValueError, match="pool"):
+        pool_targets(ts, "heads")

@@ -158,3 +158,56 @@ def test_build_training_trains_two_steps(policy_name, tmp_path):
     assert all(torch.equal(t_before[k], v) for k, v in teacher.state_dict().items())  # the teacher stays frozen
     if training.policy.learned:
         assert "train/score_loss" in trainer.callback_metrics
+
+
+@pytest.mark.parametrize("pool", ["group", "layer", "model"])
+def test_pooled_target_losses_equal_the_boundary_loss_on_pooled_targets(pool):
+    """train.target_pool: each layer's boundary loss is the one of its target pooled over the heads
+    (layer) or over every layer and head (model, computed after the forward); reference: the
+    per-head targets recorded by a "group" forward, pooled by hand (a plain loop, not pool_targets)."""
+    from kvpop.boundary import boundary_loss
+
+    _, student = tiny_pair()
+    ids, doc, pos = packed_toy(2, 64)
+    policy = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
+    for layer in policy.scorer.layers:
+        torch.nn.init.normal_(layer.w2)
+    recorded = []  # (r_hat, r_tgt, log_gamma) per layer, from the group forward
+
+    import kvpop.attention as attention
+
+    real = attention.boundary_loss
+
+    def spy(r_hat, r_tgt, log_gamma, *a, **kw):
+        recorded.append((r_hat.detach(), r_tgt.clone(), log_gamma.detach()))
+        return real(r_hat, r_tgt, log_gamma, *a, **kw)
+
+    attention.boundary_loss = spy
+    try:
+        ctx = SparseContext.for_rows(policy, doc, pos, sinks=2, window=6, long_range=5, scorer_training=ScorerTraining(pool="group"))
+        student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx)
+    finally:
+        attention.boundary_loss = real
+    ctx = SparseContext.for_rows(policy, doc, pos, sinks=2, window=6, long_range=5, scorer_training=ScorerTraining(pool=pool))
+    student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx)
+    if pool == "model":
+        assert ctx.losses == []  # waits for every layer
+    losses = ctx.finish_scorer_losses()
+    assert len(losses) == 2 and ctx.finish_scorer_losses() is losses and len(losses) == 2  # idempotent
+    B, Hk, S = recorded[0][1].shape
+    for L, (r_hat, _, log_gamma) in enumerate(recorded):
+        want = torch.empty(B, Hk, S)
+        for b in range(B):
+            for h in range(Hk):
+                for t in range(S):
+                    heads = [(L, g) for g in range(Hk)] if pool == "layer" else [(L, h)]
+                    if pool == "model":
+                        heads = [(l2, g) for l2 in range(len(recorded)) for g in range(Hk)]
+                    want[b, h, t] = max(recorded[l2][1][b, g, t].item() for l2, g in heads)
+        ref, _ = boundary_loss(r_hat, want, log_gamma, doc, pos, sinks=2, window=6, long_range=5)
+        assert torch.allclose(losses[L].detach().double(), ref.double(), atol=1e-6), (pool, L)
+    if pool != "group":  # pooling changes the labels on this toy: the test can tell the pools apart
+        plain, _ = boundary_loss(recorded[0][0], recorded[0][1], recorded[0][2], doc, pos, sinks=2, window=6, long_range=5)
+        assert not torch.allclose(losses[0].detach().double(), plain.double(), atol=1e-6)
+    losses[0].backward()  # the deferred loss still reaches the scorer
+    assert policy.scorer.layers[0].w2.grad is not None and policy.scorer.layers[0].w2.grad.abs().sum() > 0

@@ -40,7 +40,7 @@ from kvpop.boundary import boundary_loss
 from kvpop.masks import block_mask_from_eviction_times, dense_mask, make_eviction_mask_mod
 from kvpop.policies import Policy
 from kvpop.selection import NEVER, eviction_times
-from kvpop.target import TargetKind, future_attention_target
+from kvpop.target import TargetKind, TargetPool, future_attention_target, pool_targets
 
 ATTN_IMPLEMENTATION = "kvpop"
 Executor = Literal["sdpa", "flex"]
@@ -93,6 +93,7 @@ class ScorerTraining:
     target: TargetKind = "mean"  # kind of future_attention_target: mean (the paper's), power or max
     target_beta: float = 8.0  # order of the power mean (target "power" only)
     weighting: Literal["tie", "regret"] = "tie"  # boundary-loss weights (kvpop.boundary.boundary_loss)
+    pool: TargetPool = "group"  # over which heads the target is maximized (kvpop.target.pool_targets)
     generator: torch.Generator | None = None
 
 
@@ -141,8 +142,9 @@ class SparseContext:
     long_range: int  # long-range slots k = budget - sinks - window
     executor: Executor = "sdpa"
     scorer_training: ScorerTraining | None = None
-    losses: list[Tensor] = field(default_factory=list)  # boundary loss per layer
+    losses: list[Tensor] = field(default_factory=list)  # boundary loss per layer (see finish_scorer_losses)
     stats: list[dict[str, Tensor]] = field(default_factory=list)
+    _pending: list[tuple[Tensor, Tensor, Tensor]] = field(default_factory=list)  # (r_hat, r_tgt, log_gamma) awaiting the model-wide pool
     _cache: dict = field(default_factory=dict)
     _layers: dict[int, _LayerRecord] = field(default_factory=dict)  # first call of each layer
 
@@ -214,15 +216,34 @@ class SparseContext:
                     q.detach(), k.detach(), lse.detach(), self.doc_ids, window=self.window, scale=scale, impl=impl,
                     kind=st.target, beta=st.target_beta,
                 )
-            with _kept_saved_tensors():
-                loss, stats = boundary_loss(
-                    scores.r_hat, r_tgt, scores.log_gamma, self.doc_ids, self.pos,
-                    sinks=self.sinks, window=self.window, long_range=self.long_range, tau=st.tau, tie_margin=st.tie_margin,
-                    query_samples=st.query_samples, generator=st.generator, weighting=st.weighting,
-                )
-            self.losses.append(loss)
-            self.stats.append(stats)
+            if st.pool == "model":  # needs every layer's target: the loss waits for finish_scorer_losses
+                self._pending.append((scores.r_hat, r_tgt, scores.log_gamma))
+            else:
+                self._scorer_loss(scores.r_hat, pool_targets([r_tgt], st.pool)[0], scores.log_gamma)
         return out.transpose(1, 2).contiguous()
+
+    def _scorer_loss(self, r_hat: Tensor, r_tgt: Tensor, log_gamma: Tensor) -> None:
+        st = self.scorer_training
+        with _kept_saved_tensors():
+            loss, stats = boundary_loss(
+                r_hat, r_tgt, log_gamma, self.doc_ids, self.pos,
+                sinks=self.sinks, window=self.window, long_range=self.long_range, tau=st.tau, tie_margin=st.tie_margin,
+                query_samples=st.query_samples, generator=st.generator, weighting=st.weighting,
+            )
+        self.losses.append(loss)
+        self.stats.append(stats)
+
+    def finish_scorer_losses(self) -> list[Tensor]:
+        """The boundary loss of every trained layer, after the forward pass (:attr:`losses`).
+
+        Under ``pool="model"`` a layer's target depends on every layer's, so those losses are
+        computed here, once the forward has seen all layers; call it before reading ``losses``."""
+        if self._pending:
+            pooled = pool_targets([t for _, t, _ in self._pending], "model")
+            for (r_hat, _, log_gamma), r_tgt in zip(self._pending, pooled, strict=True):
+                self._scorer_loss(r_hat, r_tgt, log_gamma)
+            self._pending.clear()
+        return self.losses
 
     def _recompute(self, rec: _LayerRecord, q: Tensor, k: Tensor, v: Tensor, scale: float, key: object) -> Tensor:
         """A layer's second call: activation checkpointing recomputes it during backward.

@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvpop.policies import names
-from kvpop.target import TargetKind
+from kvpop.target import TargetKind, TargetPool
 
 #: The embedded default teacher: SmolLM2-135M-Instruct, shipped as GGUF inside a PyPI wheel.
 EMBEDDED_MODEL = "embedded"
@@ -140,6 +140,10 @@ class TrainConfig(_Section):
     )
     target_beta: float = Field(
         8.0, gt=0, allow_inf_nan=False, description="order beta of the 'power' target (1: the mean; large: toward the max)"
+    )
+    target_pool: TargetPool = Field(
+        "group", description="over which heads the target is maximized: 'group' (the paper's: each KV head's query "
+        "group), 'layer' (every KV head of the layer) or 'model' (every layer and KV head: one label per token; kvpop.target)"
     )
     boundary_weight: Literal["tie", "regret"] = Field(
         "tie", description="boundary-loss weights: 'tie' (the paper's near-tie discount x class balance) or 'regret' "

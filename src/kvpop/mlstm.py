@@ -398,7 +398,7 @@ class MLSTMScorer(nn.Module):
     """KVpop: the delayed mLSTM scorers of every layer and the decay (interface of ``MLPScorer``)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, d_k: int = 16, d_v: int = 16, forget_gate: ForgetGate = "sigmoid",
-                 chunk: int = 256, form: TrainingForm = "chunkwise"):
+                 chunk: int = 2048, form: TrainingForm = "chunkwise"):
         super().__init__()
         if form not in ("chunkwise", "parallel"):
             raise ValueError(f"form must be 'chunkwise' or 'parallel', got {form!r}")

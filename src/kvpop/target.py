@@ -34,6 +34,13 @@ The target is the maximum over the ``G`` query heads sharing KV head ``h`` (quer
 
 Padding tokens and tokens with an empty ``U_t`` get ``log(eps)``.
 
+*Pooling* (:func:`pool_targets`, ``train.target_pool``) widens that maximum beyond the query
+group: ``"group"`` (the paper's) keeps ``r_tgt(h, t)`` per KV head; ``"layer"`` takes the maximum
+over every KV head of the layer; ``"model"`` over every layer and KV head, so that each token gets
+one label, the strongest need any head of the model has for it (every head then learns to keep
+what some head will need: a copy needs the source in the heads that find it and in the heads
+that read it, which the per-head target splits apart).
+
 Shapes: ``B`` batch, ``H`` query heads, ``Hk`` KV heads, ``G = H / Hk``,
 ``S`` sequence length, ``D`` head dim.
 
@@ -72,11 +79,29 @@ import torch
 
 from kvpop.selection import document_spans
 
-__all__ = ["TARGET_KINDS", "TargetKind", "future_attention_target"]
+__all__ = ["TARGET_KINDS", "TARGET_POOLS", "TargetKind", "TargetPool", "future_attention_target", "pool_targets"]
 
 #: How the future attention a token receives is aggregated (see the module docstring).
 TargetKind = Literal["mean", "power", "max"]
 TARGET_KINDS: tuple[str, ...] = get_args(TargetKind)
+#: Over which heads the target takes its maximum (see the module docstring).
+TargetPool = Literal["group", "layer", "model"]
+TARGET_POOLS: tuple[str, ...] = get_args(TargetPool)
+
+
+def pool_targets(targets: list[torch.Tensor], pool: TargetPool) -> list[torch.Tensor]:
+    """Per-layer targets ``(B, Hk, S)`` -> the same list pooled by ``pool`` (module docstring).
+
+    ``"group"`` returns the targets as they are; ``"layer"`` the maximum over each layer's KV heads;
+    ``"model"`` the maximum over every layer and KV head (layers must agree in ``(B, Hk, S)``)."""
+    if pool not in TARGET_POOLS:
+        raise ValueError(f"unknown target pool {pool!r}; one of {', '.join(TARGET_POOLS)}")
+    if pool == "group":
+        return list(targets)
+    if pool == "layer":
+        return [t.amax(dim=1, keepdim=True).expand_as(t) for t in targets]
+    m = torch.stack(list(targets)).amax(dim=(0, 2), keepdim=True)[0]  # (B, 1, S)
+    return [m.expand_as(t) for t in targets]
 
 _compiled_flex_attention = None
 

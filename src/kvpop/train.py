@@ -134,7 +134,7 @@ class TrainSettings:
             scorer_training=ScorerTraining(
                 tau=cfg.tau, tie_margin=cfg.tie_margin, query_samples=cfg.query_samples,
                 target_normalizer=cfg.target_normalizer, target=cfg.target, target_beta=cfg.target_beta,
-                weighting=cfg.boundary_weight,
+                weighting=cfg.boundary_weight, pool=cfg.target_pool,
                 generator=torch.Generator().manual_seed(seed),
             ),
             activation_checkpointing=cfg.activation_checkpointing,
@@ -192,6 +192,7 @@ class DistillModule(L.LightningModule):
             denom = self.trainer.strategy.reduce(mask.sum().float(), reduce_op="mean") if distributed else None
         ctx = self._ctx(self.policy, batch, self.s.scorer_training if self.policy.learned else None)
         s_logits = self.student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx, use_cache=False).logits
+        ctx.finish_scorer_losses()
         kl = topk_kl(s_logits, top_vals, top_idx, mask, denom)
         loss = kl
         logs = {"train/kl": kl.detach()}

@@ -6,9 +6,10 @@ the trained policies they separate the two limits of a learned policy: what the 
 would give if the scorer fitted it perfectly, and what the budget allows at all.
 
 * ``oracle_target``: the dense teacher's own ranking by the training target (``train.target``,
-  :func:`kvpop.target.future_attention_target`), computed on the evaluated trace itself. Per layer
-  and KV head, priority = the target ``r_tgt`` (no decay): the best a perfectly fitted scorer of
-  that target could do.
+  :func:`kvpop.target.future_attention_target`, pooled by ``train.target_pool``,
+  :func:`kvpop.target.pool_targets`), computed on the evaluated trace itself. Per layer and KV
+  head, priority = the target ``r_tgt`` (no decay): the best a perfectly fitted scorer of that
+  target could do.
 * ``oracle_sources``: on synthetic traces, keeps the recorded source tokens of every long-range
   quote (the definition digits, ``quote_source_positions`` of the filter's records; with ``lead``,
   also that many tokens before each, e.g. the name) ahead of every other token, the others by
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor
 
 from kvpop.policies.base import Policy, Scores
+from kvpop.target import TARGET_POOLS, pool_targets
 
 
 class _Oracle(Policy):
@@ -43,21 +45,23 @@ class OracleTarget(_Oracle):
     name = "oracle_target"
     layer_independent = False
 
-    def __init__(self, target: str = "mean", target_beta: float = 8.0):
+    def __init__(self, target: str = "mean", target_beta: float = 8.0, pool: str = "group"):
         super().__init__()
-        self.target, self.target_beta = target, target_beta
+        self.target, self.target_beta, self.pool = target, target_beta, pool
         self.r_tgt: list[Tensor] = []  # per layer (1, Hk, S)
 
-    def configure(self, *, target: str, target_beta: float) -> OracleTarget:
-        """The training target to rank by (``train.target``, ``train.target_beta``); returns self."""
-        self.target, self.target_beta = target, target_beta
+    def configure(self, *, target: str, target_beta: float, pool: str = "group") -> OracleTarget:
+        """The training target to rank by (``train.target``, ``train.target_beta``, ``train.target_pool``); returns self."""
+        if pool not in TARGET_POOLS:
+            raise ValueError(f"unknown target pool {pool!r}; one of {', '.join(TARGET_POOLS)}")
+        self.target, self.target_beta, self.pool = target, target_beta, pool
         return self
 
     def teacher_target(self) -> tuple[str, float]:
         return self.target, float(self.target_beta)
 
     def fit_trace(self, *, input_ids: Tensor, record: dict, targets: dict) -> bool:
-        self.r_tgt = targets[self.teacher_target()]
+        self.r_tgt = pool_targets(targets[self.teacher_target()], self.pool)
         return True
 
     def scores(self, layer, keys, values, pos, **_):
