@@ -10,7 +10,9 @@ later), at two configurations of 88% compression:
 
 Every trained policy is a *label* ``name[@target]``: ``kvpop_mlp`` trains against the paper's target
 (log mean future attention), ``kvpop_mlp@max`` against the max future attention, ``kvpop@power:16``
-against the power mean with beta 16 (:func:`kvpop.target.future_attention_target`); a ``+regret`` suffix
+against the power mean with beta 16 (:func:`kvpop.target.future_attention_target`); a ``.pool`` after
+the target pools it over more heads (``kvpop_mlp@max.model``: over every layer and KV head,
+``train.target_pool``, :func:`kvpop.target.pool_targets`); a ``+regret`` suffix
 trains with the regret-weighted boundary loss (``train.boundary_weight: regret``, :func:`kvpop.boundary.boundary_loss`). All labels get the
 same rows in the same order and the same step count (``--steps``, also the scorers' cosine length).
 
@@ -22,7 +24,7 @@ long training can continue in the next call:
   loader position) and the next ``train`` call with the same arguments resumes it; a finished one is
   exported (safetensors, :func:`kvpop.export.export`) with its training log.
 * ``eval``: teacher-forced evaluation (:func:`kvpop.evaluate.evaluate_fidelity`, float32) of dense,
-  streaming_llm, every finished export, ``oracle_target`` under each of ``--oracle-targets`` (the dense
+  streaming_llm, every finished export, ``oracle_target`` under each of ``--oracle-targets`` (same syntax, e.g. ``max,mean,max.model``; the dense
   teacher's own ranking by that target, a ceiling; the first is named plain ``oracle_target``, the
   others ``oracle_target@<target>``) and ``oracle_sources`` (keeps the recorded definitions, name and digits;
   ``oracle_sources@digits``: the digits alone), on the
@@ -235,7 +237,7 @@ def main() -> None:
     ap.add_argument("phase", choices=["train", "eval", "all"])
     ap.add_argument("--config", choices=sorted(CONFIGS), default="4k")
     ap.add_argument("--labels", default="streaming_llm_plus,kvpop_mlp,kvpop", help="trained labels name[@target], in order")
-    ap.add_argument("--oracle-targets", default="max,mean", help="targets of oracle_target; the first is the headline")
+    ap.add_argument("--oracle-targets", default="max,mean,max.model", help="targets of oracle_target (kind[:beta][.pool]); the first is the headline")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--time-limit", type=float, default=540.0, help="seconds for this call's training (then a resume checkpoint)")
     ap.add_argument("--train-traces", type=int, default=None, help="default 320 (tiny: 4)")

@@ -79,6 +79,7 @@ from kvpop.selection import document_spans
 
 ForgetGate = Literal["sigmoid", "exp"]
 TrainingForm = Literal["chunkwise", "parallel"]
+CHUNK_CUDA, CHUNK_CPU = 2048, 256  # MLSTMScorer's default chunk per device (see its __init__)
 
 
 class MLSTMState(NamedTuple):
@@ -398,7 +399,7 @@ class MLSTMScorer(nn.Module):
     """KVpop: the delayed mLSTM scorers of every layer and the decay (interface of ``MLPScorer``)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, d_k: int = 16, d_v: int = 16, forget_gate: ForgetGate = "sigmoid",
-                 chunk: int = 2048, form: TrainingForm = "chunkwise"):
+                 chunk: int | None = None, form: TrainingForm = "chunkwise"):
         super().__init__()
         if form not in ("chunkwise", "parallel"):
             raise ValueError(f"form must be 'chunkwise' or 'parallel', got {form!r}")
@@ -407,7 +408,10 @@ class MLSTMScorer(nn.Module):
             d_k=d_k, d_v=d_v, forget_gate=forget_gate,
         )
         # how raw_scores computes (speed/memory, not model settings; both forms give the same scores):
-        # form "chunkwise" (linear in S): chunk = tokens of the time axis per chunk (Lc);
+        # form "chunkwise" (linear in S): chunk = tokens of the time axis per chunk (Lc); None: by device,
+        # CHUNK_CUDA on CUDA, where the chunk loop is launch-bound (an H200, forward + backward of one
+        # layer at S = 4,096: 0.131 s at Lc = 256, 0.017 s at 2,048; bench/bench_mlstm.py), CHUNK_CPU on
+        # the CPU, where it is compute-bound and the work grows as S (Lc + window); memory O((Lc + window) Lc);
         # form "parallel" (the quadratic reference twin): chunk = read-out tokens per chunk
         self.form, self.chunk = form, chunk
         self.layers = nn.ModuleList(HeadwiseMLSTM(num_kv_heads, head_dim, d_k, d_v, forget_gate) for _ in range(num_layers))
@@ -428,7 +432,8 @@ class MLSTMScorer(nn.Module):
         start, tau = readout_times(doc_ids, B, S, window, device=k.device)
         cell = self.layers[layer]
         form = cell.chunkwise if self.form == "chunkwise" else cell.parallel
-        return form(k, v, start, tau, chunk=self.chunk)
+        chunk = self.chunk or (CHUNK_CUDA if k.is_cuda else CHUNK_CPU)
+        return form(k, v, start, tau, chunk=chunk)
 
     # recurrent API for the decode cache (one layer's state; same layout in every layer)
     def init_state(self, B: int, device=None) -> MLSTMState:

@@ -1,0 +1,190 @@
+"""Scorer fit against a frozen teacher, in minutes on a CPU: target ceiling vs fit vs baselines, same rows.
+
+``bench/gpu_quality.py`` trains the scorer *and* fine-tunes the model (KL distillation), 300 steps
+on a GPU. This isolates the scorer: the dense teacher runs once per trace and its keys, values and
+training targets (:class:`kvpop.evaluate.TargetCapture`, every layer) are cached; each label then
+trains only a fresh scorer on the cache, with the same boundary loss as training
+(:func:`kvpop.boundary.boundary_loss`, through the policy's own ``scores``), for ``--epochs``
+passes at the pipeline's scorer learning rate. The model is never fine-tuned, so the figures
+separate what the *target* allows (``oracle_target@<target>``: the teacher's own ranking by it,
+the ceiling of a perfect fit) from what a scorer *fits* of it, on the same held-out traces,
+beside dense, streaming_llm and ``oracle_sources``.
+
+Labels are ``gpu_quality.py``'s: ``name[@kind[:beta][.pool]][+regret]``, e.g. ``kvpop_mlp@max``,
+``kvpop_mlp@max.model+regret``, ``kvpop@mean``. Each label's ceiling is reported once per target.
+
+    PYTHONPATH=src:bench .venv/bin/python bench/scorer_fit.py --config 4k --model-dir models/base \\
+        --labels kvpop_mlp@max,kvpop_mlp@max.model,kvpop_mlp@max.model+regret --out results/scorer_fit_cpu.json
+
+The cache (``--cache``, default ``.quality/scorer_fit-<config>.pt``; 4k: about 180 MB per trace)
+is reused by later calls with the same configuration, traces and seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from gpu_embedded_run import make_records
+from gpu_quality import CONFIGS, data_args, parse_label, target_name
+from kvpop.boundary import boundary_loss
+from kvpop.evaluate import Candidate, TargetCapture, evaluate_fidelity
+from kvpop.modeling import load_model, model_shape
+from kvpop.policies import Dense, make_policy
+from kvpop.target import pool_targets
+
+CACHE_VERSION = 1
+
+
+def capture(teacher, ids: torch.Tensor, *, window: int, kinds: tuple) -> dict:
+    """One dense teacher forward of a trace (1, S): per-layer keys and values (L, Hk, S, D) bf16 and
+    targets {(kind, beta): (L, Hk, S) float32}."""
+
+    class _Capture(TargetCapture):
+        def attend(self, layer, q, k, v, scale):
+            kv[layer] = (k[0].to(torch.bfloat16), v[0].to(torch.bfloat16))
+            return super().attend(layer, q, k, v, scale)
+
+    kv: dict[int, tuple] = {}
+    S = ids.shape[1]
+    pos = torch.arange(S)[None]
+    doc = torch.zeros_like(pos)
+    ctx = _Capture.for_rows(Dense(), doc, pos, sinks=0, window=window, long_range=S, executor="sdpa", kinds=kinds, target_doc_ids=doc)
+    with torch.no_grad():
+        teacher(input_ids=ids, position_ids=pos, kvpop_ctx=ctx)
+    L = len(kv)
+    return {
+        "k": torch.stack([kv[i][0] for i in range(L)]), "v": torch.stack([kv[i][1] for i in range(L)]),
+        "targets": {key: torch.cat([t[i] for i in range(L)]) for key, t in ctx.targets.items()},
+    }
+
+
+def build_cache(args, teacher, tok, kinds: tuple) -> dict:
+    path = Path(args.cache or f".quality/scorer_fit-{args.config}.pt")
+    ident = {"version": CACHE_VERSION, "config": args.config, "train": (args.train_traces, args.seed), "eval": (args.eval_traces, args.eval_seed)}
+    if path.is_file():
+        cache = torch.load(path, weights_only=False)
+        if cache["ident"] == ident and set(kinds) <= set(cache["kinds"]):
+            print(f"[cache] {path}: reused", flush=True)
+            return cache
+    cache = {"ident": ident, "kinds": kinds}
+    w = args.cfg["window"]
+    for split, train in (("train", True), ("eval", False)):
+        d = data_args(args, train=train)
+        recs, *_ = make_records(tok, d.n, args.seed if train else args.eval_seed, d)
+        rows, t0 = [], time.time()
+        for i, r in enumerate(recs):
+            rows.append({"record": r, **capture(teacher, torch.tensor([r["input_ids"]]), window=w, kinds=kinds)})
+            print(f"[cache] {split} trace {i + 1}/{len(recs)} ({time.time() - t0:.0f}s)", flush=True)
+        cache[split] = rows
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(cache, tmp)
+    tmp.replace(path)
+    return cache
+
+
+def fit(label: str, cache: dict, shape: dict, args) -> tuple:
+    """A fresh scorer of ``label``'s policy trained on the cached train traces; (policy, log)."""
+    name, kind, beta, pool, weighting = parse_label(label)
+    c = args.cfg
+    torch.manual_seed(args.seed)
+    policy = make_policy(name, **{x: shape[x] for x in ("num_layers", "num_kv_heads", "head_dim")}, scorer_hidden=args.scorer_hidden)
+    if not policy.learned:
+        raise SystemExit(f"label {label!r}: {name} has no scorer to fit")
+    k_slots = policy.long_range_slots(budget=c["budget"], sinks=c["sinks"], window=c["window"], head_dim=shape["head_dim"])
+    opt = torch.optim.AdamW(policy.parameters(), lr=args.scorer_lr, weight_decay=0.0)
+    total = args.epochs * len(cache["train"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))))  # the pipeline's cosine
+    t0, losses = time.time(), []
+    for _ in range(args.epochs):
+        for row in cache["train"]:
+            L, Hk, S, _ = row["k"].shape
+            pos = torch.arange(S)[None]
+            doc = torch.zeros_like(pos)
+            targets = pool_targets([t[None] for t in row["targets"][(kind, beta)]], pool)  # per layer (1, Hk, S)
+            loss = 0.0
+            for layer in range(L):
+                sc = policy.scores(layer, row["k"][layer][None].float(), row["v"][layer][None].float(), pos, doc_ids=doc, window=c["window"])
+                part, _ = boundary_loss(sc.r_hat, targets[layer], sc.log_gamma, doc, pos, sinks=c["sinks"], window=c["window"],
+                                        long_range=k_slots, tau=1.0, tie_margin=0.5, weighting=weighting)
+                loss = loss + part.float() / L
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            losses.append(float(loss.detach()))
+    policy.eval()
+    log = {"label": label, "target": target_name(kind, beta, pool), "boundary_weight": weighting, "epochs": args.epochs,
+           "steps": total, "score_loss_first": round(losses[0], 5), "score_loss_last": round(sum(losses[-len(cache["train"]):]) / len(cache["train"]), 5),
+           "seconds": round(time.time() - t0, 1), "k": k_slots}
+    print(f"[fit] {log}", flush=True)
+    return policy, log
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", choices=sorted(CONFIGS), default="4k")
+    ap.add_argument("--model-dir", default="models/base")
+    ap.add_argument("--labels", default="kvpop_mlp@max,kvpop_mlp@max.model,kvpop_mlp@max.model+regret")
+    ap.add_argument("--train-traces", type=int, default=14)
+    ap.add_argument("--eval-traces", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-seed", type=int, default=777)
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--scorer-lr", type=float, default=0.01)
+    ap.add_argument("--scorer-hidden", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
+    ap.add_argument("--cache", default=None)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.cfg = dict(CONFIGS[args.config], sinks=4, window=64 if args.config == "tiny" else 256)
+    c = args.cfg
+    labels = args.labels.split(",")
+    parsed = {lb: parse_label(lb) for lb in labels}
+    kinds = tuple(sorted({(p[1], p[2]) for p in parsed.values()}))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    teacher = load_model(args.model_dir, "float32").eval()
+    shape = model_shape(teacher)
+    cache = build_cache(args, teacher, tok, kinds)
+    cands = [Candidate("dense", teacher, make_policy("dense")), Candidate("streaming_llm", teacher, make_policy("streaming_llm"))]
+    for kind, beta, pool in sorted({p[1:4] for p in parsed.values()}):
+        cands.append(Candidate(f"oracle_target@{target_name(kind, beta, pool)}", teacher,
+                               make_policy("oracle_target").configure(target=kind, target_beta=beta, pool=pool)))
+    cands.append(Candidate("oracle_sources", teacher, make_policy("oracle_sources")))
+    logs = {}
+    for lb in labels:
+        pol, logs[lb] = fit(lb, cache, shape, args)
+        cands.append(Candidate(lb, teacher, pol))
+    recs = [row["record"] for row in cache["eval"]]
+    t0 = time.time()
+    res = evaluate_fidelity(recs, teacher, cands, budget=c["budget"], sinks=c["sinks"], window=c["window"],
+                            progress=lambda i, n: print(f"  eval trace {i}/{n} ({time.time() - t0:.0f}s)", flush=True))
+    print(f"\n{args.config}: budget {c['budget']} of {c['seq_len']}-token rows; scorers fitted on {len(cache['train'])} traces "
+          f"x {args.epochs} epochs, frozen model; {len(recs)} held-out traces")
+    print(f"{'policy':<34}{'quote acc':>10}{'KL':>10}{'top-1':>8}")
+    for n, m in res.items():
+        print(f"{n:<34}{m['quote_accuracy']:>10.3f}{m['kl']:>10.4f}{m['top1_agreement']:>8.3f}")
+    if args.out:
+        doc = {"config": args.config, "seq_len": c["seq_len"], "budget": c["budget"], "window": c["window"], "model": "frozen (no fine-tune)",
+               "train_traces": len(cache["train"]), "eval_traces": len(recs), "epochs": args.epochs,
+               "policies": {n: {k: m[k] for k in ("quote_accuracy", "kl", "top1_agreement", "traces")} for n, m in res.items()},
+               "fits": logs, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
+               "threads": torch.get_num_threads(), "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
