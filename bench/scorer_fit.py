@@ -8,7 +8,10 @@ trains only a fresh scorer on the cache, with the same boundary loss as training
 passes at the pipeline's scorer learning rate. The model is never fine-tuned, so the figures
 separate what the *target* allows (``oracle_target@<target>``: the teacher's own ranking by it,
 the ceiling of a perfect fit) from what a scorer *fits* of it, on the same held-out traces,
-beside dense, streaming_llm and ``oracle_sources``.
+beside dense, streaming_llm and ``oracle_sources``. ``--no-harm N`` also scores the fitted scorers
+on N pieces each of Python source and prose (``bench/bench_no_harm.py``'s files, row-length pieces):
+KL to the dense teacher beside streaming_llm's and the targets' ceilings (is a harm the target's, or
+the fit's?), the ranking's own harm on text it never saw.
 
 Labels are ``gpu_quality.py``'s: ``name[@kind[:beta][.pool]][+regret]``, e.g. ``kvpop_mlp@max``,
 ``kvpop_mlp@max.model+regret``, ``kvpop@mean``. Each label's ceiling is reported once per target.
@@ -31,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from bench_no_harm import default_files, pieces
 from gpu_embedded_run import make_records
 from gpu_quality import CONFIGS, data_args, parse_label, target_name
 from kvpop.boundary import boundary_loss
@@ -67,7 +71,7 @@ def capture(teacher, ids: torch.Tensor, *, window: int, kinds: tuple) -> dict:
 
 def build_cache(args, teacher, tok, kinds: tuple) -> dict:
     path = Path(args.cache or f".quality/scorer_fit-{args.config}.pt")
-    ident = {"version": CACHE_VERSION, "config": args.config, "train": (args.train_traces, args.seed), "eval": (args.eval_traces, args.eval_seed)}
+    ident = {"version": CACHE_VERSION, "model": str(Path(args.model_dir).resolve()), "config": args.config, "train": (args.train_traces, args.seed), "eval": (args.eval_traces, args.eval_seed)}
     if path.is_file():
         cache = torch.load(path, weights_only=False)
         if cache["ident"] == ident and set(kinds) <= set(cache["kinds"]):
@@ -142,6 +146,7 @@ def main() -> None:
     ap.add_argument("--scorer-lr", type=float, default=0.01)
     ap.add_argument("--scorer-hidden", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
+    ap.add_argument("--no-harm", type=int, default=0, help="also score N pieces each of code and prose (0: skip)")
     ap.add_argument("--cache", default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -176,11 +181,20 @@ def main() -> None:
     print(f"{'policy':<34}{'quote acc':>10}{'KL':>10}{'top-1':>8}")
     for n, m in res.items():
         print(f"{n:<34}{m['quote_accuracy']:>10.3f}{m['kl']:>10.4f}{m['top1_agreement']:>8.3f}")
+    harm = {}
+    if args.no_harm:
+        for kind, files in default_files().items():
+            recs_k = pieces(tok, files, c["seq_len"], args.no_harm, c["seq_len"] // 2)
+            r = evaluate_fidelity(recs_k, teacher, cands, budget=c["budget"], sinks=c["sinks"], window=c["window"])
+            harm[kind] = {n: {"kl": m["kl"], "top1_agreement": m["top1_agreement"]} for n, m in r.items()}
+            print(f"\n{kind}: {len(recs_k)} pieces, {sum(len(x['input_ids']) for x in recs_k)} tokens, KL to the dense teacher")
+            for n, m in r.items():
+                print(f"  {n:<34}KL {m['kl']:.4f}  top-1 {m['top1_agreement']:.3f}")
     if args.out:
         doc = {"config": args.config, "seq_len": c["seq_len"], "budget": c["budget"], "window": c["window"], "model": "frozen (no fine-tune)",
                "train_traces": len(cache["train"]), "eval_traces": len(recs), "epochs": args.epochs,
                "policies": {n: {k: m[k] for k in ("quote_accuracy", "kl", "top1_agreement", "traces")} for n, m in res.items()},
-               "fits": logs, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
+               "fits": logs, "no_harm": harm, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
                "threads": torch.get_num_threads(), "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=2) + "\n")

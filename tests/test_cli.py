@@ -75,6 +75,9 @@ def test_errors_exit_2(exported, tmp_path, capsys):
         (["generate", "--checkpoint", str(exported), "--policy", "lru", "--budget", "16", "--prompt", "x"], "unknown policy 'lru'"),
         (["generate", "--checkpoint", str(exported), "--policy", "tova", "--budget", "16", "--prompt-file", str(empty)], "empty prompt"),
         (["generate", "--checkpoint", str(exported), "--policy", "tova", "--budget", "5", "--prompt", "x"], "--budget 5"),
+        # budget = sinks + window (2 + 8): no long-range slot, which params.yaml rejects too
+        (["generate", "--checkpoint", str(exported), "--policy", "tova", "--budget", "10", "--prompt", "x"], "--budget 10 must exceed"),
+        (["score", "--checkpoint", str(exported), "--policy", "tova", "--budget", "16", "--window", "0", str(bad_rows)], "--window >= 1"),
         (["generate", "--checkpoint", str(exported), "--policy", "streaming_llm_plus", "--budget", "16", "--prompt", "x"],
          "needs an export folder trained with it"),
         (["generate", "--checkpoint", str(exported), "--policy", "tova", "--budget", "16", "--prompt", "x", "--path", "engine"],
@@ -110,3 +113,16 @@ def test_plain_folder_geometry_defaults_are_the_pipelines():
     from kvpop.config import Params
 
     assert (cli.DEFAULT_SINKS, cli.DEFAULT_WINDOW) == (Params.model_fields["sinks"].default, Params.model_fields["window"].default)
+
+
+def test_budget_error_comes_before_the_model_loads(exported, tmp_path, capsys):
+    """A wrong --budget is reported from the export's geometry alone: with damaged weights the
+    message is still about the budget (the weights were never read)."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(exported, ckpt)
+    (ckpt / "model.safetensors").write_bytes(b"not a safetensors file")
+    assert main(["generate", "--checkpoint", str(ckpt), "--policy", "tova", "--budget", "9", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "--budget 9 must exceed sinks + window = 2 + 8" in err and "model.safetensors" not in err

@@ -31,6 +31,15 @@ class UsageError(Exception):
     """A problem with the command's inputs: reported on stderr, exit status 2."""
 
 
+def check_budget(budget: int, sinks: int, window: int) -> None:
+    """The pipeline's rule (``kvpop.config.Params``): window >= 1, sinks >= 0 and at least one
+    long-range slot, budget > sinks + window; a UsageError naming the numbers otherwise."""
+    if window < 1 or sinks < 0:
+        raise UsageError(f"need --window >= 1 and --sinks >= 0; got sinks {sinks}, window {window}")
+    if budget <= sinks + window:
+        raise UsageError(f"--budget {budget} must exceed sinks + window = {sinks} + {window} (at least one long-range slot)")
+
+
 @dataclass
 class Loaded:
     model: object
@@ -46,8 +55,7 @@ def load(args) -> Loaded:
     from safetensors import SafetensorError
     from transformers import AutoTokenizer
 
-    from kvpop.decode.layout import check_geometry
-    from kvpop.export import META, CheckpointError, load_export
+    from kvpop.export import META, CheckpointError, load_export, read_meta
     from kvpop.modeling import load_model
     from kvpop.policies import resolve_policy
 
@@ -55,15 +63,25 @@ def load(args) -> Loaded:
         raise UsageError(f"unknown policy {args.policy!r}; known: {', '.join(POLICIES)}")
     path = Path(args.checkpoint)
     meta, trained = {}, None
+    # what the folder is, and the geometry, before the model loads (which takes seconds)
+    export_dir = (path / META).is_file()
+    if export_dir:
+        try:
+            meta = read_meta(path)
+        except CheckpointError as e:
+            raise UsageError(f"cannot load checkpoint {path}: {e}") from None
+    elif not (path / "config.json").is_file():
+        raise UsageError(f"no checkpoint at {path}: neither {META} nor config.json found")
+    elif args.policy in TRAINED:
+        raise UsageError(f"policy {args.policy!r} needs an export folder; {path} is a plain model folder")
+    sinks = args.sinks if args.sinks is not None else meta.get("sinks", DEFAULT_SINKS)
+    window = args.window if args.window is not None else meta.get("window", DEFAULT_WINDOW)
+    check_budget(args.budget, sinks, window)
     try:
-        if (path / META).is_file():
+        if export_dir:
             model, tok, trained, meta = load_export(path, args.dtype)
-        elif (path / "config.json").is_file():
-            if args.policy in TRAINED:
-                raise UsageError(f"policy {args.policy!r} needs an export folder; {path} is a plain model folder")
-            model, tok = load_model(path, args.dtype), AutoTokenizer.from_pretrained(path)
         else:
-            raise UsageError(f"no checkpoint at {path}: neither {META} nor config.json found")
+            model, tok = load_model(path, args.dtype), AutoTokenizer.from_pretrained(path)
     # load_model wraps most loading failures in RuntimeError; a damaged safetensors file escapes it
     except (CheckpointError, RuntimeError, OSError, ValueError, SafetensorError) as e:
         raise UsageError(f"cannot load checkpoint {path}: {e}") from None
@@ -71,12 +89,6 @@ def load(args) -> Loaded:
         policy = resolve_policy(args.policy, trained)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    sinks = args.sinks if args.sinks is not None else meta.get("sinks", DEFAULT_SINKS)
-    window = args.window if args.window is not None else meta.get("window", DEFAULT_WINDOW)
-    try:
-        check_geometry(args.budget, sinks, window)
-    except ValueError:
-        raise UsageError(f"--budget {args.budget} must be >= sinks + window = {sinks} + {window} (window >= 1)") from None
     return Loaded(model.eval(), tok, policy, sinks, window, args.budget)
 
 
