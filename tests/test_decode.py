@@ -167,3 +167,26 @@ def test_kvpop_policy_and_generate(model, tiny_tokenizer):
     mlp = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16)
     _, mlp_stats = generate(model, tiny_tokenizer, mlp, prompt, path="reference", **dict(kw, max_new_tokens=2))
     assert 0.9 * mlp_stats.peak_cache_mb < stats.peak_cache_mb <= mlp_stats.peak_cache_mb
+
+
+def test_the_readme_transformers_snippet_decodes_with_the_bounded_cache(tiny_llama_dir):
+    """The README's ``model.generate`` snippet runs as written (a tiny model, a small context so that
+    eviction happens) and gives the tokens of the library's reference path at the same budget."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = re.search(r"```python\n(# a bounded KV cache in model\.generate\n.*?)```", readme, re.S).group(1)
+    assert len(code.strip().splitlines()) <= 12
+    code = code.replace('path = "models/base"', f"path = {str(tiny_llama_dir)!r}")
+    code = code.replace("compression, context = 0.88, 8192", "compression, context = 0.75, 48").replace("sinks=4, window=256", "sinks=2, window=6")
+    ns: dict = {}
+    exec(compile(code, "README.md", "exec"), ns)
+    ids, out, cache, model, tok = ns["ids"], ns["out"], ns["cache"], ns["model"], ns["tok"]
+    assert isinstance(cache, BoundedCache) and cache.budget == 12 and out.shape[1] > cache.budget
+    pos = cache.layers[0].pos  # (B, Hk, slots): generate wrote through the cache, and it evicted
+    assert (pos >= 0).all() and pos.max() == out.shape[1] - 2 and pos.shape[-1] == cache.slots
+    want, _ = generate(model, tok, make_policy("tova"), ids, budget=12, sinks=2, window=6, max_new_tokens=32, path="reference")  # new tokens
+    new = out[:, ids.shape[1] :]
+    n = min(new.shape[1], want.shape[1])
+    assert n > 0 and torch.equal(new[:, :n], want[:, :n])
