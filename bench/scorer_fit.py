@@ -71,7 +71,8 @@ def capture(teacher, ids: torch.Tensor, *, window: int, kinds: tuple) -> dict:
 
 def build_cache(args, teacher, tok, kinds: tuple) -> dict:
     path = Path(args.cache or f".quality/scorer_fit-{args.config}.pt")
-    ident = {"version": CACHE_VERSION, "model": str(Path(args.model_dir).resolve()), "config": args.config, "train": (args.train_traces, args.seed), "eval": (args.eval_traces, args.eval_seed)}
+    ident = {"version": CACHE_VERSION, "model": str(Path(args.model_dir).resolve()), "config": args.config,
+             "train": (args.train_traces, args.seed), "eval": (args.eval_traces, args.eval_seed)}
     if path.is_file():
         cache = torch.load(path, weights_only=False)
         if cache["ident"] == ident and set(kinds) <= set(cache["kinds"]):
