@@ -11,7 +11,8 @@ the ceiling of a perfect fit) from what a scorer *fits* of it, on the same held-
 beside dense, streaming_llm and ``oracle_sources``. ``--no-harm N`` also scores the fitted scorers
 on N pieces each of Python source and prose (``bench/bench_no_harm.py``'s files, row-length pieces):
 KL to the dense teacher beside streaming_llm's and the targets' ceilings (is a harm the target's, or
-the fit's?), the ranking's own harm on text it never saw.
+the fit's?), the ranking's own harm on text it never saw. ``--mix N`` adds N pieces each of code and prose
+from other files to the scorers' training rows (does training on other text remove that harm?).
 
 Labels are ``gpu_quality.py``'s: ``name[@kind[:beta][.pool]][+regret]``, e.g. ``kvpop_mlp@max``,
 ``kvpop_mlp@max.model+regret``, ``kvpop@mean``. Each label's ceiling is reported once per target.
@@ -95,6 +96,25 @@ def build_cache(args, teacher, tok, kinds: tuple) -> dict:
     return cache
 
 
+def mix_cache(args, teacher, tok, kinds: tuple, skip: dict[str, set[str]]) -> list[dict]:
+    """``--mix N`` rows: N pieces each of Python source and prose, from files the no-harm check does
+    not read (``skip``), cached under their own file."""
+    path = Path(args.cache or f".quality/scorer_fit-{args.config}.pt").with_name(f"scorer_fit-{args.config}-mix{args.mix}.pt")
+    ident = {"version": CACHE_VERSION, "model": str(Path(args.model_dir).resolve()), "config": args.config, "mix": args.mix,
+             "skip": {k: sorted(v) for k, v in skip.items()}}
+    if path.is_file():
+        cache = torch.load(path, weights_only=False)
+        if cache["ident"] == ident and set(kinds) <= set(cache["kinds"]):
+            return cache["rows"]
+    rows = []
+    for kind, files in default_files().items():
+        for r in pieces(tok, [f for f in files if str(f) not in skip[kind]], args.cfg["seq_len"], args.mix, args.cfg["seq_len"] // 2):
+            rows.append({"record": r, **capture(teacher, torch.tensor([r["input_ids"]]), window=args.cfg["window"], kinds=kinds)})
+            print(f"[cache] mix {kind} piece {len(rows)} ({r['source']})", flush=True)
+    torch.save({"ident": ident, "kinds": kinds, "rows": rows}, path)
+    return rows
+
+
 def fit(label: str, cache: dict, shape: dict, args) -> tuple:
     """A fresh scorer of ``label``'s policy trained on the cached train traces; (policy, log)."""
     name, kind, beta, pool, weighting = parse_label(label)
@@ -105,11 +125,13 @@ def fit(label: str, cache: dict, shape: dict, args) -> tuple:
         raise SystemExit(f"label {label!r}: {name} has no scorer to fit")
     k_slots = policy.long_range_slots(budget=c["budget"], sinks=c["sinks"], window=c["window"], head_dim=shape["head_dim"])
     opt = torch.optim.AdamW(policy.parameters(), lr=args.scorer_lr, weight_decay=0.0)
-    total = args.epochs * len(cache["train"])
+    rows = cache["train"] + cache.get("mix", [])  # the traces and any pieces of other text (--mix), interleaved:
+    rows = [rows[i] for i in torch.randperm(len(rows), generator=torch.Generator().manual_seed(args.seed)).tolist()] if "mix" in cache else rows
+    total = args.epochs * len(rows)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))))  # the pipeline's cosine
     t0, losses = time.time(), []
     for _ in range(args.epochs):
-        for row in cache["train"]:
+        for row in rows:
             L, Hk, S, _ = row["k"].shape
             pos = torch.arange(S)[None]
             doc = torch.zeros_like(pos)
@@ -128,7 +150,7 @@ def fit(label: str, cache: dict, shape: dict, args) -> tuple:
             losses.append(float(loss.detach()))
     policy.eval()
     log = {"label": label, "target": target_name(kind, beta, pool), "boundary_weight": weighting, "epochs": args.epochs,
-           "steps": total, "score_loss_first": round(losses[0], 5), "score_loss_last": round(sum(losses[-len(cache["train"]):]) / len(cache["train"]), 5),
+           "steps": total, "score_loss_first": round(losses[0], 5), "score_loss_last": round(sum(losses[-len(rows):]) / len(rows), 5),
            "seconds": round(time.time() - t0, 1), "k": k_slots}
     print(f"[fit] {log}", flush=True)
     return policy, log
@@ -148,6 +170,7 @@ def main() -> None:
     ap.add_argument("--scorer-hidden", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
     ap.add_argument("--no-harm", type=int, default=0, help="also score N pieces each of code and prose (0: skip)")
+    ap.add_argument("--mix", type=int, default=0, help="also train on N pieces each of code and prose, from files --no-harm does not read")
     ap.add_argument("--cache", default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -164,6 +187,10 @@ def main() -> None:
     teacher = load_model(args.model_dir, "float32").eval()
     shape = model_shape(teacher)
     cache = build_cache(args, teacher, tok, kinds)
+    harm_recs = {kind: pieces(tok, files, c["seq_len"], args.no_harm, c["seq_len"] // 2) if args.no_harm else []
+                 for kind, files in default_files().items()}
+    if args.mix:
+        cache = {**cache, "mix": mix_cache(args, teacher, tok, kinds, {k: {r["source"] for r in v} for k, v in harm_recs.items()})}
     cands = [Candidate("dense", teacher, make_policy("dense")), Candidate("streaming_llm", teacher, make_policy("streaming_llm"))]
     for kind, beta, pool in sorted({p[1:4] for p in parsed.values()}):
         cands.append(Candidate(f"oracle_target@{target_name(kind, beta, pool)}", teacher,
@@ -184,8 +211,7 @@ def main() -> None:
         print(f"{n:<34}{m['quote_accuracy']:>10.3f}{m['kl']:>10.4f}{m['top1_agreement']:>8.3f}")
     harm = {}
     if args.no_harm:
-        for kind, files in default_files().items():
-            recs_k = pieces(tok, files, c["seq_len"], args.no_harm, c["seq_len"] // 2)
+        for kind, recs_k in harm_recs.items():
             r = evaluate_fidelity(recs_k, teacher, cands, budget=c["budget"], sinks=c["sinks"], window=c["window"])
             harm[kind] = {n: {"kl": m["kl"], "top1_agreement": m["top1_agreement"]} for n, m in r.items()}
             print(f"\n{kind}: {len(recs_k)} pieces, {sum(len(x['input_ids']) for x in recs_k)} tokens, KL to the dense teacher")
@@ -193,7 +219,8 @@ def main() -> None:
                 print(f"  {n:<34}KL {m['kl']:.4f}  top-1 {m['top1_agreement']:.3f}")
     if args.out:
         doc = {"config": args.config, "seq_len": c["seq_len"], "budget": c["budget"], "window": c["window"], "model": "frozen (no fine-tune)",
-               "train_traces": len(cache["train"]), "eval_traces": len(recs), "epochs": args.epochs,
+               "train_traces": len(cache["train"]), "mix_pieces": [r["record"]["source"] for r in cache.get("mix", [])],
+               "eval_traces": len(recs), "epochs": args.epochs,
                "policies": {n: {k: m[k] for k in ("quote_accuracy", "kl", "top1_agreement", "traces")} for n, m in res.items()},
                "fits": logs, "no_harm": harm, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
                "threads": torch.get_num_threads(), "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
