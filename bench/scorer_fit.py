@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import time
 from pathlib import Path
 
@@ -38,11 +37,13 @@ import torch
 from bench_no_harm import default_files, pieces
 from gpu_embedded_run import make_records
 from gpu_quality import CONFIGS, data_args, parse_label, target_name
+from kvpop.attention import ScorerTraining
 from kvpop.boundary import boundary_loss
 from kvpop.evaluate import Candidate, TargetCapture, evaluate_fidelity
 from kvpop.modeling import load_model, model_shape
 from kvpop.policies import Dense, make_policy
 from kvpop.target import pool_targets
+from kvpop.train import scorer_schedule
 
 CACHE_VERSION = 1
 
@@ -124,11 +125,12 @@ def fit(label: str, cache: dict, shape: dict, args) -> tuple:
     if not policy.learned:
         raise SystemExit(f"label {label!r}: {name} has no scorer to fit")
     k_slots = policy.long_range_slots(budget=c["budget"], sinks=c["sinks"], window=c["window"], head_dim=shape["head_dim"])
+    st = ScorerTraining()  # the training's boundary-loss settings (tau, tie margin)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.scorer_lr, weight_decay=0.0)
     rows = cache["train"] + cache.get("mix", [])  # the traces and any pieces of other text (--mix), interleaved:
     rows = [rows[i] for i in torch.randperm(len(rows), generator=torch.Generator().manual_seed(args.seed)).tolist()] if "mix" in cache else rows
     total = args.epochs * len(rows)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))))  # the pipeline's cosine
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, scorer_schedule(0, total))  # the pipeline's scorer schedule
     t0, losses = time.time(), []
     for _ in range(args.epochs):
         for row in rows:
@@ -140,7 +142,7 @@ def fit(label: str, cache: dict, shape: dict, args) -> tuple:
             for layer in range(L):
                 sc = policy.scores(layer, row["k"][layer][None].float(), row["v"][layer][None].float(), pos, doc_ids=doc, window=c["window"])
                 part, _ = boundary_loss(sc.r_hat, targets[layer], sc.log_gamma, doc, pos, sinks=c["sinks"], window=c["window"],
-                                        long_range=k_slots, tau=1.0, tie_margin=0.5, weighting=weighting)
+                                        long_range=k_slots, tau=st.tau, tie_margin=st.tie_margin, weighting=weighting)
                 loss = loss + part.float() / L
             opt.zero_grad()
             loss.backward()

@@ -141,6 +141,19 @@ class TrainSettings:
         )
 
 
+def scorer_schedule(warmup: int, steps: int):
+    """The scorer's learning-rate factor per step: linear warm-up over ``warmup`` steps, then a
+    cosine from 1 to 0 over the rest of ``steps``."""
+    total = max(1, steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+    return factor
+
+
 class DistillModule(L.LightningModule):
     """Student under ``policy`` distilled toward a frozen dense ``teacher``."""
 
@@ -231,14 +244,7 @@ class DistillModule(L.LightningModule):
         scorer_params = [p for p in self.policy.parameters() if p.requires_grad]
         if scorer_params:
             groups.append({"params": scorer_params, "lr": self.s.scorer_lr, "weight_decay": 0.0})
-            warm, total = self.s.scorer_warmup, max(1, self.s.steps)
-
-            def cosine(step: int) -> float:
-                if step < warm:
-                    return (step + 1) / warm
-                return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
-
-            lambdas.append(cosine)
+            lambdas.append(scorer_schedule(self.s.scorer_warmup, self.s.steps))
         if not groups:
             raise ValueError("nothing to train: train.model_lr is 0 and the policy has no scorer")
         opt = torch.optim.AdamW(groups)

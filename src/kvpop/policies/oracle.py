@@ -47,7 +47,7 @@ class OracleTarget(_Oracle):
 
     def __init__(self, target: str = "mean", target_beta: float = 8.0, pool: str = "group"):
         super().__init__()
-        self.target, self.target_beta, self.pool = target, target_beta, pool
+        self.configure(target=target, target_beta=target_beta, pool=pool)
         self.r_tgt: list[Tensor] = []  # per layer (1, Hk, S)
 
     def configure(self, *, target: str, target_beta: float, pool: str = "group") -> OracleTarget:
