@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from kvpop.data.other_text import HELD_OUT_CODE
 from kvpop.evaluate import Candidate, evaluate_fidelity
 from kvpop.export import load_export, read_meta
 from kvpop.modeling import load_model
@@ -35,7 +36,7 @@ from kvpop.policies import make_policy
 def default_files() -> dict[str, list[Path]]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     purelib = Path(sysconfig.get_paths()["purelib"])
-    code = [stdlib / f for f in ("argparse.py", "dataclasses.py", "functools.py", "heapq.py", "shutil.py", "textwrap.py")]
+    code = [stdlib / f for f in HELD_OUT_CODE]  # never mixed into training (kvpop.data.other_text)
     prose = sorted(purelib.glob("*.dist-info/METADATA"))
     return {"code": [p for p in code if p.is_file()], "prose": prose}
 

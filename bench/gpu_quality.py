@@ -16,6 +16,9 @@ the target pools it over more heads (``kvpop_mlp@max.model``: over every layer a
 trains with the regret-weighted boundary loss (``train.boundary_weight: regret``, :func:`kvpop.boundary.boundary_loss`). All labels get the
 same rows in the same order and the same step count (``--steps``, also the scorers' cosine length).
 
+``--mix N`` adds up to N pieces each of code and prose (:mod:`kvpop.data.other_text`) to every label's
+training rows; its results are the configuration ``<config>+mix<N>`` (e.g. ``4k+mix64``).
+
 Phases, so that one device call can train several labels side by side, one process per GPU, and a
 long training can continue in the next call:
 
@@ -52,6 +55,7 @@ import torch
 
 from gpu_embedded_run import StopAfter, convert_gguf, length_stats, make_records, step_timer
 from kvpop.config import TrainConfig
+from kvpop.data.other_text import KINDS, other_text_records
 from kvpop.evaluate import Candidate, evaluate_fidelity, score_positions
 from kvpop.export import export, load_export
 from kvpop.modeling import load_model, model_shape
@@ -115,18 +119,35 @@ def data_args(args, *, train: bool) -> argparse.Namespace:
                               num_recalls=c["num_recalls"], min_quote_distance_chars=c["min_quote_distance_chars"], n=n)
 
 
+def run_name(args) -> str:
+    """The configuration's name in --work and --out: ``4k``, or ``4k+mix64`` with --mix 64."""
+    return args.config + (f"+mix{args.mix}" if args.mix else "")
+
+
+def mix_records(args, tok) -> list[dict]:
+    """--mix N: up to N pieces each of code and prose (:mod:`kvpop.data.other_text`), one row long at most."""
+    if not args.mix:
+        return []
+    n = args.cfg["seq_len"]
+    recs = [r for kind in KINDS for r in other_text_records(lambda t: tok(t, add_special_tokens=False).input_ids, kind, args.mix, max_tokens=n)]
+    counts = {k: sum(r["kind"] == k for r in recs) for k in KINDS}
+    print(f"[{run_name(args)}] mixed in pieces of other text: {counts}", flush=True)
+    return recs
+
+
 def train_phase(args) -> None:
     dev, tok, teacher, shape = setup(args)
     c = args.cfg
     d = data_args(args, train=True)
     recs, stats, _, _ = make_records(tok, d.n, args.seed, d)
+    recs = recs + mix_records(args, tok)
     packed = pack_records(recs, seq_len=c["seq_len"], pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
     print(f"[{args.config}] train data: {stats}, {packed.stats.rows} rows (fill {packed.stats.fill_ratio:.2f})", flush=True)
     accelerator = "cuda" if dev == "cuda" else "cpu"
     t_start = time.time()
     for label in args.labels.split(","):
         name, kind, beta, pool, weighting = parse_label(label)
-        run_dir = Path(args.work) / args.config / label
+        run_dir = Path(args.work) / run_name(args) / label
         if (run_dir / "export").is_dir():  # written atomically: present means complete
             print(f"[{label}] already exported, skipped", flush=True)
             continue
@@ -172,16 +193,17 @@ def eval_phase(args) -> None:
     # right-pad to seq_len: one shape, one FlexAttention compile; padding is never scored, and
     # trace_tokens tells oracle_target where the trace ends
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    mixed = mix_records(args, tok)  # what the trained labels saw besides the traces (recorded)
     padded = [{**r, "input_ids": r["input_ids"] + [pad_id] * (c["seq_len"] - len(r["input_ids"])),
                "loss_mask": r["loss_mask"] + [0] * (c["seq_len"] - len(r["input_ids"])), "trace_tokens": len(r["input_ids"])} for r in recs]
     out = Path(args.out)
     doc = json.loads(out.read_text()) if out.is_file() else {"configurations": []}
-    prev = next((e for e in doc["configurations"] if e.get("config") == args.config), None)
+    prev = next((e for e in doc["configurations"] if e.get("config") == run_name(args)), None)
     # --incremental: keep the policies an earlier call evaluated on the same traces; run only the new ones
     done = set(prev["policies"]) if prev and args.incremental and prev["eval"].get("seed") == args.eval_seed else set()
     cands = [Candidate("dense", teacher, make_policy("dense")), Candidate("streaming_llm", teacher, make_policy("streaming_llm"))]
     steps, logs = {}, {}
-    root = Path(args.work) / args.config
+    root = Path(args.work) / run_name(args)
     for run_dir in sorted(root.iterdir()) if root.is_dir() else []:
         if not (run_dir / "export").is_dir():
             print(f"[eval] {run_dir.name}: not finished, left out", flush=True)
@@ -206,7 +228,7 @@ def eval_phase(args) -> None:
         logs = {**prev.get("train_logs", {}), **logs}
     distinct = sorted(set(steps.values()), key=str)
     entry = {
-        "config": args.config, "seq_len": c["seq_len"], "budget": c["budget"], "sinks": c["sinks"], "window": c["window"],
+        "config": run_name(args), "seq_len": c["seq_len"], "budget": c["budget"], "sinks": c["sinks"], "window": c["window"],
         "steps": distinct[0] if len(distinct) == 1 else None,  # every trained policy's, when they agree
         "steps_per_policy": steps,
         "target": target_name(*targets[0]),
@@ -219,13 +241,14 @@ def eval_phase(args) -> None:
                  "quote_distance_chars": length_stats(qd, None), "scored_tokens": sum(score_positions(r)[0].numel() for r in recs),
                  "quote_tokens": sum(len(r["quote_positions"]) for r in recs), "seconds": round(time.time() - t0, 1), "seed": args.eval_seed},
         "data": {k: c[k] for k in ("min_chars", "max_chars", "num_values", "num_recalls", "min_quote_distance_chars")},
+        "mix": {k: sum(r["kind"] == k for r in mixed) for k in KINDS} if args.mix else None,
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
-    doc["configurations"] = [e for e in doc["configurations"] if e.get("config") != args.config] + [entry]
+    doc["configurations"] = [e for e in doc["configurations"] if e.get("config") != run_name(args)] + [entry]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"\n{args.config}: budget {c['budget']} of {c['seq_len']}-token rows, steps {entry['steps']}, "
+    print(f"\n{run_name(args)}: budget {c['budget']} of {c['seq_len']}-token rows, steps {entry['steps']}, "
           f"{entry['eval']['quote_tokens']} quote tokens on {len(recs)} held-out traces")
     print(f"{'policy':<28}{'quote acc':>10}{'KL':>10}{'top-1':>8}")
     for n, m in res.items():
@@ -245,6 +268,8 @@ def main() -> None:
     ap.add_argument("--model-lr", type=float, default=1e-5)
     ap.add_argument("--scorer-lr", type=float, default=3e-3)
     ap.add_argument("--scorer-hidden", type=int, default=64)
+    ap.add_argument("--mix", type=int, default=0, help="add up to N pieces each of code and prose to the training rows "
+                    "(kvpop.data.other_text; results under <config>+mix<N>)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-seed", type=int, default=1)
     ap.add_argument("--gguf", default=None)
