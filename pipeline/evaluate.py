@@ -137,8 +137,13 @@ def main() -> None:
         plot_memory_curve(curves, plots / "cache_memory.png")
         metric = "pass_at_1" if problems else "quote_accuracy"
         plot_accuracy_vs_budget({n: [(p.budget, m[metric])] for n, m in results.items() if metric in m}, plots / "accuracy_vs_budget.png", metric)
+        # one child run per policy, same metric names in each: MLflow charts a metric across policies
+        # and budgets; the parent keeps the stage's own figures and the artifacts
         for name, m in results.items():
-            run.metrics(m, prefix=f"{name}.")
+            cls = policy_class(name)
+            kind = "ceiling" if cls.oracle else "trained" if name in p.train.policies else "rule" if cls.evicts else "reference"
+            with run.child(name, {"policy": name, **common}, tags={"policy": name, "kind": kind}) as child:
+                child.metrics(m)
         run.metrics({"budget": p.budget, "eval_tokens": eval_tokens})
         run.artifact(args.out)
         run.artifact(plots)

@@ -118,7 +118,9 @@ def main() -> None:
             finish_run(resume_dir, out, cfg.steps)  # out/last.ckpt whole, then the resume folder goes
         except CheckpointError as err:
             fail(str(err))
-        run.metrics({k: v for k, v in metrics.items() if k != "policy"}, prefix="final/")
+        # the curves (train/*) are the run's metrics; the run's totals are bookkeeping: tags, and the JSON
+        run.metrics({"tokens_per_s": metrics["tokens_per_s"]})
+        run.tags({k: metrics[k] for k in ("steps", "seconds", "devices", "precision", "resumed_from_step")})
     console.print(metrics)
 
 

@@ -78,6 +78,32 @@ def test_pipeline_end_to_end(tiny_qwen3_dir, tmp_path):
     assert filt["train"]["kept"] > 0 and filt["eval"]["quote_tokens"] > 0
     train = json.loads((tmp_path / "metrics/train/kvpop_mlp.json").read_text())
     assert train["steps"] == 2 and train["decisions"] > 0
+    check_tracking(tmp_path / "mlflow.db", ev)
+
+
+def check_tracking(db: Path, ev: dict) -> None:
+    """The MLflow store: one child run per evaluated policy under the evaluate run, with ``policy`` and
+    ``budget`` params and the same metric names, so one metric charts across policies (and budgets)."""
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{db}")
+    runs = mlflow.search_runs(experiment_names=["kvpop"], filter_string="tags.stage = 'evaluate'", output_format="list")
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(parents) == 1 and {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
+    assert not any("." in k for k in parents[0].data.metrics)  # no flattened <policy>.<metric> columns
+    # what the UI's chart of one metric across runs reads: the runs of one budget, by policy
+    chart = mlflow.search_runs(experiment_names=["kvpop"], filter_string="params.budget = '48' and tags.stage = 'evaluate'")
+    chart = chart.dropna(subset=["metrics.quote_accuracy"])
+    got = dict(zip(chart["params.policy"], chart["metrics.quote_accuracy"], strict=True))
+    assert got == pytest.approx({n: m["quote_accuracy"] for n, m in ev["policies"].items()})
+    kinds = {r.data.tags["policy"]: r.data.tags["kind"] for r in children}
+    assert kinds["dense"] == "reference" and kinds["oracle_target"] == "ceiling" and kinds["kvpop_mlp"] == "trained" and kinds["tova"] == "rule"
+    train = mlflow.search_runs(experiment_names=["kvpop"], filter_string="tags.stage = 'train'", output_format="list")
+    assert len(train) == len(POLICIES)
+    for r in train:  # curves and throughput as metrics; the run's bookkeeping as tags
+        assert "train/kl" in r.data.metrics and "tokens_per_s" in r.data.metrics and not any(k.startswith("final/") for k in r.data.metrics)
+        assert r.data.tags["devices"] == "1" and r.data.tags["steps"] == "2"
 
 
 def test_bad_params_stop_before_any_work(tmp_path):

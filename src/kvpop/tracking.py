@@ -63,14 +63,27 @@ def stage_run(stage: str, params: Mapping[str, Any], run_name: str | None = None
     mlflow.set_experiment(EXPERIMENT)
     with mlflow.start_run(run_name=run_name or stage, tags={"stage": stage, "dvc_exp": experiment_tag()}) as run:
         mlflow.log_params(_flatten(params))
-        yield StageRun(run.info.run_id)
+        yield StageRun(run.info.run_id, stage)
 
 
 class StageRun:
     """Handle of the active stage run."""
 
-    def __init__(self, run_id: str):
+    def __init__(self, run_id: str, stage: str = ""):
         self.run_id = run_id
+        self.stage = stage
+
+    @contextlib.contextmanager
+    def child(self, name: str, params: Mapping[str, Any], tags: Mapping[str, str] | None = None) -> Iterator[StageRun]:
+        """A child run under this one (MLflow's nested runs: the UI folds them under the parent), e.g.
+        one per evaluated policy, so that a metric of the same name can be charted across policies
+        and experiments. Tagged like the parent (``stage``, ``dvc_exp``) plus ``tags``."""
+        import mlflow
+
+        all_tags = {"stage": self.stage, "dvc_exp": experiment_tag(), **(tags or {})}
+        with mlflow.start_run(run_name=name, nested=True, parent_run_id=self.run_id, tags=all_tags) as run:
+            mlflow.log_params(_flatten(params))
+            yield StageRun(run.info.run_id, self.stage)
 
     def metrics(self, metrics: Mapping[str, Any], step: int | None = None, prefix: str = "") -> None:
         import mlflow
@@ -78,6 +91,12 @@ class StageRun:
         flat = {k: float(v) for k, v in _flatten(metrics, prefix).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if flat:
             mlflow.log_metrics(flat, step=step)
+
+    def tags(self, tags: Mapping[str, Any]) -> None:
+        """Bookkeeping a reader looks up but never charts (devices, seconds, resumed_from_step)."""
+        import mlflow
+
+        mlflow.set_tags({k: str(v) for k, v in _flatten(tags).items()})
 
     def artifact(self, path: str | Path) -> None:
         import mlflow
