@@ -26,15 +26,19 @@ def params(path: str = "params.yaml") -> Params:
         raise SystemExit(2) from None
 
 
-def write_json(path: str | Path, obj) -> None:
-    """Write JSON atomically: a reader never sees a half-written file."""
+def write_text(path: str | Path, text: str) -> None:
+    """Write a file atomically: a reader never sees a half-written file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
     with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
+        f.write(text)
     os.replace(tmp, path)
+
+
+def write_json(path: str | Path, obj) -> None:
+    """Write JSON atomically."""
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def fail(msg: str, code: int = 1):

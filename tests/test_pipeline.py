@@ -119,3 +119,49 @@ def test_missing_input_is_a_clear_error(tmp_path):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(micro_params("embedded")))
     res = subprocess.run([sys.executable, str(ROOT / "pipeline" / "pack.py")], cwd=tmp_path, capture_output=True, text=True)
     assert res.returncode == 1 and "data/filtered/train.jsonl" in res.stderr
+
+
+def dvc_repo(tmp_path: Path, base_source: str) -> tuple[Path, dict]:
+    """A git + DVC repository holding this checkout's pipeline on the micro configuration, committed."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copy(ROOT / "dvc.yaml", repo)
+    for d in ("pipeline", "src"):
+        shutil.copytree(ROOT / d, repo / d, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    (repo / "params.yaml").write_text(yaml.safe_dump(micro_params(base_source), sort_keys=False))
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    for cmd in (["git", "init", "-q"], ["dvc", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "micro"]):
+        subprocess.run(cmd, cwd=repo, env=env, check=True, capture_output=True)
+    return repo, env
+
+
+def snapshot(repo: Path) -> dict[str, bytes]:
+    """Every file of the workspace but git's and DVC's own bookkeeping."""
+    skip = (".git", ".dvc")
+    return {str(p.relative_to(repo)): p.read_bytes() for p in repo.rglob("*") if p.is_file() and p.relative_to(repo).parts[0] not in skip}
+
+
+@pytest.mark.slow
+def test_bad_exp_params_touch_nothing(tiny_qwen3_dir, tmp_path):
+    """``dvc exp run -S`` with an impossible value, a zero window or an unknown key: it fails naming the
+    key, and every output and params.yaml stay exactly as they were (the validate stage runs first)."""
+    dvc = [str(Path(sys.executable).parent / "dvc")]
+    repo, env = dvc_repo(tmp_path, str(tiny_qwen3_dir))
+    res = subprocess.run([*dvc, "repro", "-q"], cwd=repo, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    subprocess.run(["git", "add", "-A"], cwd=repo, env=env, check=True)
+    subprocess.run(["git", "commit", "-qm", "repro"], cwd=repo, env=env, check=True)
+    before = snapshot(repo)
+    assert "models/export/kvpop_mlp/model.safetensors" in before and "metrics/eval.json" in before
+    # an unknown key: DVC itself refuses it without "+"; with "+" it reaches the validate stage
+    cases = (("budget=30", "budget"), ("window=0", "window"), ("train.no_such_key=1", "no_such_key"), ("+train.no_such_key=1", "train.no_such_key"))
+    for override, key in cases:
+        res = subprocess.run([*dvc, "exp", "run", "-S", override], cwd=repo, env=env, capture_output=True, text=True)
+        out = res.stdout + res.stderr
+        assert res.returncode != 0 and key in out, out[-3000:]
+        after = snapshot(repo)
+        assert after["params.yaml"] == before["params.yaml"], override
+        assert after == before, (override, sorted(k for k in after.keys() | before.keys() if after.get(k) != before.get(k)))

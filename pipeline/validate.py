@@ -1,0 +1,155 @@
+"""Stage validate: params.yaml is checked before any stage whose outputs DVC would clear.
+
+DVC deletes a stage's outputs just before it runs the stage's command, so a stage that finds a bad
+param itself has already lost the previous run's outputs. This stage comes first: ``base_model``
+(and through it every stage) depends on its marker ``data/params.valid``, so a bad value stops
+``dvc repro`` here with the key named, before anything is deleted. The marker is persistent and its
+content never changes, so a valid change of params re-runs only the stages that read it.
+
+Inside ``dvc exp run -S key=value`` DVC has written the experiment's values into params.yaml before
+this runs, and leaves them there when the run fails. When they are invalid, this stage puts the
+keys the command line set back to their values at the experiment's baseline commit, so params.yaml
+is as it was (byte for byte when nothing else in it had changed since that commit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from kvpop.config import ParamsError, load_params
+
+from common import console, write_text
+
+MARKER = "params.yaml is valid (kvpop.config.Params)\n"
+
+
+def set_param_keys(argv: list[str]) -> list[str] | None:
+    """The params keys a ``dvc exp run`` command line sets (``-S``/``--set-param``), or None if argv
+    is not one. ``params.yaml:a.b=1``, ``+a.b=1``, ``~a.b`` -> ``a.b``."""
+    try:
+        i = argv.index("exp")
+    except ValueError:
+        return None
+    if argv[i + 1 : i + 2] != ["run"]:
+        return None
+    values, it = [], iter(argv[i + 2 :])
+    for arg in it:
+        if arg in ("-S", "--set-param"):
+            values.append(next(it, ""))
+        elif arg.startswith("--set-param="):
+            values.append(arg.partition("=")[2])
+        elif arg.startswith("-S"):
+            values.append(arg[2:])
+    keys = []
+    for v in values:
+        file, colon, rest = v.partition(":")
+        if colon and "=" not in file and file != "params.yaml":
+            continue  # another params file
+        override = rest if colon and "=" not in file else v
+        keys.append(override.partition("=")[0].lstrip("+~"))
+    return keys
+
+
+def exp_run_overrides() -> list[str] | None:
+    """The ``-S`` keys of the ``dvc exp run`` that started this process (its nearest ancestor that
+    is one), or None outside one (or where /proc does not tell)."""
+    pid = os.getppid()
+    for _ in range(16):
+        proc = Path(f"/proc/{pid}")
+        try:
+            argv = [a.decode(errors="replace") for a in (proc / "cmdline").read_bytes().split(b"\0") if a]
+            stat = (proc / "stat").read_text()
+        except OSError:
+            return None
+        keys = set_param_keys(argv)
+        if keys is not None:
+            return keys
+        pid = int(stat.rpartition(")")[2].split()[1])  # the field after the state: the parent
+        if pid <= 1:
+            return None
+    return None
+
+
+def revert_keys(current: dict, baseline: dict, keys: list[str]) -> dict:
+    """``current`` with each dotted key set back to its value in ``baseline`` (removed where the
+    baseline has none)."""
+    out = yaml.safe_load(yaml.safe_dump(current))  # a deep copy
+    for key in keys:
+        parts = key.split(".")
+        src, dst = baseline, out
+        for part in parts[:-1]:
+            src = src.get(part, {}) if isinstance(src, dict) else {}
+            if not isinstance(dst.get(part), dict):
+                dst = None
+                break
+            dst = dst[part]
+        if dst is None:
+            continue
+        if isinstance(src, dict) and parts[-1] in src:
+            dst[parts[-1]] = src[parts[-1]]
+        else:
+            dst.pop(parts[-1], None)
+    return out
+
+
+def restore_params(path: Path, baseline_rev: str, keys: list[str]) -> str:
+    """Put the keys an experiment set back to ``baseline_rev``'s values; returns what was done."""
+    git = subprocess.run(["git", "show", f"{baseline_rev}:./{path.name}"], capture_output=True, text=True, cwd=path.parent)
+    if git.returncode != 0:
+        return f"params.yaml keeps the experiment's values (no {path.name} at the baseline {baseline_rev[:7]})"
+    baseline_text = git.stdout
+    current = yaml.safe_load(path.read_text()) or {}
+    reverted = revert_keys(current, yaml.safe_load(baseline_text) or {}, keys)
+    if reverted == yaml.safe_load(baseline_text):
+        write_text(path, baseline_text)  # as committed, formatting and comments included
+        return f"params.yaml restored as at the baseline {baseline_rev[:7]}"
+    from ruamel.yaml import YAML  # DVC's own YAML library: keeps comments and layout
+
+    ry = YAML()
+    doc = ry.load(path.read_text())
+    for key in keys:  # reverted holds the target values; write only these keys
+        parts = key.split(".")
+        src, dst = reverted, doc
+        for part in parts[:-1]:
+            src, dst = src.get(part, {}), dst.get(part) if hasattr(dst, "get") else None
+        if dst is None:
+            continue
+        if parts[-1] in src:
+            dst[parts[-1]] = src[parts[-1]]
+        elif parts[-1] in dst:
+            del dst[parts[-1]]
+    buf = io.StringIO()
+    ry.dump(doc, buf)
+    write_text(path, buf.getvalue())
+    return f"the keys {', '.join(keys)} of params.yaml set back to their values at the baseline {baseline_rev[:7]}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--out", default="data/params.valid")
+    args = ap.parse_args()
+    path = Path(args.params).resolve()
+    try:
+        load_params(path)
+    except ParamsError as err:
+        console.print(f"[bold red]{err}")
+        rev, keys = os.environ.get("DVC_EXP_BASELINE_REV"), exp_run_overrides()
+        if rev and keys:
+            console.print(restore_params(path, rev, keys))
+        console.print("nothing else was run or deleted")
+        raise SystemExit(2) from None
+    out = Path(args.out)
+    if not out.is_file() or out.read_text() != MARKER:
+        write_text(out, MARKER)
+    console.print(f"{args.params}: valid")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""pipeline/validate.py: which keys a `dvc exp run` set, and putting them back after a bad run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "pipeline"))
+
+from validate import restore_params, revert_keys, set_param_keys  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("argv", "keys"),
+    [
+        (["dvc", "exp", "run", "-S", "budget=100"], ["budget"]),
+        (["/x/bin/dvc", "exp", "run", "-Swindow=0", "--set-param", "train.steps=3", "--set-param=+train.x=1"], ["window", "train.steps", "train.x"]),
+        (["dvc", "exp", "run", "-S", "params.yaml:seed=1", "-S", "other.yaml:a=1", "-S", "~train.tau"], ["seed", "train.tau"]),
+        (["dvc", "exp", "run", "-S", "filter.synthetic.min_chars=1:2"], ["filter.synthetic.min_chars"]),  # a colon in the value
+        (["dvc", "exp", "run"], []),
+        (["dvc", "repro"], None),
+        (["python", "pipeline/train.py"], None),
+    ],
+)
+def test_set_param_keys(argv, keys):
+    assert set_param_keys(argv) == keys
+
+
+def test_revert_keys():
+    base = {"budget": 384, "train": {"steps": 16, "tau": 1.0}, "window": 256}
+    cur = {"budget": 100, "train": {"steps": 16, "tau": 2.0, "extra": 1}, "window": 256}
+    assert revert_keys(cur, base, ["budget", "train.extra"]) == {"budget": 384, "train": {"steps": 16, "tau": 2.0}, "window": 256}
+    assert cur["budget"] == 100  # not modified in place
+    assert revert_keys(cur, base, ["no.such.key"]) == cur
+
+
+def git_repo(tmp_path: Path, text: str) -> str:
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin"}
+    (tmp_path / "params.yaml").write_text(text)
+    for cmd in (["git", "init", "-q"], ["git", "add", "params.yaml"], ["git", "commit", "-qm", "base"]):
+        subprocess.run(cmd, cwd=tmp_path, env=env, check=True, capture_output=True)
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+
+
+COMMITTED = "# comment kept\nbudget: 384   # per head\nwindow: 256\ntrain:\n  policies: [kvpop_mlp, kvpop]\n  steps: 16\n"
+
+
+def test_restore_is_byte_exact_when_only_the_experiments_keys_changed(tmp_path):
+    rev = git_repo(tmp_path, COMMITTED)
+    p = tmp_path / "params.yaml"
+    p.write_text("budget: 100\nwindow: 256\ntrain:\n  policies:\n  - kvpop_mlp\n  - kvpop\n  steps: 16\n  x: 1\n")  # as DVC rewrites it
+    assert "as at the baseline" in restore_params(p, rev, ["budget", "train.x"])
+    assert p.read_text() == COMMITTED
+
+
+def test_restore_keeps_the_users_other_uncommitted_edits(tmp_path):
+    rev = git_repo(tmp_path, COMMITTED)
+    p = tmp_path / "params.yaml"
+    p.write_text(COMMITTED.replace("steps: 16", "steps: 99").replace("budget: 384", "budget: 100"))  # steps: the user's own edit
+    assert "set back" in restore_params(p, rev, ["budget"])
+    got = p.read_text()
+    assert yaml.safe_load(got) == {**yaml.safe_load(COMMITTED), "train": {"policies": ["kvpop_mlp", "kvpop"], "steps": 99}}
+    assert "# comment kept" in got
+
+
+def test_restore_without_a_baseline_file_changes_nothing(tmp_path):
+    rev = git_repo(tmp_path, COMMITTED)
+    other = tmp_path / "sub"
+    other.mkdir()
+    p = other / "params.yaml"
+    p.write_text("budget: 100\n")
+    assert "keeps the experiment's values" in restore_params(p, rev, ["budget"])
+    assert p.read_text() == "budget: 100\n"
