@@ -4,7 +4,8 @@ DVC deletes a stage's outputs just before it runs the stage's command, so a stag
 param itself has already lost the previous run's outputs. This stage comes first: ``base_model``
 (and through it every stage) depends on its marker ``data/params.valid``, so a bad value stops
 ``dvc repro`` here with the key named, before anything is deleted. The marker is persistent and its
-content never changes, so a valid change of params re-runs only the stages that read it.
+content never changes, so a valid change of params re-runs only the stages that read it. Where an
+earlier run left a base model, the budget is also checked against each trained policy's needs.
 
 Inside ``dvc exp run -S key=value`` DVC has written the experiment's values into params.yaml before
 this runs, and leaves them there when the run fails. When they are invalid, this stage puts the
@@ -27,6 +28,35 @@ from kvpop.config import ParamsError, load_params
 from common import console, write_text
 
 MARKER = "params.yaml is valid (kvpop.config.Params)\n"
+
+
+def policy_errors(p, base: Path) -> list[str]:
+    """What params.yaml alone cannot tell: whether the budget leaves each trained policy a long-range
+    slot, which for ``kvpop`` depends on the model's head dim (its mLSTM state takes slots). Read from
+    the base model of an earlier run (``models/base/config.json``); without one there is no output
+    to lose yet, and the train stage checks it itself."""
+    if not (base / "config.json").is_file():
+        return []
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from kvpop.modeling import model_shape
+    from kvpop.policies import make_policy
+
+    shape = model_shape(SimpleNamespace(config=AutoConfig.from_pretrained(base)))
+    geometry = dict(budget=p.budget, sinks=p.sinks, window=p.window, head_dim=shape["head_dim"])
+    errors = []
+    for name in p.train.policies:
+        pol = make_policy(name, **{k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}, scorer_hidden=p.train.scorer_hidden)
+        try:
+            k = pol.long_range_slots(**geometry)
+        except ValueError as err:
+            errors.append(f"  budget: {err} (train.policies: {name})")
+            continue
+        if k <= 0:
+            errors.append(f"  budget: {p.budget} leaves {name} no long-range slot (sinks {p.sinks}, window {p.window})")
+    return errors
 
 
 def set_param_keys(argv: list[str]) -> list[str] | None:
@@ -134,10 +164,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--out", default="data/params.valid")
+    ap.add_argument("--base", default="models/base", help="an earlier run's base model, if any (for policy_errors)")
     args = ap.parse_args()
     path = Path(args.params).resolve()
     try:
-        load_params(path)
+        errors = policy_errors(load_params(path), Path(args.base))
+        if errors:
+            raise ParamsError("invalid params for the trained policies:\n" + "\n".join(errors))
     except ParamsError as err:
         console.print(f"[bold red]{err}")
         rev, keys = os.environ.get("DVC_EXP_BASELINE_REV"), exp_run_overrides()
