@@ -18,11 +18,11 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpop import tracking
-from kvpop.evaluate import Candidate, evaluate_fidelity, score_positions
+from kvpop.evaluate import Candidate, evaluate_fidelity, keep_map, score_positions
 from kvpop.export import CheckpointError, load_export
 from kvpop.filter import read_jsonl
 from kvpop.modeling import load_model, model_shape
-from kvpop.plots import plot_accuracy_vs_budget, plot_memory_curve
+from kvpop.plots import plot_accuracy_vs_budget, plot_keep_map, plot_memory_curve
 from kvpop.policies import make_policy, policy_class
 from kvpop.rollouts import BenchmarkUnavailable, Problem, chat_prompt_ids, load_benchmark, memory_curve, pass_at_1, rollout_problems
 
@@ -56,6 +56,22 @@ def candidates(p, base: str, exports: Path, precision: str):
             fail(f"{exports / name} holds policy {pol.name!r}, not {name!r}")
         out.append(Candidate(name, model.eval(), pol))
     return teacher, tok, out
+
+
+def plot_keep_maps(cands, record: dict, path: Path, *, budget: int, sinks: int, window: int) -> None:
+    """The per-head keep map of every policy with a full-sequence pattern (dense, the rules without
+    attention, the trained ones; not the oracles, which read the trace's future) on one trace."""
+    ids = torch.tensor(record["input_ids"])[None]
+    maps = {}
+    for c in cands:
+        if c.policy.oracle or c.policy.needs_attention:
+            continue
+        k = c.policy.long_range_slots(budget=budget, sinks=sinks, window=window, head_dim=model_shape(c.model)["head_dim"])
+        maps[c.name] = keep_map(c.model, c.policy, ids, sinks=sinks, window=window, long_range=k)
+    marks = {"definitions": record.get("quote_source_positions", []), "quotes": record.get("quote_positions", [])}
+    plot_keep_map(maps, path, marks={k: v for k, v in marks.items() if v},
+                  title=f"KV entries kept per layer and head over one held-out trace ({ids.shape[1]} tokens, budget {budget}); "
+                        "colour: share of the rest of the trace a token stays cached")
 
 
 def main() -> None:
@@ -105,7 +121,7 @@ def main() -> None:
                 r = pass_at_1(c.model, tok, c.policy, problems, n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
                               max_new_tokens=rc.max_new_tokens, seed=p.seed, **common)
                 results[c.name].update(pass_at_1=r["pass_at_1"], peak_cache_mb=r["peak_cache_mb"], tokens_per_s=r["tokens_per_s"])
-            curves[c.name] = memory_curve(c.model, tok, c.policy, curve_prompt, lengths=cfg.memory_lengths, **common)
+            curves[c.name] = memory_curve(c.model, tok, c.policy, curve_prompt, lengths=cfg.memory_lengths, rows=rc.n, **common)
         dense_p1 = results.get("dense", {}).get("pass_at_1")
         for m in results.values():
             if "pass_at_1" in m:
@@ -135,8 +151,13 @@ def main() -> None:
         points = [{"budget": p.budget, "policy": n, **m} for n, m in results.items()]
         write_json(plots / "budget_points.json", points)  # DVC plot: compare budgets across experiments
         plot_memory_curve(curves, plots / "cache_memory.png")
-        metric = "pass_at_1" if problems else "quote_accuracy"
-        plot_accuracy_vs_budget({n: [(p.budget, m[metric])] for n, m in results.items() if metric in m}, plots / "accuracy_vs_budget.png", metric)
+        say("keep map: which positions each layer's KV heads keep over the first held-out trace")
+        plot_keep_maps(cands, fid_records[0], plots / "keep_map.png", budget=p.budget, sinks=p.sinks, window=p.window)
+        # long-range quote accuracy vs budget, this run's points over every earlier experiment's (MLflow)
+        history = tracking.evaluated_points("quote_accuracy")
+        for n, m in results.items():
+            history.setdefault(n, {})[p.budget] = m["quote_accuracy"]
+        plot_accuracy_vs_budget({n: sorted(pts.items()) for n, pts in history.items()}, plots / "accuracy_vs_budget.png", "quote_accuracy")
         # one child run per policy, same metric names in each: MLflow charts a metric across policies
         # and budgets; the parent keeps the stage's own figures and the artifacts
         for name, m in results.items():

@@ -53,7 +53,7 @@ def test_pipeline_end_to_end(tiny_qwen3_dir, tmp_path):
         "models/base/tokenizer.json", "models/base/tokenizer_config.json", "models/base/chat_template.jinja",
         "metrics/base_model.json", "data/filtered/train.jsonl", "data/filtered/eval.jsonl", "metrics/filter.json",
         "data/packed/train.safetensors", "metrics/pack.json", "metrics/eval.json",
-        "plots/cache_memory.png", "plots/accuracy_vs_budget.png", "plots/budget_points.json",
+        "plots/cache_memory.png", "plots/accuracy_vs_budget.png", "plots/keep_map.png", "plots/budget_points.json",
     }
     for pol in POLICIES:
         expected |= {f"models/train/{pol}/last.ckpt", f"metrics/train/{pol}.json"}
@@ -92,6 +92,8 @@ def check_tracking(db: Path, ev: dict) -> None:
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
     assert len(parents) == 1 and {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
     assert not any("." in k for k in parents[0].data.metrics)  # no flattened <policy>.<metric> columns
+    logged = {a.path for a in mlflow.MlflowClient().list_artifacts(parents[0].info.run_id, "plots")}
+    assert {"plots/keep_map.png", "plots/cache_memory.png", "plots/accuracy_vs_budget.png"} <= logged
     # what the UI's chart of one metric across runs reads: the runs of one budget, by policy
     chart = mlflow.search_runs(experiment_names=["kvpop"], filter_string="params.budget = '48' and tags.stage = 'evaluate'")
     chart = chart.dropna(subset=["metrics.quote_accuracy"])

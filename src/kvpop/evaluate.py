@@ -115,6 +115,39 @@ def _forward(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: in
     return logits, {key: [t[i] for i in sorted(t)] for key, t in ctx.targets.items()}
 
 
+@dataclass
+class EvictionCapture(SparseContext):
+    """A policy's forward that also records each layer's eviction times ``evict[layer]`` (B, Hk, S):
+    token ``j`` is attendable by queries ``j .. evict - 1`` (``NEVER``: to the end)."""
+
+    evict: dict[int, Tensor] = field(default_factory=dict)
+
+    def evictions(self, layer: int, k: Tensor, v: Tensor):
+        evict, scores = super().evictions(layer, k, v)
+        self.evict[layer] = evict
+        return evict, scores
+
+
+@torch.no_grad()
+def keep_map(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: int, long_range: int) -> Tensor:
+    """Which positions each layer's KV heads keep over one trace (1, S) under ``policy``, from the
+    training forward's own eviction times: (L, Hk, S) float in [0, 1], the share of its remaining
+    trace that token ``j`` stayed attendable, ``(min(evict_j, S) - j) / (S - j)``; 1 = kept to the end."""
+    S = input_ids.shape[1]
+    pos = torch.arange(S, device=input_ids.device)[None]
+    ctx = EvictionCapture.for_rows(policy, torch.zeros_like(pos), pos, sinks=sinks, window=window, long_range=long_range,
+                                   executor="flex" if input_ids.is_cuda else "sdpa")
+    model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx)
+    if not ctx.evict:  # a policy that never evicts runs no eviction step
+        L = model.config.num_hidden_layers
+        return torch.ones(L, model.config.num_key_value_heads, S)
+    evict = torch.stack([ctx.evict[i][0] for i in sorted(ctx.evict)]).clamp(max=S).float().cpu()  # (L, Hk, S)
+    j = torch.arange(S, dtype=torch.float32)
+    keep = ((evict - j) / (S - j)).clamp(0, 1)
+    keep[..., :sinks] = 1.0  # sinks are never evicted, whatever their eviction time says
+    return keep
+
+
 @torch.no_grad()
 def teacher_targets(model, input_ids: Tensor, *, window: int, target: str = "mean", target_beta: float = 8.0, length: int | None = None) -> list[Tensor]:
     """The training target (kind ``target``) of every layer from the dense ``model`` on one trace (1, S):

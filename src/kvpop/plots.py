@@ -1,16 +1,32 @@
-"""Small PNG plots for the evaluate stage (matplotlib, Agg backend, one line per policy)."""
+"""Small PNG plots for the evaluate stage (matplotlib, Agg backend): curves with one line per policy
+(identical curves share one line, named together), and the per-head keep map."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 _FIGSIZE = (5.0, 3.4)
 _DPI = 110
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_STYLES = ("-", "--", "-.", ":")
+
+
+def shared_lines(series: Mapping[str, Sequence[tuple[float, float]]]) -> list[tuple[tuple[tuple[float, float], ...], list[str]]]:
+    """(sorted points, names) per distinct curve: identical curves (every bounded cache at one budget
+    holds the same memory) become one line named after all of them; empty ones are left out."""
+    groups: dict[tuple, list[str]] = {}
+    for name, points in sorted(series.items()):
+        pts = tuple(sorted((float(x), float(y)) for x, y in points))
+        if pts:
+            groups.setdefault(pts, []).append(name)
+    return list(groups.items())
 
 
 def _line_plot(
-    series: Mapping[str, Sequence[tuple[float, float]]], path: str | Path, *, xlabel: str, ylabel: str, title: str
+    series: Mapping[str, Sequence[tuple[float, float]]], path: str | Path, *, xlabel: str, ylabel: str, title: str,
+    zero_based: bool = False,
 ) -> Path:
     # the Agg canvas directly, no pyplot: no global backend switch, safe in threads and loops
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -21,14 +37,14 @@ def _line_plot(
     fig = Figure(figsize=_FIGSIZE, dpi=_DPI)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for name, points in sorted(series.items()):
-        pts = sorted((float(x), float(y)) for x, y in points)
-        if not pts:
-            continue
+    for i, (pts, names) in enumerate(shared_lines(series)):
         xs, ys = zip(*pts, strict=True)
-        ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.5, label=name)
+        ax.plot(xs, ys, marker=_MARKERS[i % len(_MARKERS)], linestyle=_STYLES[i % len(_STYLES)], markersize=4, linewidth=1.5,
+                label=", ".join(names) if len(names) < 4 else f"{', '.join(names[:3])} +{len(names) - 3} (same)")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
+    if zero_based:
+        ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     if ax.lines:
@@ -39,8 +55,10 @@ def _line_plot(
 
 
 def plot_memory_curve(curves: Mapping[str, Sequence[tuple[int, float]]], path: str | Path) -> Path:
-    """Cache memory (MiB) vs generated length, one line per policy (from :func:`kvpop.rollouts.memory_curve`)."""
-    return _line_plot(curves, path, xlabel="generated tokens", ylabel="KV cache (MiB)", title="Cache memory vs generated length")
+    """Cache memory (MiB) vs generated length, one line per policy (from :func:`kvpop.rollouts.memory_curve`);
+    the y axis starts at zero."""
+    return _line_plot(curves, path, xlabel="generated tokens", ylabel="KV cache (MiB)", title="Cache memory vs generated length",
+                      zero_based=True)
 
 
 def plot_accuracy_vs_budget(
@@ -49,3 +67,40 @@ def plot_accuracy_vs_budget(
     """``metric_name`` vs KV budget, one line per policy; ``points`` may merge the current run with
     earlier experiments' metrics (several budgets per policy)."""
     return _line_plot(points, path, xlabel="KV budget (tokens)", ylabel=metric_name, title=f"{metric_name} vs budget")
+
+
+def plot_keep_map(maps: Mapping[str, Any], path: str | Path, *, marks: Mapping[str, Sequence[int]] | None = None, title: str = "") -> Path:
+    """One panel per policy: rows are (layer, KV head), columns positions of one trace, the colour the
+    share of its remaining trace a token stayed in that head's cache (:func:`kvpop.evaluate.keep_map`;
+    1 = kept to the end). ``marks``: positions to tick above the panels, e.g. ``definitions`` (the
+    sources the quotes copy) and ``quotes``."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = list(maps)
+    fig = Figure(figsize=(9.0, 1.1 + 1.6 * max(1, len(names))), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(max(1, len(names)), 1, sharex=True, squeeze=False)[:, 0]
+    colours = ("tab:red", "tab:orange", "tab:green")
+    image = None
+    for ax, name in zip(axes, names, strict=False):
+        m = maps[name]
+        m = m.reshape(-1, m.shape[-1]).float().numpy() if hasattr(m, "reshape") else m  # (L * Hk, S)
+        image = ax.imshow(m, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0.0, vmax=1.0)
+        ax.set_ylabel(f"{name}\nlayer x head", fontsize=7)
+        ax.set_yticks([])
+        for i, (label, xs) in enumerate((marks or {}).items()):
+            rows = m.shape[0]
+            ax.vlines(list(xs), -0.5 - 0.06 * rows * (i + 1), -0.5 - 0.06 * rows * i, colors=colours[i % 3], linewidth=1.0,
+                      label=label if ax is axes[0] else None, clip_on=False)
+    axes[-1].set_xlabel("position in the trace")
+    if marks:
+        axes[0].legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(marks), fontsize=7, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=9, x=0.01, ha="left")
+    if image is not None:
+        fig.colorbar(image, ax=list(axes), shrink=0.8, label="share of the rest of the trace kept")
+    fig.savefig(path, format="png")
+    return path

@@ -317,10 +317,13 @@ def memory_curve(
     sinks: int,
     window: int,
     lengths: Iterable[int],
+    rows: int = 1,
 ) -> list[tuple[int, float]]:
     """Allocated cache memory (MiB) after generating each of ``lengths`` tokens (0: after the
-    prefill): one greedy decode of ``max(lengths)`` tokens (no EOS stop) on the policy's reference
-    cache (a DynamicCache for dense, which allocates as it grows). Dense grows linearly with the sequence; a bounded cache stays flat."""
+    prefill): one greedy decode of ``max(lengths)`` tokens (no EOS stop) of ``rows`` copies of the
+    prompt (a batch, as :func:`pass_at_1` decodes its rollouts, so the two report the same memory)
+    on the policy's reference cache (a DynamicCache for dense, which allocates as it grows). Dense
+    grows linearly with the sequence; a bounded cache stays flat."""
     lengths = sorted(set(int(x) for x in lengths))
     if not lengths or lengths[0] < 0:
         raise ValueError(f"lengths must be non-negative and non-empty, got {lengths}")
@@ -328,7 +331,7 @@ def memory_curve(
     device = model_device(model)
     policy.to(device)
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
-    ids = ids[None] if ids.dim() == 1 else ids[:1]
+    ids = (ids[None] if ids.dim() == 1 else ids[:1]).expand(rows, -1)
     cache = new_cache(model, policy, budget=budget, sinks=sinks, window=window)
     logits = model(input_ids=ids, past_key_values=cache).logits[:, -1]
     want = set(lengths)

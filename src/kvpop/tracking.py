@@ -112,3 +112,24 @@ class StageRun:
         from lightning.pytorch.loggers import MLFlowLogger
 
         return MLFlowLogger(experiment_name=EXPERIMENT, tracking_uri=tracking_uri(), run_id=self.run_id, log_model=False)
+
+
+def evaluated_points(metric: str, *, stage: str = "evaluate") -> dict[str, dict[int, float]]:
+    """``{policy: {budget: value}}`` of ``metric`` from every earlier evaluate run's child runs in
+    the store (every experiment, every budget); where several runs evaluated a policy at one budget,
+    the latest counts. Empty when the store holds none (or cannot be read)."""
+    import mlflow
+
+    _quiet()
+    mlflow.set_tracking_uri(tracking_uri())
+    try:
+        runs = mlflow.search_runs(experiment_names=[EXPERIMENT], filter_string=f"tags.stage = '{stage}'", output_format="list",
+                                  order_by=["attributes.start_time ASC"])
+    except Exception:  # noqa: BLE001 - a missing or foreign store: nothing earlier to show
+        return {}
+    out: dict[str, dict[int, float]] = {}
+    for r in runs:
+        policy, budget, value = r.data.params.get("policy"), r.data.params.get("budget"), r.data.metrics.get(metric)
+        if policy is not None and budget is not None and value is not None:
+            out.setdefault(policy, {})[int(budget)] = float(value)  # later runs overwrite earlier ones
+    return out
