@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -24,6 +25,47 @@ def params(path: str = "params.yaml") -> Params:
     except ParamsError as err:
         console.print(f"[bold red]{err}")
         raise SystemExit(2) from None
+
+
+class Progress:
+    """Progress of one stage step with elapsed time and ETA: a rich bar on a terminal, else (DVC
+    under CI, a log file) one line per ``every`` updates and at the end. ``update(done, **fields)``."""
+
+    def __init__(self, description: str, total: int, every: int = 1):
+        self.description, self.total, self.every = description, max(1, total), max(1, every)
+        self.t0 = time.monotonic()
+        self.bar = None
+        if console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import Progress as RichProgress
+
+            self.bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                    TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=console)
+            self.task = self.bar.add_task(description, total=self.total, info="")
+
+    def __enter__(self) -> Progress:
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def update(self, done: int, **fields) -> None:
+        info = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done, info=info)
+        elif done % self.every == 0 or done >= self.total:
+            elapsed = time.monotonic() - self.t0
+            eta = elapsed / max(done, 1) * (self.total - done)
+            console.print(f"{self.description} {done}/{self.total} [{_clock(elapsed)} elapsed, eta {_clock(eta)}] {info}".rstrip(),
+                          highlight=False)
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"
 
 
 def write_text(path: str | Path, text: str) -> None:

@@ -14,8 +14,6 @@ import argparse
 from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
 from kvpop import tracking
 from kvpop.evaluate import Candidate, evaluate_fidelity, keep_map, score_positions
@@ -25,8 +23,9 @@ from kvpop.modeling import load_model, model_shape
 from kvpop.plots import plot_accuracy_vs_budget, plot_keep_map, plot_memory_curve
 from kvpop.policies import make_policy, policy_class
 from kvpop.rollouts import BenchmarkUnavailable, Problem, chat_prompt_ids, load_benchmark, memory_curve, pass_at_1, rollout_problems
+from report import print_table
 
-from common import console, fail, params, write_json
+from common import Progress, console, fail, params, write_json
 
 
 def candidates(p, base: str, exports: Path, precision: str):
@@ -102,7 +101,8 @@ def main() -> None:
         say = lambda msg: console.print(msg, highlight=False)  # noqa: E731
         say(f"[bold]evaluate[/]: budget {p.budget}, policies {[c.name for c in cands]}")
         say(f"fidelity on {len(fid_records)} traces ({min(lengths)}-{max(lengths)} tokens)")
-        results = evaluate_fidelity(fid_records, teacher, cands, **common, progress=lambda i, n: say(f"  trace {i}/{n}"))
+        with Progress("fidelity: traces", len(fid_records)) as bar:
+            results = evaluate_fidelity(fid_records, teacher, cands, **common, progress=lambda i, n: bar.update(i))
 
         rc = cfg.rollouts
         # prefer prompts longer than the budget (eviction happens); a budget above every prompt uses them all
@@ -113,15 +113,16 @@ def main() -> None:
             )
         curve_prompt = problems[0].prompt_ids if problems else records[0]["input_ids"]
         curves = {}
-        for c in cands:
-            if c.policy.oracle:  # ceilings read the trace's future: teacher-forced metrics only
-                continue
-            if problems:
-                say(f"rollouts: {c.name} ({len(problems)} problems x {rc.n})")
-                r = pass_at_1(c.model, tok, c.policy, problems, n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
-                              max_new_tokens=rc.max_new_tokens, seed=p.seed, **common)
-                results[c.name].update(pass_at_1=r["pass_at_1"], peak_cache_mb=r["peak_cache_mb"], tokens_per_s=r["tokens_per_s"])
-            curves[c.name] = memory_curve(c.model, tok, c.policy, curve_prompt, lengths=cfg.memory_lengths, rows=rc.n, **common)
+        decoded = [c for c in cands if not c.policy.oracle]  # ceilings read the trace's future: teacher-forced metrics only
+        with Progress(f"rollouts ({len(problems)} problems x {rc.n}) and memory: policies", len(decoded)) as bar:
+            for i, c in enumerate(decoded):
+                bar.update(i, policy=c.name)
+                if problems:
+                    r = pass_at_1(c.model, tok, c.policy, problems, n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
+                                  max_new_tokens=rc.max_new_tokens, seed=p.seed, **common)
+                    results[c.name].update(pass_at_1=r["pass_at_1"], peak_cache_mb=r["peak_cache_mb"], tokens_per_s=r["tokens_per_s"])
+                curves[c.name] = memory_curve(c.model, tok, c.policy, curve_prompt, lengths=cfg.memory_lengths, rows=rc.n, **common)
+            bar.update(len(decoded))
         dense_p1 = results.get("dense", {}).get("pass_at_1")
         for m in results.values():
             if "pass_at_1" in m:
@@ -169,14 +170,7 @@ def main() -> None:
         run.artifact(args.out)
         run.artifact(plots)
 
-    cols = ["kl", "top1_agreement", "quote_accuracy", "pass_at_1", "pass_at_1_relative", "peak_cache_mb", "tokens_per_s"]
-    table = Table(title=f"budget {p.budget}: {eval_tokens} teacher-forced tokens, {len(problems)} x {rc.n} rollouts")
-    table.add_column("policy")
-    for col in cols:
-        table.add_column(col, justify="right")
-    for name, m in results.items():
-        table.add_row(name, *(f"{m[c]:.4g}" if c in m else "-" for c in cols))
-    Console(width=150).print(table)  # the table goes to stdout, progress to stderr
+    print_table(out)  # the table goes to stdout, progress to stderr
 
 
 if __name__ == "__main__":

@@ -29,23 +29,34 @@ from kvpop.pack import load_packed
 from kvpop.resume import ResumeCheckpoint, begin_run, checkpoint_step, find_resume_checkpoint, finish_run
 from kvpop.train import build_training, resolve_precision
 
-from common import console, fail, params, write_json
+from common import Progress, console, fail, params, write_json
 
 #: train keys that do not change the result: a resumed run may differ in them
 _NOT_IN_RESULT = ("policies", "log_every", "checkpoint_every")
 
 
-class StepPrinter(L.Callback):
-    """One line per logged step on stderr when the progress bar cannot draw (logs, CI)."""
+class StepProgress(L.Callback):
+    """The training's progress (rank 0): steps of ``train.steps`` with elapsed time, ETA and the latest
+    logged metrics; a rich bar on a terminal, else one line per ``train.log_every`` steps."""
 
     def __init__(self, every: int):
         self.every = every
+        self.bar: Progress | None = None
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            self.bar = Progress("train", trainer.max_steps, self.every).__enter__()
+            self.bar.update(trainer.global_step)  # a resumed run starts part-way
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        step = trainer.global_step
-        if trainer.is_global_zero and (step % self.every == 0 or step == trainer.max_steps):
-            m = {k.removeprefix("train/"): f"{float(v):.4g}" for k, v in trainer.callback_metrics.items()}
-            console.print(f"step {step}/{trainer.max_steps} " + " ".join(f"{k}={v}" for k, v in m.items()), highlight=False)
+        if self.bar is not None:
+            m = {k.removeprefix("train/"): float(v) for k, v in trainer.callback_metrics.items() if k in ("train/kl", "train/score_loss")}
+            self.bar.update(trainer.global_step, **m)
+
+    def on_train_end(self, trainer, pl_module):
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None
 
 
 def main() -> None:
@@ -65,7 +76,6 @@ def main() -> None:
         fail("train.strategy is 'fsdp' but no CUDA device is visible (Lightning's FSDP needs GPUs)")
 
     from lightning.fabric.utilities.rank_zero import rank_zero_only
-    from lightning.pytorch.callbacks import RichProgressBar
 
     rank0 = rank_zero_only.rank == 0  # set from the environment Lightning gives the ranks it starts
     if not Path(args.data).is_file():
@@ -100,7 +110,8 @@ def main() -> None:
         trainer = training.fit(
             ckpt_path=ckpt,
             logger=run.lightning_logger() if run is not None else False,
-            callbacks=[RichProgressBar() if console.is_terminal else StepPrinter(cfg.log_every), saver],
+            callbacks=[StepProgress(cfg.log_every), saver],
+            enable_progress_bar=False,  # StepProgress: Lightning's bar cannot count a max_steps run over a resumable loader
         )
         if not trainer.is_global_zero:
             return
