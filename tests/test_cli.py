@@ -65,6 +65,39 @@ def test_score_text_and_jsonl(exported, tiny_tokenizer, tmp_path, capsys):
     assert "top1_agreement" in capsys.readouterr().out  # the rich table
 
 
+def test_score_several_policies_and_exports_in_one_process(exported, tiny_llama_dir, tmp_path, capsys):
+    """Rules on the checkpoint's weights and an export with its own, one process, one reference (named);
+    quote accuracy where the rows record quotes (the pipeline's synthetic rows)."""
+    from kvpop.data.synthetic import generate_traces
+
+    rows = tmp_path / "traces.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in generate_traces(2, 0, min_chars=300, max_chars=400, num_values=4, num_recalls=2,
+                                                                          min_quote_distance_chars=100)))
+    argv = ["score", "--checkpoint", str(tiny_llama_dir), "--policy", "dense,streaming_llm,tova", "--export", str(exported),
+            "--budget", "24", "--sinks", "2", "--window", "8", str(rows)]
+    assert main([*argv, "--json"]) == 0
+    out = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    by = {r["policy"]: r for r in out}
+    assert list(by) == ["dense", "streaming_llm", "tova", "kvpop_mlp (export)"]
+    assert by["dense"]["kl"] == pytest.approx(0, abs=1e-9) and by["dense"]["top1_agreement"] == 1
+    assert all(r["quote_tokens"] > 0 and 0 <= r["quote_accuracy"] <= 1 for r in out)
+    assert all(r["reference"] == f"dense attention with the weights of {tiny_llama_dir}" for r in out)
+    assert by["streaming_llm"]["kl"] > 0 and by["kvpop_mlp (export)"]["kl"] > 0
+    # the same export scored as --checkpoint: its own fine-tuned weights are the reference, and it says so
+    assert main(["score", "--checkpoint", str(exported), "--policy", "kvpop_mlp", "--budget", "24", str(rows), "--json"]) == 0
+    assert "the export's fine-tuned weights" in json.loads(capsys.readouterr().out)["reference"]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "quote_accuracy" in table and "reference: dense attention" in table
+    # an export trained for another geometry, an unknown policy, nothing to score: named, exit 2
+    assert main(["score", "--checkpoint", str(tiny_llama_dir), "--export", str(exported), "--budget", "300", str(rows)]) == 2
+    assert "sinks/window 2/8" in capsys.readouterr().err
+    assert main(["score", "--checkpoint", str(tiny_llama_dir), "--policy", "dense,nope", "--budget", "24", str(rows)]) == 2
+    assert "'nope'" in capsys.readouterr().err
+    assert main(["score", "--checkpoint", str(tiny_llama_dir), "--budget", "24", str(rows)]) == 2
+    assert "nothing to score" in capsys.readouterr().err
+
+
 def test_errors_exit_2(exported, tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")

@@ -1,10 +1,13 @@
 """The ``kvpop`` command: generate with a bounded KV cache, or score a policy's fidelity.
 
     kvpop generate --checkpoint DIR --policy NAME --budget N [--prompt TEXT | --prompt-file F]
-    kvpop score    --checkpoint DIR --policy NAME --budget N FILE...
+    kvpop score    --checkpoint DIR [--policy NAME,NAME...] [--export DIR2 ...] --budget N FILE...
 
 ``DIR`` is an export folder (``kvpop.export``; its ``sinks``/``window`` are the defaults) or a
-plain Hugging Face folder (training-free policies only). Usage errors, a missing or corrupt
+plain Hugging Face folder (training-free policies only). ``score`` compares every policy it is
+given in one process against ``DIR``'s dense attention, which it names in its output: for an export
+folder that is the export's fine-tuned weights; to compare trained exports with the base model, give
+the base folder as ``--checkpoint`` and each export with ``--export``. Usage errors, a missing or corrupt
 checkpoint, an unknown policy and an empty input exit with status 2 and a message naming it.
 """
 
@@ -48,10 +51,12 @@ class Loaded:
     sinks: int
     window: int
     budget: int
+    trained: object = None  # an export's own trained policy (None for a plain model folder)
 
 
-def load(args) -> Loaded:
-    """Model, tokenizer and policy from ``--checkpoint``, with the cache geometry."""
+def load(args, policy: str | None = None) -> Loaded:
+    """Model, tokenizer and policy (``policy``, default ``--policy``) from ``--checkpoint``, with the
+    cache geometry."""
     from safetensors import SafetensorError
     from transformers import AutoTokenizer
 
@@ -59,8 +64,9 @@ def load(args) -> Loaded:
     from kvpop.modeling import load_model
     from kvpop.policies import resolve_policy
 
-    if args.policy not in POLICIES:
-        raise UsageError(f"unknown policy {args.policy!r}; known: {', '.join(POLICIES)}")
+    name = policy if policy is not None else args.policy
+    if name not in POLICIES:
+        raise UsageError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
     path = Path(args.checkpoint)
     meta, trained = {}, None
     # what the folder is, and the geometry, before the model loads (which takes seconds)
@@ -72,8 +78,8 @@ def load(args) -> Loaded:
             raise UsageError(f"cannot load checkpoint {path}: {e}") from None
     elif not (path / "config.json").is_file():
         raise UsageError(f"no checkpoint at {path}: neither {META} nor config.json found")
-    elif args.policy in TRAINED:
-        raise UsageError(f"policy {args.policy!r} needs an export folder; {path} is a plain model folder")
+    elif name in TRAINED:
+        raise UsageError(f"policy {name!r} needs an export folder; {path} is a plain model folder")
     sinks = args.sinks if args.sinks is not None else meta.get("sinks", DEFAULT_SINKS)
     window = args.window if args.window is not None else meta.get("window", DEFAULT_WINDOW)
     check_budget(args.budget, sinks, window)
@@ -86,10 +92,10 @@ def load(args) -> Loaded:
     except (CheckpointError, RuntimeError, OSError, ValueError, SafetensorError) as e:
         raise UsageError(f"cannot load checkpoint {path}: {e}") from None
     try:
-        policy = resolve_policy(args.policy, trained)
+        resolved = resolve_policy(name, trained)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    return Loaded(model.eval(), tok, policy, sinks, window, args.budget)
+    return Loaded(model.eval(), tok, resolved, sinks, window, args.budget, trained)
 
 
 def read_prompt(args, tokenizer) -> list[int]:
@@ -107,8 +113,9 @@ def read_prompt(args, tokenizer) -> list[int]:
     return tokenizer(text).input_ids
 
 
-def read_texts(files: list[str], tokenizer) -> list[tuple[str, str]]:
-    """(name, text) per document: a text file is one document; JSONL rows have "text" or chat "messages"."""
+def read_texts(files: list[str]) -> list[tuple[str, str | dict]]:
+    """(name, document) per document: a text file is one text; a JSONL row a "text" string, or a chat
+    row (a dict with "messages", and "metadata" with "quotes" where it records them)."""
     docs = []
     for name in files:
         f = Path(name)
@@ -130,7 +137,7 @@ def read_texts(files: list[str], tokenizer) -> list[tuple[str, str]]:
             if isinstance(rec, dict) and isinstance(rec.get("text"), str):
                 docs.append((f"{f.name}:{i}", rec["text"]))
             elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
-                docs.append((f"{f.name}:{i}", tokenizer.apply_chat_template(rec["messages"], tokenize=False)))
+                docs.append((f"{f.name}:{i}", rec))
             else:
                 raise UsageError(f'{f}:{i}: expected a "text" string or a "messages" list')
     if not docs:
@@ -164,43 +171,94 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def read_records(docs: list[tuple[str, object]], tokenizer) -> list[dict]:
+    """Scored records: every token of a text; the assistant turns of chat rows, with the positions of
+    their quotes where a row records them (``metadata.quotes``, as the pipeline's data does)."""
+    from kvpop.filter import ChatFormatError, format_and_tokenize
+
+    records = []
+    for name, doc in docs:
+        if isinstance(doc, str):
+            ids = tokenizer(doc).input_ids
+            records.append({"input_ids": ids, "loss_mask": [1] * len(ids)})
+            continue
+        meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+        try:
+            t = format_and_tokenize(doc["messages"], tokenizer, quotes=meta.get("quotes") or None)
+        except (ChatFormatError, ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"{name}: {e}") from None
+        records.append({"input_ids": t.input_ids, "loss_mask": t.loss_mask, "quote_positions": t.quote_positions})
+    return [r for r in records if len(r["input_ids"]) >= 2 and any(r["loss_mask"][1:])]
+
+
+def score_candidates(args):
+    """(reference model, tokenizer, geometry, [Candidate]): the ``--policy`` list on ``--checkpoint``'s
+    weights, then each ``--export`` with its own weights and trained policy."""
+    from kvpop.evaluate import Candidate
+    from kvpop.export import CheckpointError, load_export, read_meta
+    from kvpop.policies import resolve_policy
+
+    names = [n.strip() for n in (args.policy or "").split(",") if n.strip()]
+    if not names and not args.export:
+        raise UsageError("nothing to score: give --policy NAME[,NAME...] and/or --export DIR")
+    for n in names:
+        if n not in POLICIES:
+            raise UsageError(f"unknown policy {n!r}; known: {', '.join(POLICIES)}")
+    for d in args.export:  # every export's metadata before any model loads
+        try:
+            read_meta(Path(d))
+        except (CheckpointError, FileNotFoundError) as e:
+            raise UsageError(f"--export {d}: {e}") from None
+    first = load(args, names[0] if names else "dense")  # the checkpoint, once: the reference and the rules' model
+    cands = []
+    for n in names:
+        try:
+            cands.append(Candidate(n, first.model, resolve_policy(n, first.trained)))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    for d in args.export:
+        try:
+            model, _, pol, meta = load_export(Path(d), args.dtype)
+        except (CheckpointError, RuntimeError, OSError, ValueError) as e:
+            raise UsageError(f"--export {d}: {e}") from None
+        if (meta["sinks"], meta["window"]) != (first.sinks, first.window):
+            raise UsageError(f"--export {d} was trained with sinks/window {meta['sinks']}/{meta['window']}; this run uses "
+                             f"{first.sinks}/{first.window} (set --sinks/--window)")
+        cands.append(Candidate(f"{pol.name} ({Path(d).name})", model.eval(), pol))
+    return first, cands
+
+
 def cmd_score(args) -> int:
-    import torch
+    from kvpop.evaluate import evaluate_fidelity
 
-    from kvpop.decode import teacher_forced_logits
-    from kvpop.evaluate import Candidate, evaluate_fidelity, forward_logits
-    from kvpop.policies import Dense
-
-    lo = load(args)
-    docs = read_texts(args.files, lo.tokenizer)
-    records = [{"input_ids": lo.tokenizer(text).input_ids} for _, text in docs]
-    records = [dict(r, loss_mask=[1] * len(r["input_ids"])) for r in records if len(r["input_ids"]) >= 2]
+    first, cands = score_candidates(args)
+    records = read_records(read_texts(args.files), first.tokenizer)
     if not records:
-        raise UsageError("every document is shorter than 2 tokens")
-    device = next(lo.model.parameters()).device
-    geometry = dict(sinks=lo.sinks, window=lo.window)
-    if not lo.policy.needs_attention:  # dense or static priorities: the training-time pattern, whole sequence at once
-        cand = Candidate(lo.policy.name, lo.model, lo.policy.to(device))
-        result = evaluate_fidelity(records, lo.model, [cand], budget=lo.budget, device=device, **geometry)[cand.name]
-    else:  # attention rules exist only at decode time: teacher-forced decoding through the bounded cache
-        kl = agree = n = 0.0
-        for r in records:
-            ids = torch.tensor(r["input_ids"], device=device)[None]
-            ref = forward_logits(lo.model, Dense(), ids, long_range=lo.budget, **geometry)[:-1].log_softmax(-1)  # (S-1, V)
-            got = teacher_forced_logits(lo.model, lo.policy, ids, budget=lo.budget, **geometry)[0, :-1].float().log_softmax(-1)
-            kl += (ref.exp() * (ref - got)).sum().item()
-            agree += (ref.argmax(-1) == got.argmax(-1)).sum().item()
-            n += ref.shape[0]
-        result = {"kl": kl / n, "top1_agreement": agree / n}
-    result = {"policy": lo.policy.name, "budget": lo.budget, "sinks": lo.sinks, "window": lo.window, "documents": len(records),
-              "tokens": sum(len(r["input_ids"]) - 1 for r in records), "kl": result["kl"], "top1_agreement": result["top1_agreement"]}
+        raise UsageError("no document has 2 or more scored tokens")
+    device = next(first.model.parameters()).device
+    reference = (f"dense attention with the weights of {args.checkpoint}"
+                 + (" (the export's fine-tuned weights, not its base model)" if (Path(args.checkpoint) / "kvpop.json").is_file() else ""))
+    for c in cands:
+        c.policy.to(device)
+    res = evaluate_fidelity(records, first.model, cands, budget=first.budget, sinks=first.sinks, window=first.window, device=device)
+    quotes = any(r.get("quote_positions") for r in records)
+    rows = []
+    for name, m in res.items():
+        row = {"policy": name, "budget": first.budget, "sinks": first.sinks, "window": first.window, "documents": len(records),
+               "tokens": m["tokens"], "kl": m["kl"], "top1_agreement": m["top1_agreement"], "reference": reference}
+        if quotes:
+            row["quote_accuracy"], row["quote_tokens"] = m["quote_accuracy"], m["quote_tokens"]
+        rows.append(row)
     if args.json:
-        print(json.dumps(result))
-    else:
-        table = Table("", "", title="teacher-forced fidelity vs dense", show_header=False)
-        for key, value in result.items():
-            table.add_row(key, f"{value:.5f}" if isinstance(value, float) else str(value))
-        Console().print(table)
+        for row in rows:
+            print(json.dumps(row))
+        return 0
+    cols = ["kl", "top1_agreement", *(["quote_accuracy"] if quotes else [])]
+    table = Table("policy", *cols, title=f"teacher-forced fidelity at budget {first.budget} (sinks {first.sinks}, window {first.window}), "
+                  f"{len(records)} documents, {rows[0]['tokens']} scored tokens", caption=f"reference: {reference}")
+    for row in rows:
+        table.add_row(row["policy"], *(f"{row[c]:.5f}" for c in cols))
+    Console().print(table)
     return 0
 
 
@@ -208,9 +266,13 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpop", description="KV-cache eviction: generate with a bounded cache, score fidelity.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def common(sp):
-        sp.add_argument("--checkpoint", required=True, help="export folder or plain Hugging Face model folder")
-        sp.add_argument("--policy", required=True, help=f"one of: {', '.join(POLICIES)}")
+    def common(sp, several: bool = False):
+        sp.add_argument("--checkpoint", required=True, help="export folder or plain Hugging Face model folder"
+                        + (" (its dense attention is the reference)" if several else ""))
+        if several:
+            sp.add_argument("--policy", default=None, help=f"comma-separated, on the checkpoint's weights: {', '.join(POLICIES)}")
+        else:
+            sp.add_argument("--policy", required=True, help=f"one of: {', '.join(POLICIES)}")
         sp.add_argument("--budget", type=int, required=True, help="KV entries per layer and KV head")
         sp.add_argument("--sinks", type=int, default=None, help=f"default: the export's, else {DEFAULT_SINKS}")
         sp.add_argument("--window", type=int, default=None, help=f"default: the export's, else {DEFAULT_WINDOW}")
@@ -232,8 +294,10 @@ def parser() -> argparse.ArgumentParser:
                    help="decode path: the fast engine (auto: wherever it supports the policy) or the reference cache")
     g.set_defaults(run=cmd_generate)
 
-    s = sub.add_parser("score", help="teacher-forced KL and top-1 agreement against dense attention")
-    common(s)
+    s = sub.add_parser("score", help="teacher-forced KL, top-1 agreement and quote accuracy of several policies against dense attention")
+    common(s, several=True)
+    s.add_argument("--export", action="append", default=[], metavar="DIR",
+                   help="also score this export's trained policy with its own weights (repeatable), against --checkpoint's dense attention")
     s.add_argument("files", nargs="+", metavar="FILE", help="text files, or JSONL with a 'text' or chat 'messages' field")
     s.add_argument("--json", action="store_true", help="print the result as one JSON line")
     s.set_defaults(run=cmd_score)

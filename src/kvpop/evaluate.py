@@ -65,6 +65,7 @@ class _Acc:
             "kl": self.kl / max(1, self.tokens),
             "top1_agreement": self.agree / max(1, self.tokens),
             "quote_accuracy": self.quote_hit / max(1, self.quotes),
+            "quote_tokens": self.quotes,  # 0: the records mark no quote (quote_accuracy then says nothing)
         }
 
 
