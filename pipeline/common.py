@@ -19,12 +19,20 @@ console = Console(stderr=True)
 
 
 def params(path: str = "params.yaml") -> Params:
-    """Validated params, or exit with the error naming the key (before any work)."""
+    """Validated params, or exit with the error naming the key (before any work); also chooses the
+    CPU thread count (``$KVPOP_THREADS``, else the free cores: :mod:`kvpop.threads`)."""
     try:
-        return load_params(path)
+        p = load_params(path)
     except ParamsError as err:
         console.print(f"[bold red]{err}")
         raise SystemExit(2) from None
+    from kvpop.threads import set_threads
+
+    try:
+        set_threads()
+    except ValueError as err:
+        fail(f"KVPOP_THREADS: {err}", 2)
+    return p
 
 
 class Progress:

@@ -277,6 +277,8 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--sinks", type=int, default=None, help=f"default: the export's, else {DEFAULT_SINKS}")
         sp.add_argument("--window", type=int, default=None, help=f"default: the export's, else {DEFAULT_WINDOW}")
         sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        sp.add_argument("--threads", default=None, help="CPU threads: a count or 'auto' (default: $KVPOP_THREADS, else auto = "
+                        "the cores the load average leaves free; kvpop.threads)")
 
     g = sub.add_parser("generate", help="stream a completion decoded with the bounded cache")
     common(g)
@@ -307,6 +309,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)  # argparse exits with status 2 on bad usage
     try:
+        from kvpop.threads import set_threads
+
+        try:
+            set_threads(args.threads)
+        except ValueError as e:
+            raise UsageError(f"--threads: {e}") from None
         return args.run(args)
     except UsageError as e:
         err.print(f"[bold red]error:[/] {e}")
