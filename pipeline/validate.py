@@ -106,57 +106,48 @@ def exp_run_overrides() -> list[str] | None:
     return None
 
 
-def revert_keys(current: dict, baseline: dict, keys: list[str]) -> dict:
-    """``current`` with each dotted key set back to its value in ``baseline`` (removed where the
-    baseline has none)."""
-    out = yaml.safe_load(yaml.safe_dump(current))  # a deep copy
+def revert_in_place(doc: dict, baseline: dict, keys: list[str]) -> None:
+    """Set each dotted key of ``doc`` (any mapping, e.g. ruamel's, which keeps comments) back to its
+    value in ``baseline``, or remove it where the baseline has none."""
     for key in keys:
-        parts = key.split(".")
-        src, dst = baseline, out
-        for part in parts[:-1]:
+        *parents, last = key.split(".")
+        src, dst = baseline, doc
+        for part in parents:
             src = src.get(part, {}) if isinstance(src, dict) else {}
-            if not isinstance(dst.get(part), dict):
-                dst = None
-                break
-            dst = dst[part]
-        if dst is None:
+            dst = dst.get(part) if isinstance(dst, dict) else None
+        if not isinstance(dst, dict):
             continue
-        if isinstance(src, dict) and parts[-1] in src:
-            dst[parts[-1]] = src[parts[-1]]
+        if isinstance(src, dict) and last in src:
+            dst[last] = src[last]
         else:
-            dst.pop(parts[-1], None)
+            dst.pop(last, None)
+
+
+def revert_keys(current: dict, baseline: dict, keys: list[str]) -> dict:
+    """A copy of ``current`` with ``keys`` reverted to ``baseline`` (:func:`revert_in_place`)."""
+    out = yaml.safe_load(yaml.safe_dump(current))  # a deep copy
+    revert_in_place(out, baseline, keys)
     return out
 
 
 def restore_params(path: Path, baseline_rev: str, keys: list[str]) -> str:
     """Put the keys an experiment set back to ``baseline_rev``'s values; returns what was done."""
+    from ruamel.yaml import YAML  # DVC's own YAML library: keeps comments and layout
+
     git = subprocess.run(["git", "show", f"{baseline_rev}:./{path.name}"], capture_output=True, text=True, cwd=path.parent)
     if git.returncode != 0:
         return f"params.yaml keeps the experiment's values (no {path.name} at the baseline {baseline_rev[:7]})"
     baseline_text = git.stdout
-    current = yaml.safe_load(path.read_text()) or {}
-    reverted = revert_keys(current, yaml.safe_load(baseline_text) or {}, keys)
-    if reverted == yaml.safe_load(baseline_text):
-        write_text(path, baseline_text)  # as committed, formatting and comments included
-        return f"params.yaml restored as at the baseline {baseline_rev[:7]}"
-    from ruamel.yaml import YAML  # DVC's own YAML library: keeps comments and layout
-
+    baseline = yaml.safe_load(baseline_text) or {}
     ry = YAML()
-    doc = ry.load(path.read_text())
-    for key in keys:  # reverted holds the target values; write only these keys
-        parts = key.split(".")
-        src, dst = reverted, doc
-        for part in parts[:-1]:
-            src, dst = src.get(part, {}), dst.get(part) if hasattr(dst, "get") else None
-        if dst is None:
-            continue
-        if parts[-1] in src:
-            dst[parts[-1]] = src[parts[-1]]
-        elif parts[-1] in dst:
-            del dst[parts[-1]]
+    doc = ry.load(path.read_text()) or {}
+    revert_in_place(doc, baseline, keys)
     buf = io.StringIO()
     ry.dump(doc, buf)
-    write_text(path, buf.getvalue())
+    if yaml.safe_load(buf.getvalue()) == baseline:  # nothing else had changed: the committed text, byte for byte
+        write_text(path, baseline_text)
+        return f"params.yaml restored as at the baseline {baseline_rev[:7]}"
+    write_text(path, buf.getvalue())  # the user's other edits stay
     return f"the keys {', '.join(keys)} of params.yaml set back to their values at the baseline {baseline_rev[:7]}"
 
 

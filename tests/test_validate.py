@@ -37,6 +37,7 @@ def test_revert_keys():
     assert revert_keys(cur, base, ["budget", "train.extra"]) == {"budget": 384, "train": {"steps": 16, "tau": 2.0}, "window": 256}
     assert cur["budget"] == 100  # not modified in place
     assert revert_keys(cur, base, ["no.such.key"]) == cur
+    assert revert_keys(cur, base, ["budget.x"]) == cur  # a key below a scalar: nothing to revert
 
 
 def git_repo(tmp_path: Path, text: str) -> str:
