@@ -57,12 +57,7 @@ class Loaded:
 def load(args, policy: str | None = None) -> Loaded:
     """Model, tokenizer and policy (``policy``, default ``--policy``) from ``--checkpoint``, with the
     cache geometry."""
-    from safetensors import SafetensorError
-    from transformers import AutoTokenizer
-
-    from kvpop.export import META, CheckpointError, load_export, read_meta
-    from kvpop.modeling import load_model
-    from kvpop.policies import resolve_policy
+    from kvpop.export import META, CheckpointError, read_meta
 
     name = policy if policy is not None else args.policy
     if name not in POLICIES:
@@ -83,6 +78,13 @@ def load(args, policy: str | None = None) -> Loaded:
     sinks = args.sinks if args.sinks is not None else meta.get("sinks", DEFAULT_SINKS)
     window = args.window if args.window is not None else meta.get("window", DEFAULT_WINDOW)
     check_budget(args.budget, sinks, window)
+    from safetensors import SafetensorError  # the heavy imports after every check that needs none of them
+    from transformers import AutoTokenizer
+
+    from kvpop.export import load_export
+    from kvpop.modeling import load_model
+    from kvpop.policies import resolve_policy
+
     try:
         if export_dir:
             model, tok, trained, meta = load_export(path, args.dtype)
