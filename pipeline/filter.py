@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from kvpop import tracking
+from kvpop.data.other_text import KINDS, other_text_records
 from kvpop.data.sources import NEMOTRON_ID, iter_nemotron
 from kvpop.data.synthetic import generate_traces
 from kvpop.filter import FilterStats, filter_rows, write_jsonl
@@ -43,6 +44,9 @@ def main() -> None:
             # the first eval_rows usable rows are held out, the next train_rows are for training
             results = {"eval": take_kept(rows, tok, cfg.max_tokens, n.eval_rows)}
             results["train"] = take_kept(rows, tok, cfg.max_tokens, n.train_rows)
+        mixed = other_text(tok, cfg)
+        if mixed:  # other kinds of text in the training rows (filter.other_text)
+            results["train"] = (results["train"][0] + mixed, results["train"][1])
         out = Path(args.out)
         metrics = {}
         for name, (records, stats) in results.items():
@@ -51,11 +55,25 @@ def main() -> None:
             write_jsonl(records, out / f"{name}.jsonl")
             lengths = [len(r["input_ids"]) for r in records]
             metrics[name] = {**stats.to_dict(), "tokens": sum(lengths), "max_len": max(lengths), "mean_len": sum(lengths) / len(lengths),
-                             "quote_tokens": sum(len(r["quote_positions"]) for r in records)}
+                             "quote_tokens": sum(len(r["quote_positions"]) for r in records),
+                             **({"other_text": {k: sum(r.get("kind") == k for r in records) for k in KINDS}} if name == "train" else {})}
         write_json(args.metrics, metrics)
         run.metrics(metrics)
         run.artifact(args.metrics)
     console.print(metrics)
+
+
+def other_text(tok, cfg) -> list[dict]:
+    """``filter.other_text`` pieces as training records (no quotes; every token trained on)."""
+    out = []
+    for kind in KINDS:
+        n = getattr(cfg.other_text, kind)
+        pieces = other_text_records(lambda t: tok(t, add_special_tokens=False).input_ids, kind, n, max_tokens=cfg.max_tokens)
+        if len(pieces) < n:
+            console.print(f"[yellow]filter.other_text.{kind}: {n} pieces asked, {len(pieces)} available at max_tokens {cfg.max_tokens}")
+        out += [{"id": f"other-{kind}-{i}", "input_ids": r["input_ids"], "loss_mask": r["loss_mask"], "quote_positions": [],
+                 "quote_source_positions": [], "kind": kind, "source": r["source"]} for i, r in enumerate(pieces)]
+    return out
 
 
 def take_kept(rows, tok, max_tokens: int, wanted: int) -> tuple[list[dict], FilterStats]:

@@ -108,6 +108,22 @@ def check_tracking(db: Path, ev: dict) -> None:
         assert r.data.tags["devices"] == "1" and r.data.tags["steps"] == "2"
 
 
+def test_filter_mixes_other_text_into_training_only(tiny_qwen3_dir, tmp_path):
+    p = micro_params(str(tiny_qwen3_dir))
+    p["filter"]["other_text"] = {"code": 2, "prose": 1}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(p))
+    stage(tmp_path, "base_model.py")
+    stage(tmp_path, "filter.py")
+    train = [json.loads(line) for line in (tmp_path / "data/filtered/train.jsonl").read_text().splitlines()]
+    evals = [json.loads(line) for line in (tmp_path / "data/filtered/eval.jsonl").read_text().splitlines()]
+    other = [r for r in train if r["id"].startswith("other-")]
+    assert [r["kind"] for r in other] == ["code", "code", "prose"] and len(train) == 6 + 3
+    assert all(512 <= len(r["input_ids"]) <= 1024 and r["loss_mask"] == [1] * len(r["input_ids"]) for r in other)
+    assert not any(r["id"].startswith("other-") for r in evals)
+    metrics = json.loads((tmp_path / "metrics/filter.json").read_text())
+    assert metrics["train"]["other_text"] == {"code": 2, "prose": 1} and "other_text" not in metrics["eval"]
+
+
 def test_bad_params_stop_before_any_work(tmp_path):
     p = micro_params("embedded")
     p["budget"] = p["sinks"] + p["window"]

@@ -98,6 +98,14 @@ class NemotronConfig(_Section):
     eval_rows: int = Field(64, gt=0, description="rows kept for evaluation (held out)")
 
 
+class OtherTextConfig(_Section):
+    """Pieces of other kinds of text added to the training split (:mod:`kvpop.data.other_text`), each
+    at most ``filter.max_tokens`` tokens; the evaluation split stays traces only."""
+
+    code: int = Field(0, ge=0, description="pieces of Python standard-library source")
+    prose: int = Field(0, ge=0, description="pieces of the Python documentation's topics")
+
+
 class FilterConfig(_Section):
     """Stage ``filter``: traces to chat-formatted token sequences of at most ``max_tokens``."""
 
@@ -105,6 +113,7 @@ class FilterConfig(_Section):
     max_tokens: int = Field(1024, gt=0, description="longest kept trace, in teacher tokens")
     synthetic: SyntheticConfig = SyntheticConfig()
     nemotron: NemotronConfig = NemotronConfig()
+    other_text: OtherTextConfig = OtherTextConfig()
 
 
 class TrainConfig(_Section):
