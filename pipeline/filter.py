@@ -12,7 +12,7 @@ from kvpop.data.sources import NEMOTRON_ID, iter_nemotron
 from kvpop.data.synthetic import generate_traces
 from kvpop.filter import FilterStats, filter_rows, write_jsonl
 
-from common import console, fail, params, write_json
+from common import Progress, console, fail, params, write_json
 
 
 def main() -> None:
@@ -79,13 +79,16 @@ def other_text(tok, cfg) -> list[dict]:
 def take_kept(rows, tok, max_tokens: int, wanted: int) -> tuple[list[dict], FilterStats]:
     """Filter rows from a stream until ``wanted`` are kept; skips are counted, the rest is left unread."""
     records, skipped, seen = [], Counter(), 0
-    for row in rows:
-        kept, stats = filter_rows([row], tok, max_tokens=max_tokens)
-        records += kept
-        seen += stats.seen
-        skipped.update(stats.skipped)
-        if len(records) >= wanted:
-            break
+    with Progress("filter: kept rows", wanted, every=max(1, wanted // 20)) as bar:
+        for row in rows:
+            kept, stats = filter_rows([row], tok, max_tokens=max_tokens)
+            records += kept
+            seen += stats.seen
+            skipped.update(stats.skipped)
+            if kept:
+                bar.update(len(records), seen=seen)
+            if len(records) >= wanted:
+                break
     return records, FilterStats(seen=seen, kept=len(records), skipped=dict(skipped))
 
 

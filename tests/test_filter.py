@@ -100,6 +100,16 @@ def test_iter_nemotron_local_file(tmp_path):
         next(iter_nemotron("train"))
 
 
+def test_iter_nemotron_local_file_with_bad_lines():
+    """A local file whose rows differ in shape or are broken is read line by line: every bad line is a
+    SkippedRow with its reason, the good rows come through (the datasets JSON loader would stop)."""
+    loaded = list(iter_nemotron(data_files=str(FIXTURE)))
+    assert loaded == list(read_jsonl_rows(FIXTURE))
+    skipped = [r for r in loaded if isinstance(r, SkippedRow)]
+    assert skipped and {r.reason for r in skipped} <= set(SKIP_REASONS)
+    assert any(isinstance(r, dict) and validate_row(r)[0] is not None for r in loaded)
+
+
 # ----------------------------------------------------------------------------- filter
 
 

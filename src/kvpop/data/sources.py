@@ -74,22 +74,26 @@ def iter_nemotron(
         splits: one split name or several (see ``NEMOTRON_SPLITS``); ignored
             when ``data_files`` is given.
         data_files: a local JSONL file in the same schema; read instead of the
-            hub dataset (this is how tests and offline runs work).
+            hub dataset (this is how tests and offline runs work), line by line
+            with :func:`read_jsonl_rows`, so a malformed line becomes a
+            :class:`SkippedRow` instead of stopping the read (the ``datasets``
+            JSON loader infers one schema for the file and fails on rows that
+            differ).
         streaming: stream rows rather than downloading whole splits first.
         limit: stop after this many rows in total (``None``: no limit).
 
-    Rows are yielded as the ``datasets`` library decodes them; validate them
-    with :func:`validate_row`.
+    Hub rows are yielded as the ``datasets`` library decodes them; validate
+    them with :func:`validate_row`.
     """
-    import datasets  # heavy import, deferred
-
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
     if data_files is not None:
         if not Path(data_files).is_file():
             raise FileNotFoundError(f"data_files not found: {data_files}")
-        streams = [datasets.load_dataset("json", data_files=data_files, split="train", streaming=streaming)]
+        streams = [read_jsonl_rows(data_files)]
     else:
+        import datasets  # heavy import, deferred
+
         names = (splits,) if isinstance(splits, str) else tuple(splits)
         unknown = [s for s in names if s not in NEMOTRON_SPLITS]
         if unknown:
