@@ -164,9 +164,13 @@ def main() -> None:
             raise ParamsError("invalid params for the trained policies:\n" + "\n".join(errors))
     except ParamsError as err:
         console.print(f"[bold red]{err}")
-        rev, keys = os.environ.get("DVC_EXP_BASELINE_REV"), exp_run_overrides()
-        if rev and keys:
+        rev = os.environ.get("DVC_EXP_BASELINE_REV")
+        keys = exp_run_overrides() if rev else None
+        if keys:
             console.print(restore_params(path, rev, keys))
+        elif rev:
+            console.print("params.yaml keeps the experiment's values (its dvc exp run command line could not be read): "
+                          f"git diff {rev[:7]} -- params.yaml shows them")
         console.print("nothing else was run or deleted")
         raise SystemExit(2) from None
     out = Path(args.out)
