@@ -95,7 +95,7 @@ def target_name(kind: str, beta: float, pool: str = "group") -> str:
 
 def setup(args):
     """(device, tokenizer, teacher, shape, geometry dict) for ``args.config``."""
-    args.cfg = dict(CONFIGS[args.config], sinks=4, window=64 if args.config == "tiny" else 256)
+    args.cfg = dict(CONFIGS[args.config], sinks=4, window=args.window or (64 if args.config == "tiny" else 256))
     cuda = torch.cuda.is_available()
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -120,8 +120,9 @@ def data_args(args, *, train: bool) -> argparse.Namespace:
 
 
 def run_name(args) -> str:
-    """The configuration's name in --work and --out: ``4k``, or ``4k+mix64`` with --mix 64."""
-    return args.config + (f"+mix{args.mix}" if args.mix else "")
+    """The configuration's name in --work and --out: ``4k``; ``4k+w384`` with --window 384 (the same
+    budget, fewer long-range slots); ``4k+mix64`` with --mix 64."""
+    return args.config + (f"+w{args.window}" if args.window else "") + (f"+mix{args.mix}" if args.mix else "")
 
 
 def mix_records(args, tok) -> list[dict]:
@@ -268,6 +269,8 @@ def main() -> None:
     ap.add_argument("--model-lr", type=float, default=1e-5)
     ap.add_argument("--scorer-lr", type=float, default=3e-3)
     ap.add_argument("--scorer-hidden", type=int, default=64)
+    ap.add_argument("--window", type=int, default=0, help="recent tokens always kept (default 256; tiny: 64); the budget stays the "
+                    "configuration's, so a longer window leaves fewer long-range slots (results under <config>+w<N>)")
     ap.add_argument("--mix", type=int, default=0, help="add up to N pieces each of code and prose to the training rows "
                     "(kvpop.data.other_text; results under <config>+mix<N>)")
     ap.add_argument("--seed", type=int, default=0)
