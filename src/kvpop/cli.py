@@ -194,8 +194,9 @@ def read_records(docs: list[tuple[str, object]], tokenizer) -> list[dict]:
 
 
 def score_candidates(args):
-    """(reference model, tokenizer, geometry, [Candidate]): the ``--policy`` list on ``--checkpoint``'s
-    weights, then each ``--export`` with its own weights and trained policy."""
+    """(the loaded checkpoint: the reference model, its tokenizer and the geometry; [Candidate]): the
+    ``--policy`` list on ``--checkpoint``'s weights, then each ``--export`` with its own weights and
+    trained policy."""
     from kvpop.evaluate import Candidate
     from kvpop.export import CheckpointError, load_export, read_meta
     from kvpop.policies import resolve_policy
