@@ -19,17 +19,17 @@ console = Console(stderr=True)
 
 
 def params(path: str = "params.yaml") -> Params:
-    """Validated params, or exit with the error naming the key (before any work); also chooses the
-    CPU thread count (``$KVPOP_THREADS``, else the free cores: :mod:`kvpop.threads`)."""
+    """Validated params, or exit with the error naming the key (before any work); also sets the CPU
+    thread count (``$KVPOP_THREADS``, else every usable core: :func:`kvpop.threads.stage_threads`)."""
     try:
         p = load_params(path)
     except ParamsError as err:
         console.print(f"[bold red]{err}")
         raise SystemExit(2) from None
-    from kvpop.threads import set_threads
+    from kvpop.threads import set_threads, stage_threads
 
     try:
-        set_threads()
+        set_threads(stage_threads())  # fixed per machine: results never depend on its load
     except ValueError as err:
         fail(f"KVPOP_THREADS: {err}", 2)
     return p

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvpop.threads import ENV, auto_threads, busy_cores, choose_threads
+from kvpop.threads import ENV, auto_threads, busy_cores, choose_threads, stage_threads, usable_cores
 
 
 @pytest.mark.parametrize(("cores", "busy", "want"), [(2, 0.0, 2), (2, 0.9, 1), (2, 3.0, 1), (16, 4.4, 12), (16, 4.6, 11), (1, 0.0, 1)])
@@ -37,3 +37,12 @@ def test_explicit_env_and_errors(monkeypatch):
     for bad in (0, "-1", "many"):
         with pytest.raises(ValueError, match="positive integer or 'auto'"):
             choose_threads(bad)
+
+
+def test_stages_take_a_fixed_count(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    assert stage_threads() == usable_cores()  # whatever the load
+    monkeypatch.setenv(ENV, "auto")
+    assert stage_threads() == usable_cores()
+    monkeypatch.setenv(ENV, "1")
+    assert stage_threads() == 1

@@ -7,10 +7,14 @@ workplace (``bench/bench_threads.py``, greedy decoding of the CPU pipeline's ``k
 2026-12-01, ``results/threads_cpu.json``): idle, 2 threads decode 1.60x faster than 1; with one core
 busy elsewhere, 2 threads run at 0.17x of 1 thread (6x slower).
 
-``auto`` therefore takes the cores this process may run on minus the ones busy right now (sampled
+Pipeline stages do not use ``auto``: a stage's results must not depend on how busy the machine
+was (float reductions, and so a training run's trajectory, change with the thread count), so they
+take every usable core (:func:`stage_threads`), or ``KVPOP_THREADS``.
+
+The CLI's ``auto`` takes the cores this process may run on minus the ones busy right now (sampled
 from ``/proc/stat`` over a quarter second, before this process starts its own work; where that
 cannot be read, all of them), at least 1. ``KVPOP_THREADS`` or an explicit count overrides it. (The
-load average would not do: it still counts a pipeline stage that just finished.)
+load average would not do: it still counts a process that just finished.)
 """
 
 from __future__ import annotations
@@ -79,3 +83,10 @@ def set_threads(requested: int | str | None = None) -> int:
     n = choose_threads(requested)
     torch.set_num_threads(n)
     return n
+
+
+def stage_threads() -> int:
+    """A pipeline stage's thread count: ``$KVPOP_THREADS``, else every usable core (never the load:
+    the same machine gives the same results)."""
+    env = os.environ.get(ENV)
+    return choose_threads(env) if env is not None and env.strip().lower() != "auto" else usable_cores()
