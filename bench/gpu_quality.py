@@ -12,8 +12,8 @@ Every trained policy is a *label* ``name[@target]``: ``kvpop_mlp`` trains agains
 (log mean future attention), ``kvpop_mlp@max`` against the max future attention, ``kvpop@power:16``
 against the power mean with beta 16 (:func:`kvpop.target.future_attention_target`); a ``.pool`` after
 the target pools it over more heads (``kvpop_mlp@max.model``: over every layer and KV head,
-``train.target_pool``, :func:`kvpop.target.pool_targets`); a ``+regret`` suffix
-trains with the regret-weighted boundary loss (``train.boundary_weight: regret``, :func:`kvpop.boundary.boundary_loss`). All labels get the
+``train.target_pool``, :func:`kvpop.target.pool_targets`); a ``+regret`` (``+uniform``) suffix
+trains with the regret-weighted (unweighted) boundary loss (``train.boundary_weight``, :func:`kvpop.boundary.boundary_loss`). All labels get the
 same rows in the same order and the same step count (``--steps``, also the scorers' cosine length).
 
 ``--mix N`` adds up to N pieces each of code and prose (:mod:`kvpop.data.other_text`) to every label's
@@ -73,12 +73,12 @@ CONFIGS = {
 
 
 def parse_label(label: str) -> tuple[str, str, float, str, str]:
-    """``name[@kind[:beta][.pool]][+regret]`` -> (policy name, target kind, beta, target pool, boundary
+    """``name[@kind[:beta][.pool]][+regret|+uniform]`` -> (policy name, target kind, beta, target pool, boundary
     weighting); no target = the paper's mean, no pool = the paper's (each KV head's query group), no
     ``+regret`` = the paper's tie/class-balance weights."""
     label, plus, weighting = label.partition("+")
-    if plus and weighting != "regret":
-        raise SystemExit(f"label {label!r}: unknown suffix +{weighting} (+regret)")
+    if plus and weighting not in ("regret", "uniform"):
+        raise SystemExit(f"label {label!r}: unknown suffix +{weighting} (+regret, +uniform)")
     name, _, tgt = label.partition("@")
     tgt, _, pool = (tgt or "mean").partition(".")
     kind, _, beta = tgt.partition(":")

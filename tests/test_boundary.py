@@ -94,6 +94,24 @@ def test_regret_weights_are_the_attention_mass_a_wrong_decision_costs():
     assert loss.item() == pytest.approx(sum(terms) / len(terms), rel=1e-5)
 
 
+def test_uniform_weights_are_the_plain_mean_of_the_logistic_losses():
+    """``weighting="uniform"``: the mean of softplus(-y Delta / tau) over every brute-force decision."""
+    B, Hk, S, sinks, window, k = 2, 2, 48, 2, 4, 3
+    _, doc, pos = packed_toy(B, S, seed=5)
+    g = torch.Generator().manual_seed(5)
+    r_tgt, r_hat = torch.randn(B, Hk, S, generator=g), torch.randn(B, Hk, S, generator=g)
+    log_gamma = torch.log(torch.tensor([0.99, 0.999], dtype=torch.float64))
+    loss, _ = boundary_loss(r_hat, r_tgt, log_gamma, doc, pos, sinks=sinks, window=window, long_range=k, tau=0.7, weighting="uniform")
+    terms = []
+    for (row, t_new), (t_bnd, y) in brute_labels(r_tgt, log_gamma, doc, pos, sinks, window, k).items():
+        b, h = divmod(row, Hk)
+        delta = r_hat[b, h, t_new].item() - r_hat[b, h, t_bnd].item() + (t_bnd - t_new) * log_gamma[h].item()
+        terms.append(torch.nn.functional.softplus(torch.tensor(-y * delta / 0.7, dtype=torch.float64)).item())
+    assert len(terms) > 10 and loss.item() == pytest.approx(sum(terms) / len(terms), rel=1e-5)
+    paper = boundary_loss(r_hat, r_tgt, log_gamma, doc, pos, sinks=sinks, window=window, long_range=k, tau=0.7)[0].item()
+    assert loss.item() != pytest.approx(paper, rel=1e-3)  # not the paper's weights
+
+
 @pytest.mark.parametrize("weighting, direction", [("tie", -1), ("regret", +1)])
 def test_regret_weighting_keeps_a_rarely_but_badly_needed_token(weighting, direction):
     """Tokens of kind A are needed badly but rarely (target log 0.5 for a tenth of them, else log

@@ -76,7 +76,7 @@ def test_target_reaches_scorer_training(target, beta):
     assert (st.target, st.target_beta) == (target, beta if beta is not None else 8.0)
 
 
-@pytest.mark.parametrize("weighting", ["tie", "regret"])
+@pytest.mark.parametrize("weighting", ["tie", "regret", "uniform"])
 def test_boundary_weight_reaches_scorer_training(weighting):
     """train.boundary_weight (default: the paper's tie/class-balance weights) reaches the boundary loss's settings."""
     from kvpop.train import TrainSettings

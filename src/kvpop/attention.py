@@ -92,7 +92,7 @@ class ScorerTraining:
     target_normalizer: Literal["sparse", "dense"] = "sparse"
     target: TargetKind = "mean"  # kind of future_attention_target: mean (the paper's), power or max
     target_beta: float = 8.0  # order of the power mean (target "power" only)
-    weighting: Literal["tie", "regret"] = "tie"  # boundary-loss weights (kvpop.boundary.boundary_loss)
+    weighting: Literal["tie", "regret", "uniform"] = "tie"  # boundary-loss weights (kvpop.boundary.boundary_loss)
     pool: TargetPool = "group"  # over which heads the target is maximized (kvpop.target.pool_targets)
     generator: torch.Generator | None = None
 

@@ -102,7 +102,7 @@ def boundary_loss(
     tie_margin: float = 0.5,
     query_samples: int = 0,
     generator: torch.Generator | None = None,
-    weighting: Literal["tie", "regret"] = "tie",
+    weighting: Literal["tie", "regret", "uniform"] = "tie",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Weighted logistic loss at the eviction boundary; returns (loss, detached stats).
 
@@ -116,6 +116,10 @@ def boundary_loss(
     competitor, so a token that a later step needs badly but rarely (a definition that may be
     recalled) loses to one that is always mildly useful; weighting by regret ranks by the expected
     attention mass the decision keeps. No class balance (the regret already prices both errors).
+
+    ``weighting="uniform"``: omega = 1, every decision counts the same (no tie discount, no class
+    balance). Under the model-pooled target it fitted the long-range sources best on the CPU scorer
+    fit (BENCHMARKS.md, scorer fit).
     """
     B, Hk, S = r_hat.shape
     lab = boundary_labels(r_tgt, log_gamma, doc_ids, pos, sinks=sinks, window=window, long_range=long_range)
@@ -140,6 +144,8 @@ def boundary_loss(
             regret = (flat_tgt[lab.row, lab.t_new].double().exp() * -torch.expm1(-delta_tgt)).abs()  # (M,)
             mean = torch.zeros(Hk, dtype=torch.float64, device=h.device).index_add_(0, h, regret) / n_all.clamp(min=1)
             omega = regret / mean[h].clamp(min=1e-30)
+        elif weighting == "uniform":
+            omega = torch.ones_like(delta_tgt)
         elif weighting == "tie":
             w_tie = 1.0 - torch.exp(-delta_tgt.abs() / tie_margin) if tie_margin > 0 else torch.ones_like(delta_tgt)
             n_pos = torch.zeros(Hk, dtype=torch.float64, device=h.device).index_add_(0, h, pos_lab)
@@ -147,7 +153,7 @@ def boundary_loss(
             w_bal = 0.5 * n_all[h] / n_cls
             omega = w_tie * w_bal
         else:
-            raise ValueError(f"unknown weighting {weighting!r}: 'tie' or 'regret'")
+            raise ValueError(f"unknown weighting {weighting!r}: 'tie', 'regret' or 'uniform'")
     loss = (omega * F.softplus(-lab.y.double() * delta / tau)).mean().float()
     stats = {
         "decisions": torch.tensor(float(lab.row.numel())),

@@ -154,9 +154,9 @@ class TrainConfig(_Section):
         "group", description="over which heads the target is maximized: 'group' (the paper's: each KV head's query "
         "group), 'layer' (every KV head of the layer) or 'model' (every layer and KV head: one label per token; kvpop.target)"
     )
-    boundary_weight: Literal["tie", "regret"] = Field(
-        "tie", description="boundary-loss weights: 'tie' (the paper's near-tie discount x class balance) or 'regret' "
-        "(the attention mass a wrong keep/drop decision costs; kvpop.boundary)"
+    boundary_weight: Literal["tie", "regret", "uniform"] = Field(
+        "tie", description="boundary-loss weights: 'tie' (the paper's near-tie discount x class balance), 'regret' "
+        "(the attention mass a wrong keep/drop decision costs) or 'uniform' (every decision the same; kvpop.boundary)"
     )
     precision: Literal["auto", "32-true", "bf16-mixed", "bf16-true"] = Field(
         "auto", description="'auto': bf16-mixed where the hardware runs bf16 natively (CUDA, or a CPU with "
