@@ -69,7 +69,7 @@ def plot_keep_maps(cands, record: dict, path: Path, *, budget: int, sinks: int, 
         maps[c.name] = keep_map(c.model, c.policy, ids, sinks=sinks, window=window, long_range=k)
     marks = {"definitions": record.get("quote_source_positions", []), "quotes": record.get("quote_positions", [])}
     plot_keep_map(maps, path, marks={k: v for k, v in marks.items() if v},
-                  title=f"KV entries kept per layer and head over one held-out trace ({ids.shape[1]} tokens, budget {budget}); "
+                  title=f"KV entries kept per layer and head over one held-out trace ({ids.shape[1]} tokens, budget {budget})\n"
                         "colour: share of the rest of the trace a token stays cached")
 
 
