@@ -12,7 +12,10 @@ beside dense, streaming_llm and ``oracle_sources``. ``--no-harm N`` also scores 
 on N pieces each of Python source and prose (``bench/bench_no_harm.py``'s files, row-length pieces):
 KL to the dense teacher beside streaming_llm's and the targets' ceilings (is a harm the target's, or
 the fit's?), the ranking's own harm on text it never saw. ``--mix N`` adds N pieces each of code and prose
-from other files to the scorers' training rows (does training on other text remove that harm?).
+(:mod:`kvpop.data.other_text`, as the pipeline's ``filter.other_text``) to the scorers' training rows
+(does training on other text remove that harm? ``results/scorer_fit_mix_cpu.json`` was made with an
+earlier choice of pieces, standard-library modules and installed packages' descriptions; its
+``mix_pieces`` lists them).
 
 Labels are ``gpu_quality.py``'s: ``name[@kind[:beta][.pool]][+regret]``, e.g. ``kvpop_mlp@max``,
 ``kvpop_mlp@max.model+regret``, ``kvpop@mean``. Each label's ceiling is reported once per target.
@@ -39,6 +42,7 @@ from gpu_embedded_run import make_records
 from gpu_quality import CONFIGS, data_args, parse_label, target_name
 from kvpop.attention import ScorerTraining
 from kvpop.boundary import boundary_loss
+from kvpop.data.other_text import KINDS, other_text_records
 from kvpop.evaluate import Candidate, TargetCapture, evaluate_fidelity
 from kvpop.modeling import load_model, model_shape
 from kvpop.policies import Dense, make_policy
@@ -97,19 +101,19 @@ def build_cache(args, teacher, tok, kinds: tuple) -> dict:
     return cache
 
 
-def mix_cache(args, teacher, tok, kinds: tuple, skip: dict[str, set[str]]) -> list[dict]:
-    """``--mix N`` rows: N pieces each of Python source and prose, from files the no-harm check does
-    not read (``skip``), cached under their own file."""
+def mix_cache(args, teacher, tok, kinds: tuple) -> list[dict]:
+    """``--mix N`` rows: N pieces each of Python source and prose (:mod:`kvpop.data.other_text`, the
+    pipeline's ``filter.other_text``: never the files the no-harm check reads), cached under their own file."""
     path = Path(args.cache or f".quality/scorer_fit-{args.config}.pt").with_name(f"scorer_fit-{args.config}-mix{args.mix}.pt")
     ident = {"version": CACHE_VERSION, "model": str(Path(args.model_dir).resolve()), "config": args.config, "mix": args.mix,
-             "skip": {k: sorted(v) for k, v in skip.items()}}
+             "source": "kvpop.data.other_text"}
     if path.is_file():
         cache = torch.load(path, weights_only=False)
         if cache["ident"] == ident and set(kinds) <= set(cache["kinds"]):
             return cache["rows"]
     rows = []
-    for kind, files in default_files().items():
-        for r in pieces(tok, [f for f in files if str(f) not in skip[kind]], args.cfg["seq_len"], args.mix, args.cfg["seq_len"] // 2):
+    for kind in KINDS:
+        for r in other_text_records(lambda t: tok(t, add_special_tokens=False).input_ids, kind, args.mix, max_tokens=args.cfg["seq_len"]):
             rows.append({"record": r, **capture(teacher, torch.tensor([r["input_ids"]]), window=args.cfg["window"], kinds=kinds)})
             print(f"[cache] mix {kind} piece {len(rows)} ({r['source']})", flush=True)
     torch.save({"ident": ident, "kinds": kinds, "rows": rows}, path)
@@ -172,7 +176,7 @@ def main() -> None:
     ap.add_argument("--scorer-hidden", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
     ap.add_argument("--no-harm", type=int, default=0, help="also score N pieces each of code and prose (0: skip)")
-    ap.add_argument("--mix", type=int, default=0, help="also train on N pieces each of code and prose, from files --no-harm does not read")
+    ap.add_argument("--mix", type=int, default=0, help="also train on N pieces each of code and prose (kvpop.data.other_text: never what --no-harm reads)")
     ap.add_argument("--cache", default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -192,7 +196,7 @@ def main() -> None:
     harm_recs = {kind: pieces(tok, files, c["seq_len"], args.no_harm, c["seq_len"] // 2) if args.no_harm else []
                  for kind, files in default_files().items()}
     if args.mix:
-        cache = {**cache, "mix": mix_cache(args, teacher, tok, kinds, {k: {r["source"] for r in v} for k, v in harm_recs.items()})}
+        cache = {**cache, "mix": mix_cache(args, teacher, tok, kinds)}
     cands = [Candidate("dense", teacher, make_policy("dense")), Candidate("streaming_llm", teacher, make_policy("streaming_llm"))]
     for kind, beta, pool in sorted({p[1:4] for p in parsed.values()}):
         cands.append(Candidate(f"oracle_target@{target_name(kind, beta, pool)}", teacher,
