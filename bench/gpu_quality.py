@@ -54,8 +54,9 @@ from pathlib import Path
 import torch
 
 from gpu_embedded_run import StopAfter, convert_gguf, length_stats, make_records, step_timer
+from kvpop.boundary import BOUNDARY_WEIGHTS
 from kvpop.config import TrainConfig
-from kvpop.data.other_text import KINDS, other_text_records
+from kvpop.data.other_text import KINDS, other_text_records, token_ids
 from kvpop.evaluate import Candidate, evaluate_fidelity, score_positions
 from kvpop.export import export, load_export
 from kvpop.modeling import load_model, model_shape
@@ -77,8 +78,9 @@ def parse_label(label: str) -> tuple[str, str, float, str, str]:
     weighting); no target = the paper's mean, no pool = the paper's (each KV head's query group), no
     ``+regret`` = the paper's tie/class-balance weights."""
     label, plus, weighting = label.partition("+")
-    if plus and weighting not in ("regret", "uniform"):
-        raise SystemExit(f"label {label!r}: unknown suffix +{weighting} (+regret, +uniform)")
+    suffixes = [w for w in BOUNDARY_WEIGHTS if w != "tie"]  # tie: the default, no suffix
+    if plus and weighting not in suffixes:
+        raise SystemExit(f"label {label!r}: unknown suffix +{weighting} ({', '.join('+' + w for w in suffixes)})")
     name, _, tgt = label.partition("@")
     tgt, _, pool = (tgt or "mean").partition(".")
     kind, _, beta = tgt.partition(":")
@@ -130,7 +132,7 @@ def mix_records(args, tok) -> list[dict]:
     if not args.mix:
         return []
     n = args.cfg["seq_len"]
-    recs = [r for kind in KINDS for r in other_text_records(lambda t: tok(t, add_special_tokens=False).input_ids, kind, args.mix, max_tokens=n)]
+    recs = [r for kind in KINDS for r in other_text_records(token_ids(tok), kind, args.mix, max_tokens=n)]
     counts = {k: sum(r["kind"] == k for r in recs) for k in KINDS}
     print(f"[{run_name(args)}] mixed in pieces of other text: {counts}", flush=True)
     return recs
@@ -141,7 +143,8 @@ def train_phase(args) -> None:
     c = args.cfg
     d = data_args(args, train=True)
     recs, stats, _, _ = make_records(tok, d.n, args.seed, d)
-    recs = recs + mix_records(args, tok)
+    mixed = mix_records(args, tok)
+    recs = recs + mixed
     packed = pack_records(recs, seq_len=c["seq_len"], pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
     print(f"[{args.config}] train data: {stats}, {packed.stats.rows} rows (fill {packed.stats.fill_ratio:.2f})", flush=True)
     accelerator = "cuda" if dev == "cuda" else "cpu"
@@ -166,6 +169,7 @@ def train_phase(args) -> None:
         trainer = training.fit(ckpt_path=ckpt if ckpt.is_file() else None, callbacks=[timer, StopAfter.make(left - 45)], enable_progress_bar=False)
         final = {k.removeprefix("train/"): round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
         log = {"label": label, "policy": name, "target": target_name(kind, beta, pool), "boundary_weight": weighting, "steps": trainer.global_step,
+               "mix": {k: sum(r["kind"] == k for r in mixed) for k in KINDS} if mixed else None,
                "k": training.long_range, "seconds_this_call": round(time.time() - t0, 1), "precision": training.precision, **timer.summary(), **final}
         run_dir.mkdir(parents=True, exist_ok=True)
         logs = json.loads((run_dir / "log.json").read_text()) if (run_dir / "log.json").is_file() else []
@@ -194,7 +198,6 @@ def eval_phase(args) -> None:
     # right-pad to seq_len: one shape, one FlexAttention compile; padding is never scored, and
     # trace_tokens tells oracle_target where the trace ends
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-    mixed = mix_records(args, tok)  # what the trained labels saw besides the traces (recorded)
     padded = [{**r, "input_ids": r["input_ids"] + [pad_id] * (c["seq_len"] - len(r["input_ids"])),
                "loss_mask": r["loss_mask"] + [0] * (c["seq_len"] - len(r["input_ids"])), "trace_tokens": len(r["input_ids"])} for r in recs]
     out = Path(args.out)
@@ -242,7 +245,7 @@ def eval_phase(args) -> None:
                  "quote_distance_chars": length_stats(qd, None), "scored_tokens": sum(score_positions(r)[0].numel() for r in recs),
                  "quote_tokens": sum(len(r["quote_positions"]) for r in recs), "seconds": round(time.time() - t0, 1), "seed": args.eval_seed},
         "data": {k: c[k] for k in ("min_chars", "max_chars", "num_values", "num_recalls", "min_quote_distance_chars")},
-        "mix": {k: sum(r["kind"] == k for r in mixed) for k in KINDS} if args.mix else None,
+        "mix": next((lg[-1].get("mix") for lg in logs.values() if lg), None),  # other text the trained labels saw (their logs)
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }

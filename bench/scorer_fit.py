@@ -42,7 +42,7 @@ from gpu_embedded_run import make_records
 from gpu_quality import CONFIGS, data_args, parse_label, target_name
 from kvpop.attention import ScorerTraining
 from kvpop.boundary import boundary_loss
-from kvpop.data.other_text import KINDS, other_text_records
+from kvpop.data.other_text import KINDS, other_text_records, token_ids
 from kvpop.evaluate import Candidate, TargetCapture, evaluate_fidelity
 from kvpop.modeling import load_model, model_shape
 from kvpop.policies import Dense, make_policy
@@ -113,7 +113,7 @@ def mix_cache(args, teacher, tok, kinds: tuple) -> list[dict]:
             return cache["rows"]
     rows = []
     for kind in KINDS:
-        for r in other_text_records(lambda t: tok(t, add_special_tokens=False).input_ids, kind, args.mix, max_tokens=args.cfg["seq_len"]):
+        for r in other_text_records(token_ids(tok), kind, args.mix, max_tokens=args.cfg["seq_len"]):
             rows.append({"record": r, **capture(teacher, torch.tensor([r["input_ids"]]), window=args.cfg["window"], kinds=kinds)})
             print(f"[cache] mix {kind} piece {len(rows)} ({r['source']})", flush=True)
     torch.save({"ident": ident, "kinds": kinds, "rows": rows}, path)

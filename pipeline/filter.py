@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from kvpop import tracking
-from kvpop.data.other_text import KINDS, other_text_records
+from kvpop.data.other_text import KINDS, other_text_records, token_ids
 from kvpop.data.sources import NEMOTRON_ID, iter_nemotron
 from kvpop.data.synthetic import generate_traces
 from kvpop.filter import FilterStats, filter_rows, write_jsonl
@@ -68,11 +68,10 @@ def other_text(tok, cfg) -> list[dict]:
     out = []
     for kind in KINDS:
         n = getattr(cfg.other_text, kind)
-        pieces = other_text_records(lambda t: tok(t, add_special_tokens=False).input_ids, kind, n, max_tokens=cfg.max_tokens)
+        pieces = other_text_records(token_ids(tok), kind, n, max_tokens=cfg.max_tokens)
         if len(pieces) < n:
             console.print(f"[yellow]filter.other_text.{kind}: {n} pieces asked, {len(pieces)} available at max_tokens {cfg.max_tokens}")
-        out += [{"id": f"other-{kind}-{i}", "input_ids": r["input_ids"], "loss_mask": r["loss_mask"], "quote_positions": [],
-                 "quote_source_positions": [], "kind": kind, "source": r["source"]} for i, r in enumerate(pieces)]
+        out += [{"id": f"other-{kind}-{i}", **r, "quote_positions": [], "quote_source_positions": []} for i, r in enumerate(pieces)]
     return out
 
 

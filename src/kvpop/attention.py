@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from kvpop.boundary import boundary_loss
+from kvpop.boundary import BoundaryWeight, boundary_loss
 from kvpop.masks import block_mask_from_eviction_times, dense_mask, make_eviction_mask_mod
 from kvpop.policies import Policy
 from kvpop.selection import NEVER, eviction_times
@@ -92,7 +92,7 @@ class ScorerTraining:
     target_normalizer: Literal["sparse", "dense"] = "sparse"
     target: TargetKind = "mean"  # kind of future_attention_target: mean (the paper's), power or max
     target_beta: float = 8.0  # order of the power mean (target "power" only)
-    weighting: Literal["tie", "regret", "uniform"] = "tie"  # boundary-loss weights (kvpop.boundary.boundary_loss)
+    weighting: BoundaryWeight = "tie"  # boundary-loss weights (kvpop.boundary.boundary_loss)
     pool: TargetPool = "group"  # over which heads the target is maximized (kvpop.target.pool_targets)
     generator: torch.Generator | None = None
 

@@ -19,7 +19,7 @@ Shapes: B batch, Hk KV heads, S sequence.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -28,6 +28,9 @@ from torch.nn import functional as F
 from kvpop.order import prefix_kth_smallest
 from kvpop.scorer import static_priority
 from kvpop.selection import eligible_tokens, priority_order
+
+BoundaryWeight = Literal["tie", "regret", "uniform"]  # the weights omega of boundary_loss (see there)
+BOUNDARY_WEIGHTS: tuple[str, ...] = get_args(BoundaryWeight)
 
 
 @dataclass
@@ -102,7 +105,7 @@ def boundary_loss(
     tie_margin: float = 0.5,
     query_samples: int = 0,
     generator: torch.Generator | None = None,
-    weighting: Literal["tie", "regret", "uniform"] = "tie",
+    weighting: BoundaryWeight = "tie",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Weighted logistic loss at the eviction boundary; returns (loss, detached stats).
 

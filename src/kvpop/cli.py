@@ -240,7 +240,7 @@ def cmd_score(args) -> int:
         raise UsageError("no document has 2 or more scored tokens")
     device = next(first.model.parameters()).device
     reference = (f"dense attention with the weights of {args.checkpoint}"
-                 + (" (the export's fine-tuned weights, not its base model)" if (Path(args.checkpoint) / "kvpop.json").is_file() else ""))
+                 + (" (the export's fine-tuned weights, not its base model)" if first.trained is not None else ""))
     for c in cands:
         c.policy.to(device)
     res = evaluate_fidelity(records, first.model, cands, budget=first.budget, sinks=first.sinks, window=first.window, device=device)
@@ -281,7 +281,7 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--window", type=int, default=None, help=f"default: the export's, else {DEFAULT_WINDOW}")
         sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
         sp.add_argument("--threads", default=None, help="CPU threads: a count or 'auto' (default: $KVPOP_THREADS, else auto = "
-                        "the cores the load average leaves free; kvpop.threads)")
+                        "the cores free at start; kvpop.threads)")
 
     g = sub.add_parser("generate", help="stream a completion decoded with the bounded cache")
     common(g)
@@ -304,7 +304,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--export", action="append", default=[], metavar="DIR",
                    help="also score this export's trained policy with its own weights (repeatable), against --checkpoint's dense attention")
     s.add_argument("files", nargs="+", metavar="FILE", help="text files, or JSONL with a 'text' or chat 'messages' field")
-    s.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    s.add_argument("--json", action="store_true", help="print one JSON line per policy")
     s.set_defaults(run=cmd_score)
     return p
 

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kvpop.boundary import BoundaryWeight
 from kvpop.policies import names
 from kvpop.target import TargetKind, TargetPool
 
@@ -154,7 +155,7 @@ class TrainConfig(_Section):
         "group", description="over which heads the target is maximized: 'group' (the paper's: each KV head's query "
         "group), 'layer' (every KV head of the layer) or 'model' (every layer and KV head: one label per token; kvpop.target)"
     )
-    boundary_weight: Literal["tie", "regret", "uniform"] = Field(
+    boundary_weight: BoundaryWeight = Field(
         "tie", description="boundary-loss weights: 'tie' (the paper's near-tie discount x class balance), 'regret' "
         "(the attention mass a wrong keep/drop decision costs) or 'uniform' (every decision the same; kvpop.boundary)"
     )

@@ -138,10 +138,7 @@ def keep_map(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: in
     pos = torch.arange(S, device=input_ids.device)[None]
     ctx = EvictionCapture.for_rows(policy, torch.zeros_like(pos), pos, sinks=sinks, window=window, long_range=long_range,
                                    executor="flex" if input_ids.is_cuda else "sdpa")
-    model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx)
-    if not ctx.evict:  # a policy that never evicts runs no eviction step
-        L = model.config.num_hidden_layers
-        return torch.ones(L, model.config.num_key_value_heads, S)
+    model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx)  # every layer records (dense: NEVER)
     evict = torch.stack([ctx.evict[i][0] for i in sorted(ctx.evict)]).clamp(max=S).float().cpu()  # (L, Hk, S)
     j = torch.arange(S, dtype=torch.float32)
     keep = ((evict - j) / (S - j)).clamp(0, 1)

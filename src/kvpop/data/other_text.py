@@ -49,6 +49,12 @@ def prose_documents(exclude: Iterable[str | Path] = ()) -> Iterator[tuple[str, s
             yield name, topics[key]
 
 
+def token_ids(tokenizer) -> Callable[[str], list[int]]:
+    """A Hugging Face tokenizer as :func:`other_text_records`'s ``tokenize``: ids without special
+    tokens (a piece is cut from the middle of a document)."""
+    return lambda text: tokenizer(text, add_special_tokens=False).input_ids
+
+
 def other_text_records(
     tokenize: Callable[[str], Sequence[int]],
     kind: str,
