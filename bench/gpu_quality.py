@@ -236,7 +236,7 @@ def eval_phase(args) -> None:
         "steps": distinct[0] if len(distinct) == 1 else None,  # every trained policy's, when they agree
         "steps_per_policy": steps,
         "target": target_name(*targets[0]),
-        "policies": {n: {k: m[k] for k in ("quote_accuracy", "kl", "top1_agreement", "traces")} for n, m in res.items()},
+        "policies": {n: {k: m[k] for k in ("quote_accuracy", "kl", "top1_agreement", "occupancy", "traces") if k in m} for n, m in res.items()},
         "k": {**(prev.get("k", {}) if done else {}),
               **{cd.name: cd.policy.long_range_slots(budget=c["budget"], sinks=c["sinks"], window=c["window"], head_dim=shape["head_dim"])
                  for cd in cands}},

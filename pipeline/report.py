@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-COLUMNS = ("quote_accuracy", "kl", "top1_agreement", "pass_at_1", "pass_at_1_relative", "peak_cache_mb", "tokens_per_s")
+COLUMNS = ("quote_accuracy", "kl", "top1_agreement", "occupancy", "pass_at_1", "pass_at_1_relative", "peak_cache_mb", "tokens_per_s")
 
 
 def print_table(ev: dict) -> None:

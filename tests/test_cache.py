@@ -21,7 +21,10 @@ def model(request, tiny_model):
 def policies():
     torch.manual_seed(1)
     mlp = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
-    return {"recency": StreamingLLM(), "mlp": mlp}
+    dms = make_policy("dms", num_layers=2, num_kv_heads=2, head_dim=16)
+    for p in dms.parameters():  # a gate that evicts some tokens and keeps others
+        torch.nn.init.normal_(p, std=0.3)
+    return {"recency": StreamingLLM(), "mlp": mlp, "dms": dms}
 
 
 def training_logits(model, policy, ids, *, sinks=SINKS, window=WINDOW, k=K):
@@ -33,7 +36,7 @@ def training_logits(model, policy, ids, *, sinks=SINKS, window=WINDOW, k=K):
         return model(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits
 
 
-@pytest.mark.parametrize("policy_name", ["recency", "mlp"])
+@pytest.mark.parametrize("policy_name", ["recency", "mlp", "dms"])
 @pytest.mark.parametrize("prefill", [1, 30])
 def test_decoding_equals_training_pattern(model, policy_name, prefill):
     policy = policies()[policy_name]
@@ -54,6 +57,8 @@ def test_budget_above_length_is_dense(model, prefill):
         dense = torch.cat([model(input_ids=ids[:, :prefill], past_key_values=cache).logits]
                           + [model(input_ids=ids[:, t : t + 1], past_key_values=cache).logits for t in range(prefill, 40)], 1)
     for policy in policies().values():
+        if policy.gated:  # a gate evicts at the window whatever the budget (covered by the other tests)
+            continue
         got = teacher_forced_logits(model, policy, ids, budget=48, sinks=SINKS, window=WINDOW, prefill=prefill)
         assert (got - dense).abs().max() < 1e-4
     assert (dense - plain).abs().max() < 1e-4

@@ -54,7 +54,7 @@ def engine_logits(eng: DecodeEngine, tokens: torch.Tensor, prefill: int) -> torc
     return torch.stack(out, 1)
 
 
-@pytest.mark.parametrize("name", ["streaming_llm", "tied", "kvpop_mlp", "kvpop"])
+@pytest.mark.parametrize("name", ["streaming_llm", "tied", "kvpop_mlp", "kvpop", "dms"])
 @pytest.mark.parametrize("prefill,chunk", [(1, 128), (100, 128), (160, 128), (100, 256)])
 def test_engine_equals_bounded_cache(model, name, prefill, chunk, tie_policy):
     policy = make(name, tie_policy)
@@ -66,7 +66,7 @@ def test_engine_equals_bounded_cache(model, name, prefill, chunk, tie_policy):
     assert eng.seen == S
 
 
-@pytest.mark.parametrize("name", ["streaming_llm", "tied", "kvpop_mlp", "kvpop"])
+@pytest.mark.parametrize("name", ["streaming_llm", "tied", "kvpop_mlp", "kvpop", "dms"])
 def test_prefill_after_decode_steps(model, name, tie_policy):
     """Decode steps, then another prefill (a second turn), then steps: the same logits as teacher-forcing
     the whole sequence through the reference cache. The steps leave the window's tokens unscored (a rule
@@ -84,7 +84,7 @@ def test_prefill_after_decode_steps(model, name, tie_policy):
         assert (eng.step() - ref[:, t]).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("name", ["tied", "kvpop_mlp"])
+@pytest.mark.parametrize("name", ["tied", "kvpop_mlp", "dms"])
 def test_chunked_prefill_keeps_the_cache_contents(model, name, tie_policy):
     """After a chunked prefill the engine stores, per KV head, exactly the tokens BoundedCache keeps."""
     policy = make(name, tie_policy)
@@ -142,6 +142,7 @@ def test_candidate_eviction_times_equal_the_sequence_formula():
     B, Hk, n = 2, 3, 200
     prio = torch.randn(B, Hk, n, dtype=torch.float64)
     prio[..., 10:20] = prio[..., 10:11]  # ties: the newer token wins
+    prio[..., 40:200:3] = float("-inf")  # gated out (dms): they leave with the window
     pos = torch.arange(n).expand(B, n)
     ref = eviction_times(prio, torch.zeros(B, n, dtype=torch.long), pos, sinks=SINKS, window=WINDOW, long_range=K).long()
     perm = torch.randperm(n)

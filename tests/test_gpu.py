@@ -208,7 +208,7 @@ def test_boundary_labels_cuda_equal_cpu():
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-@pytest.mark.parametrize("policy_name", ["streaming_llm", "kvpop_mlp", "kvpop"])
+@pytest.mark.parametrize("policy_name", ["streaming_llm", "kvpop_mlp", "kvpop", "dms"])
 def test_bounded_cache_decoding_equals_flex_training_forward(model_type, policy_name, tiny_model):
     """Token-by-token decoding with the bounded cache on CUDA equals the CUDA (FlexAttention) training forward."""
     from kvpop.attention import SparseContext
@@ -235,7 +235,7 @@ def test_bounded_cache_decoding_equals_flex_training_forward(model_type, policy_
 
 
 # --- the decode engine: compiled (CUDA graph) step == eager step == BoundedCache on CUDA ---------------
-@pytest.mark.parametrize("policy_name", ["streaming_llm", "kvpop_mlp", "kvpop", "dense"])
+@pytest.mark.parametrize("policy_name", ["streaming_llm", "kvpop_mlp", "kvpop", "dms", "dense"])
 def test_compiled_engine_equals_bounded_cache(policy_name, tiny_model):
     from kvpop.decode import enable, teacher_forced_logits
     from kvpop.decode.engine import DecodeEngine
@@ -268,3 +268,36 @@ def test_compiled_engine_equals_bounded_cache(policy_name, tiny_model):
     d_ref, d_comp = _maxdiff(got[False], ref[:, pre - 1 :]), _maxdiff(got[True], got[False])
     print(f"engine {policy_name}: eager vs reference {d_ref:.2e}, compiled vs eager {d_comp:.2e}")
     assert d_ref < 1e-4 and d_comp < 1e-4
+
+
+# --- dms: the gate's training forward (compiled flex + score_mod) against the SDPA float mask ----------
+def test_gated_training_flex_equals_sdpa(tiny_model):
+    """A whole tiny model in training under dms (straight-through gate, noise off): logits and the
+    gradients of the gate and of the student, compiled FlexAttention on CUDA vs SDPA on the CPU."""
+    from kvpop.attention import GateTraining
+    from kvpop.policies import make_policy
+
+    ids, doc, pos = packed_toy(2, 384, seed=7)
+    results = {}
+    for device, executor in (("cpu", "sdpa"), ("cuda", "flex")):
+        torch.manual_seed(0)
+        from kvpop.attention import register
+
+        model = tiny_model("llama", attn_implementation=register()).to(device)
+        policy = make_policy("dms", num_layers=2, num_kv_heads=2, head_dim=16)
+        for p in policy.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+        policy.to(device)
+        ctx = SparseContext.for_rows(policy, doc.to(device), pos.to(device), sinks=4, window=32, long_range=24, executor=executor,
+                                     gate_training=GateTraining(noise=False))
+        logits = model(input_ids=ids.to(device), position_ids=pos.to(device), kvpop_ctx=ctx).logits
+        (logits.float().square() * (doc >= 0).to(device)[..., None]).mean().backward()
+        results[executor] = (logits.detach(), [p.grad for p in policy.parameters()], [p.grad for p in model.parameters() if p.grad is not None])
+    (l1, g1, m1), (l2, g2, m2) = results["sdpa"], results["flex"]
+    real = (doc >= 0)[..., None]
+    d_logits = _maxdiff(l1 * real, l2.cpu() * real)
+    d_gate = max(_maxdiff(a, b) / max(a.abs().max().item(), 1e-12) for a, b in zip(g1, g2, strict=True))
+    d_model = max(_maxdiff(a, b) / max(a.abs().max().item(), 1e-12) for a, b in zip(m1, m2, strict=True))
+    print(f"dms training: flex vs sdpa logits {d_logits:.2e}, gate grads (rel) {d_gate:.2e}, model grads (rel) {d_model:.2e}")
+    assert d_logits < 1e-3 and d_gate < 1e-2 and d_model < 1e-2
+    assert all(g.abs().sum() > 0 for g in g1)

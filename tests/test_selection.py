@@ -43,7 +43,8 @@ def brute_force_kept(prio, doc_ids, pos, sinks, window, k):
                 if d < 0:
                     continue
                 same = [t for t in range(q + 1) if int(doc_ids[b, t]) == d]
-                eligible = [t for t in same if pos[b, t] >= sinks and t <= q - window]
+                # a -inf priority is a gate's eviction: never a long-range token, even with free slots
+                eligible = [t for t in same if pos[b, t] >= sinks and t <= q - window and p[t] > float("-inf")]
                 top = sorted(eligible, key=lambda t: (-p[t], -t))[:k]
                 keep = {t for t in same if pos[b, t] < sinks or q - t < window} | set(top)
                 kept[(b, h, q)] = keep
@@ -59,7 +60,18 @@ CASES = [
     (2, 3, 150, 3, 5, 6, [2, 3, 12, 50], 11, None),  # many documents shorter than the budget
     (2, 3, 300, 4, 16, 12, [40, 90, 300], 20, 3),
     (1, 2, 50, 0, 0, 4, [50], 0, 2),  # window 0: a query may keep itself only via top-k
+    (2, 3, 150, 2, 6, 8, [30, 150], 9, "gated"),  # dms: -inf (gated out) among ties and free slots
+    (2, 3, 120, 1, 4, 0, [40, 120], 5, "gated"),
 ]
+
+
+def case_priorities(B, Hk, S, levels, gen):
+    if levels is None:
+        return torch.randn(B, Hk, S, generator=gen)
+    if levels == "gated":  # about half the tokens gated out, the rest in three tied levels
+        prio = torch.randint(0, 3, (B, Hk, S), generator=gen).float()
+        return prio.masked_fill(torch.rand(B, Hk, S, generator=gen) < 0.5, float("-inf"))
+    return torch.randint(0, levels, (B, Hk, S), generator=gen).float()  # many exact ties
 
 
 @pytest.mark.parametrize("case_id", range(len(CASES)))
@@ -67,10 +79,7 @@ def test_eviction_times_match_brute_force(case_id):
     B, Hk, S, sinks, window, k, lens, pad_max, levels = CASES[case_id]
     gen = torch.Generator().manual_seed(case_id)
     doc_ids, pos = random_packing(B, S, lens, pad_max, gen)
-    if levels is None:
-        prio = torch.randn(B, Hk, S, generator=gen)
-    else:  # many exact ties
-        prio = torch.randint(0, levels, (B, Hk, S), generator=gen).float()
+    prio = case_priorities(B, Hk, S, levels, gen)
 
     e = eviction_times(prio, doc_ids, pos, sinks=sinks, window=window, long_range=k)
     assert e.shape == (B, Hk, S)

@@ -133,7 +133,7 @@ def test_cpu_flags_reads_cpuinfo_and_tolerates_its_absence(tmp_path):
     assert cpu_flags(tmp_path / "arm") == set()
 
 
-@pytest.mark.parametrize("policy_name", ["streaming_llm_plus", "kvpop_mlp"])
+@pytest.mark.parametrize("policy_name", ["streaming_llm_plus", "kvpop_mlp", "dms"])
 def test_build_training_trains_two_steps(policy_name, tmp_path):
     """One config -> module, loader and trainer: two steps on a tiny model, settings taken from the config."""
     from kvpop.config import TrainConfig
@@ -156,7 +156,12 @@ def test_build_training_trains_two_steps(policy_name, tmp_path):
     assert trainer.global_step == 2 and trainer.max_steps == 2 and trainer.gradient_clip_val == cfg.grad_clip
     assert any(not torch.equal(before[k], v) for k, v in training.student.state_dict().items())
     assert all(torch.equal(t_before[k], v) for k, v in teacher.state_dict().items())  # the teacher stays frozen
-    if training.policy.learned:
+    if training.policy.gated:  # no boundary loss: the gate learns from the KL and the compression loss
+        assert "train/score_loss" not in trainer.callback_metrics
+        m = trainer.callback_metrics
+        assert 0 < float(m["train/gate_evicted"]) < 1 and float(m["train/compression_target"]) > 0
+        assert s.gate_training.tau == cfg.gate_tau
+    elif training.policy.learned:
         assert "train/score_loss" in trainer.callback_metrics
 
 

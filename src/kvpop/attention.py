@@ -10,7 +10,12 @@ The model runs with ``attn_implementation="kvpop"``; every attention layer then 
    (CPU, where FlexAttention has no backward: SDPA with the dense boolean mask);
 4. for a learned policy in training, the target pass (:func:`kvpop.target.future_attention_target`)
    and the boundary loss (:func:`kvpop.boundary.boundary_loss`) run right there, per layer, so
-   no per-layer query/key tensors outlive the layer.
+   no per-layer query/key tensors outlive the layer;
+5. a ``gated`` policy in training (``dms``) instead runs its relaxed gate (:meth:`Policy.relax`):
+   the pattern comes from the relaxation's priorities, and the executor adds the gate's
+   differentiable bias to the logits of every token past the window (:func:`gate_bias_mod`,
+   :func:`gate_bias_mask`), so the KL reaches the gate; each layer's eviction probabilities wait in
+   :attr:`SparseContext.gate_evict_probs` for the compression loss.
 
 Activation checkpointing (``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant":
 False})``) runs every decoder layer twice: the forward, then a recomputation during backward. The
@@ -71,15 +76,43 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex_execute(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float, need_lse: bool) -> tuple[Tensor, Tensor | None]:
+def flex_execute(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float, need_lse: bool, score_mod=None) -> tuple[Tensor, Tensor | None]:
     """CUDA executor: FlexAttention (compiled) under a BlockMask; eager on CPU (forward only)."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     fn = _compiled_flex() if q.is_cuda else flex_attention
     if need_lse:
-        out, aux = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True))
+        out, aux = fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True))
         return out, aux.lse
-    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True), None
+    return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True), None
+
+
+def _gate_applies(pos: Tensor, b, q_idx, kv_idx, *, sinks: int, window: int):
+    """Where a gate's bias counts: the key token left the window (``q - kv >= window``) and is no sink."""
+    return (q_idx - kv_idx >= window) & (pos[b, kv_idx] >= sinks)
+
+
+def gate_bias_mod(bias: Tensor, pos: Tensor, *, sinks: int, window: int, group: int):
+    """A FlexAttention ``score_mod`` adding ``bias[b, h // group, kv]`` (B, Hk, S) to the logits of
+    tokens past the window (the flex twin of :func:`gate_bias_mask`; gradients reach ``bias``)."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + torch.where(_gate_applies(pos, b, q_idx, kv_idx, sinks=sinks, window=window), bias[b, h // group, kv_idx], 0.0)
+
+    return score_mod
+
+
+def gate_bias_mask(allowed: Tensor, bias: Tensor, pos: Tensor, *, sinks: int, window: int) -> Tensor:
+    """The SDPA twin: allowed (B, H, S, S) bool, bias (B, Hk, S), pos (B, S) -> float mask (B, H, S, S):
+    ``-inf`` where not allowed, the bias on tokens past the window, 0 elsewhere."""
+    B, H, S, _ = allowed.shape
+    b = torch.arange(B, device=pos.device).view(B, 1, 1)
+    q = torch.arange(S, device=pos.device).view(1, S, 1)
+    kv = torch.arange(S, device=pos.device).view(1, 1, S)
+    applies = _gate_applies(pos, b, q, kv, sinks=sinks, window=window)  # (B, S, S)
+    add = torch.where(applies[:, None], bias[:, :, None, :], 0.0)  # (B, Hk, S, S), bias's dtype
+    add = add.repeat_interleave(H // bias.shape[1], dim=1)  # (B, H, S, S)
+    return add.masked_fill(~allowed, float("-inf"))
 
 
 @dataclass
@@ -94,6 +127,15 @@ class ScorerTraining:
     target_beta: float = 8.0  # order of the power mean (target "power" only)
     weighting: BoundaryWeight = "tie"  # boundary-loss weights (kvpop.boundary.boundary_loss)
     pool: TargetPool = "group"  # over which heads the target is maximized (kvpop.target.pool_targets)
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class GateTraining:
+    """Settings of a gated policy's relaxation, when it is being trained (``dms``)."""
+
+    tau: float = 0.1  # temperature of the Gumbel-sigmoid
+    noise: bool = True  # logistic noise on the logits (off: the deterministic relaxation)
     generator: torch.Generator | None = None
 
 
@@ -124,6 +166,7 @@ class _LayerRecord:
     evict: Tensor  # (B, Hk, S)
     need_lse: bool
     grad_enabled: bool
+    gate_bias: Tensor | None = None  # (B, Hk, S) a gated policy's training bias
 
 
 @dataclass
@@ -142,7 +185,9 @@ class SparseContext:
     long_range: int  # long-range slots k = budget - sinks - window
     executor: Executor = "sdpa"
     scorer_training: ScorerTraining | None = None
+    gate_training: GateTraining | None = None
     losses: list[Tensor] = field(default_factory=list)  # boundary loss per layer (see finish_scorer_losses)
+    gate_evict_probs: list[Tensor] = field(default_factory=list)  # gated policy in training: (B, Hk, S) per layer
     stats: list[dict[str, Tensor]] = field(default_factory=list)
     _pending: list[tuple[Tensor, Tensor, Tensor]] = field(default_factory=list)  # (r_hat, r_tgt, log_gamma) awaiting the model-wide pool
     _cache: dict = field(default_factory=dict)
@@ -186,10 +231,18 @@ class SparseContext:
             self._cache[key] = pat
         return pat
 
-    def run(self, q: Tensor, k: Tensor, v: Tensor, evict: Tensor, scale: float, need_lse: bool, layer_key: object, keep: bool | None = None):
+    def run(self, q: Tensor, k: Tensor, v: Tensor, evict: Tensor, scale: float, need_lse: bool, layer_key: object, keep: bool | None = None,
+            gate_bias: Tensor | None = None):
+        """Attention under the eviction pattern; ``gate_bias`` (B, Hk, S): added to the logits of tokens
+        past the window (a gated policy in training; no LSE then)."""
         if keep is None:
             keep = self.policy.layer_independent or self.executor == "flex"
         pat = self._pattern(evict, q.shape[1], layer_key, keep)
+        if gate_bias is not None:
+            gk = dict(sinks=self.sinks, window=self.window)
+            if self.executor == "flex":
+                return flex_execute(q, k, v, pat, scale, False, score_mod=gate_bias_mod(gate_bias, self.pos, group=q.shape[1] // k.shape[1], **gk))
+            return sdpa_execute(q, k, v, gate_bias_mask(pat, gate_bias, self.pos, **gk), scale, False)
         if self.executor == "flex":
             return flex_execute(q, k, v, pat, scale, need_lse)
         return sdpa_execute(q, k, v, pat, scale, need_lse)
@@ -200,6 +253,8 @@ class SparseContext:
         rec = self._layers.get(layer)
         if rec is not None:
             return self._recompute(rec, q, k, v, scale, key)
+        if self.gate_training is not None and self.policy.gated:
+            return self._attend_gated(layer, q, k, v, scale, key)
         with _kept_saved_tensors():
             evict, scores = self.evictions(layer, k, v)
         train = self.scorer_training is not None and scores is not None and scores.r_hat is not None
@@ -220,6 +275,19 @@ class SparseContext:
                 self._pending.append((scores.r_hat, r_tgt, scores.log_gamma))
             else:
                 self._scorer_loss(scores.r_hat, pool_targets([r_tgt], st.pool)[0], scores.log_gamma)
+        return out.transpose(1, 2).contiguous()
+
+    def _attend_gated(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, key: object) -> Tensor:
+        """A gated policy in training: the relaxed gate's pattern and bias (see the module docstring)."""
+        gt = self.gate_training
+        with _kept_saved_tensors(), torch.autocast(device_type=k.device.type, enabled=False):
+            x = self.policy.scores(layer, k.float(), v.float(), self.pos).r_hat  # (B, Hk, S) gate logits
+            relax = self.policy.relax(x, tau=gt.tau, generator=gt.generator, noise=gt.noise)
+        evict = eviction_times(relax.prio, self.doc_ids, self.pos, sinks=self.sinks, window=self.window, long_range=self.long_range)
+        bias = relax.bias.to(q.dtype)
+        out, _ = self.run(q, k, v, evict, scale, need_lse=False, layer_key=key, gate_bias=bias)
+        self._layers[layer] = _LayerRecord(evict=evict, need_lse=False, grad_enabled=torch.is_grad_enabled(), gate_bias=bias)
+        self.gate_evict_probs.append(relax.evict_prob)
         return out.transpose(1, 2).contiguous()
 
     def _scorer_loss(self, r_hat: Tensor, r_tgt: Tensor, log_gamma: Tensor) -> None:
@@ -263,7 +331,7 @@ class SparseContext:
                 "would get none: use gradient_checkpointing_kwargs={'use_reentrant': False}"
             )
         need_lse = rec.need_lse and self.executor == "flex"  # flex: the same kernel call as the first pass
-        out, _ = self.run(q, k, v, rec.evict, scale, need_lse=need_lse, layer_key=key)
+        out, _ = self.run(q, k, v, rec.evict, scale, need_lse=need_lse, layer_key=key, gate_bias=rec.gate_bias)
         return out.transpose(1, 2).contiguous()
 
 

@@ -159,6 +159,16 @@ class TrainConfig(_Section):
         "tie", description="boundary-loss weights: 'tie' (the paper's near-tie discount x class balance), 'regret' "
         "(the attention mass a wrong keep/drop decision costs) or 'uniform' (every decision the same; kvpop.boundary)"
     )
+    gate_tau: float = Field(
+        0.1, gt=0, allow_inf_nan=False, description="temperature of a gated policy's Gumbel-sigmoid relaxation (dms)"
+    )
+    compression_weight: float = Field(
+        1.0, ge=0, allow_inf_nan=False, description="weight of a gated policy's one-sided compression loss (dms)"
+    )
+    compression_ramp: float = Field(
+        0.5, ge=0, le=1, description="share of the steps over which the compression target ramps up from 0 to the "
+        "eviction ratio the budget implies (dms)"
+    )
     precision: Literal["auto", "32-true", "bf16-mixed", "bf16-true"] = Field(
         "auto", description="'auto': bf16-mixed where the hardware runs bf16 natively (CUDA, or a CPU with "
         "AVX512_BF16/AMX), 32-true elsewhere"

@@ -6,7 +6,10 @@ policy's pattern at the run's budget and is compared with the dense teacher on t
 * ``kl``: mean over scored positions of KL(p_dense || p_policy), full vocabulary;
 * ``top1_agreement``: how often the argmax tokens agree;
 * ``quote_accuracy``: top-1 accuracy on the recorded long-range quote tokens (the digits a later
-  step copies from a definition many hundreds of tokens back).
+  step copies from a definition many hundreds of tokens back);
+* ``occupancy``: the entries held at the trace's last token, over the capacity ``sinks + window + k``
+  (mean over layers, KV heads and traces): 1 for a top-k rule on a trace longer than its budget,
+  below 1 for a gate that evicts more than the budget needs (``dms``), ``S / budget`` for dense.
 
 Scored positions are the next-token predictions of assistant tokens (the trace's loss mask).
 
@@ -55,6 +58,7 @@ class _Acc:
     tokens: int = 0
     quote_hit: int = 0
     quotes: int = 0
+    occupancy: float = 0.0  # summed over traces
 
     traces: int = 0
 
@@ -66,6 +70,7 @@ class _Acc:
             "top1_agreement": self.agree / max(1, self.tokens),
             "quote_accuracy": self.quote_hit / max(1, self.quotes),
             "quote_tokens": self.quotes,  # 0: the records mark no quote (quote_accuracy then says nothing)
+            "occupancy": self.occupancy / max(1, self.traces),
         }
 
 
@@ -89,12 +94,6 @@ class TargetCapture(SparseContext):
                 q, k, lse, doc, window=self.window, scale=scale, kind=kind, beta=beta, impl="flex" if self.executor == "flex" else "chunked",
             )
         return out.transpose(1, 2).contiguous()
-
-
-@torch.no_grad()
-def forward_logits(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: int, long_range: int) -> Tensor:
-    """One trace (1, S) under a policy -> logits (S, V) float32."""
-    return _forward(model, policy, input_ids, sinks=sinks, window=window, long_range=long_range)[0]
 
 
 def _forward(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: int, long_range: int, kinds: tuple[TargetKey, ...] = (),
@@ -127,6 +126,24 @@ class EvictionCapture(SparseContext):
         evict, scores = super().evictions(layer, k, v)
         self.evict[layer] = evict
         return evict, scores
+
+
+def held_share(evict: Tensor, capacity: int) -> float:
+    """Eviction times (L, Hk, S) of one trace -> the entries attendable by its last query over
+    ``capacity``, mean over layers and KV heads (sinks have ``NEVER``)."""
+    return (evict > evict.shape[-1] - 1).sum(-1).double().mean().item() / capacity
+
+
+@torch.no_grad()
+def policy_logits(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: int, long_range: int) -> tuple[Tensor, float]:
+    """One trace (1, S) under a policy's full-sequence pattern -> (logits (S, V) float32, occupancy)."""
+    S = input_ids.shape[1]
+    pos = torch.arange(S, device=input_ids.device)[None]
+    ctx = EvictionCapture.for_rows(policy, torch.zeros_like(pos), pos, sinks=sinks, window=window, long_range=long_range,
+                                   executor="flex" if input_ids.is_cuda else "sdpa")
+    logits = model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx).logits[0].float()
+    evict = torch.stack([ctx.evict[i][0] for i in sorted(ctx.evict)])  # (L, Hk, S)
+    return logits, held_share(evict, sinks + window + long_range)
 
 
 @torch.no_grad()
@@ -205,19 +222,25 @@ def evaluate_fidelity(
             acc[c.name].traces += 1
             if c.policy.needs_attention:
                 from kvpop.decode import teacher_forced_logits
+                from kvpop.decode.generate import new_cache
 
                 prefill = min(budget, ids.shape[1])  # nothing is evicted before the cache is full
-                logits = teacher_forced_logits(c.model, c.policy, ids, budget=budget, sinks=sinks, window=window, prefill=prefill)[0].float()
+                cache = new_cache(c.model, c.policy, budget=budget, sinks=sinks, window=window)
+                logits = teacher_forced_logits(c.model, c.policy, ids, budget=budget, sinks=sinks, window=window, prefill=prefill,
+                                               cache=cache)[0].float()
+                held = torch.stack([(layer.pos >= 0).sum(-1).double().mean() for layer in cache.layers]).mean().item()
+                occupancy = held / cache.slots
             elif c.policy.name == "dense" and c.model is teacher:
-                logits = ref
+                logits, occupancy = ref, ids.shape[1] / budget
             else:
-                logits = forward_logits(c.model, c.policy, ids, sinks=sinks, window=window, long_range=slots[c.name])
+                logits, occupancy = policy_logits(c.model, c.policy, ids, sinks=sinks, window=window, long_range=slots[c.name])
             logp = torch.log_softmax(logits, -1)
             kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # (S,)
             a = acc[c.name]
             a.kl += kl[scored].sum().item()
             a.agree += (logits.argmax(-1)[scored] == ref_top[scored]).sum().item()
             a.tokens += scored.numel()
+            a.occupancy += occupancy
             if quotes.numel():
                 a.quote_hit += (logits.argmax(-1)[quotes] == targets[quotes]).sum().item()
                 a.quotes += quotes.numel()

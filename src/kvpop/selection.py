@@ -10,7 +10,10 @@ Setting (independently per KV head and per document of a packed row): at query
   per-token priority.
 
 Ties are broken by recency: among equal priorities the token with the larger
-index (newer) outranks the older one.  Because priorities are static and
+index (newer) outranks the older one. A priority of ``-inf`` is a *gate's
+eviction* (``dms``): the token leaves with the window (``e_t = t + window``)
+even while slots are free; it outranks no other token, so it changes no other
+token's eviction time.  Because priorities are static and
 ``E(q)`` only grows with ``q``, an evicted token never comes back, so every
 token has a single *eviction time* ``e_t``: the first query index at which it is
 no longer kept.  Writing ``O_t`` for the eligible tokens of ``t``'s document
@@ -153,6 +156,7 @@ def eviction_times(
     e_sorted = torch.maximum(order + window, kth + window)
     e_sorted = torch.where(n_outrank >= k, e_sorted, NEVER)
     e = torch.empty_like(e_sorted).scatter_(-1, order, e_sorted)
+    e = torch.where(prio == float("-inf"), torch.minimum(e, idx + window), e)  # gated out: leaves with the window
     e = torch.where(eligible[:, None, :], e, never)
     return e.clamp(max=NEVER).to(torch.int32)
 
@@ -183,7 +187,8 @@ def candidate_eviction_times(
     position), the newer winning ties. The candidates need not be sorted.
 
     Args:
-        prio: ``(B, Hk, N)`` float priorities; ``-inf`` marks empty slots (with ``pos = -1``).
+        prio: ``(B, Hk, N)`` float priorities; ``-inf`` marks empty slots (with ``pos = -1``) and,
+            on a real token, a gate's eviction (it leaves with the window).
         pos: ``(B, Hk, N)`` int positions in the document, ``-1`` on empty slots.
         bits: bits of the largest position (inferred, with one host sync, if omitted).
 
@@ -210,4 +215,5 @@ def candidate_eviction_times(
     ).reshape(B, Hk, N)
     e_sorted = torch.where(r >= k, torch.maximum(pos_sorted, kth) + window, NEVER)
     e = torch.empty_like(e_sorted).scatter_(-1, order, e_sorted)
+    e = torch.where(prio == float("-inf"), torch.minimum(e, pos + window), e)  # gated out: leaves with the window
     return torch.where(eligible, e, never)

@@ -7,8 +7,11 @@ teacher runs densely (causal within each packed document). The loss is
   + boundary loss of the learned scorer (if any), mean over layers       -> scorer and decay only
 
 The two never mix: the pattern is built from detached priorities, and the scorer reads detached
-keys and values. Optimizer groups: a fixed learning rate for the model, a cosine schedule for
-the scorer.
+keys and values. A ``gated`` policy (``dms``) has no boundary loss: its gate learns from the KL
+itself, through the relaxed pattern (:meth:`kvpop.policies.Policy.relax`), plus the one-sided
+compression loss (:func:`compression_loss`) that pushes its eviction rate up to what the budget
+implies. Optimizer groups: a fixed learning rate for the model, a cosine schedule for the scorer
+(or gate).
 
 Scale-out and resume (see also :mod:`kvpop.distributed`):
 
@@ -45,7 +48,7 @@ from torch import Tensor
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from kvpop.attention import ScorerTraining, SparseContext
+from kvpop.attention import GateTraining, ScorerTraining, SparseContext
 from kvpop.distributed import decoder_layer_classes, make_strategy, place_teacher
 from kvpop.export import CheckpointError
 from kvpop.modeling import model_shape
@@ -91,6 +94,23 @@ def topk_kl(student_logits: Tensor, top_vals: Tensor, top_idx: Tensor, mask: Ten
     return (kl * m).sum() / d.clamp(min=1.0)
 
 
+def compression_loss(evict_probs: list[Tensor], leaves: Tensor, target: float) -> tuple[Tensor, Tensor]:
+    """A gate's one-sided compression loss ``max(0, target - evicted)`` and ``evicted``: the mean
+    relaxed eviction probability over every layer and KV head of the tokens that leave the window.
+
+    evict_probs: per layer (B, Hk, S); leaves (B, S) bool (:func:`kvpop.policies.dms.leaving_tokens`)."""
+    m = leaves[:, None, :].to(evict_probs[0].dtype)  # (B, 1, S)
+    per_layer = torch.stack([(p * m).sum() for p in evict_probs])  # (L,)
+    evicted = per_layer.sum() / (m.sum() * evict_probs[0].shape[1] * len(evict_probs)).clamp(min=1.0)
+    return torch.relu(target - evicted), evicted
+
+
+def ramp(step: int, steps: int, fraction: float) -> float:
+    """A linear ramp from 0 at step 0 to 1 at ``fraction * steps``, then 1 (``fraction`` 0: always 1)."""
+    span = fraction * steps
+    return 1.0 if span <= 0 else min(1.0, step / span)
+
+
 def prediction_mask(loss_mask: Tensor, doc_ids: Tensor) -> Tensor:
     """(B, S): position i predicts token i + 1 of the same document, which must be distilled."""
     nxt = F.pad(loss_mask[:, 1:], (0, 1))
@@ -124,6 +144,9 @@ class TrainSettings:
     top_logits: int = 256
     scorer_training: ScorerTraining | None = None
     activation_checkpointing: bool = False
+    gate_training: GateTraining | None = None  # gated policies (dms)
+    compression_weight: float = 1.0  # weight of the gate's compression loss
+    compression_ramp: float = 0.5  # share of the steps over which its target ratio ramps up from 0
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, *, sinks: int, window: int, long_range: int, seed: int) -> TrainSettings:
@@ -138,6 +161,8 @@ class TrainSettings:
                 generator=torch.Generator().manual_seed(seed),
             ),
             activation_checkpointing=cfg.activation_checkpointing,
+            gate_training=GateTraining(tau=cfg.gate_tau, generator=torch.Generator().manual_seed(seed + 1)),
+            compression_weight=cfg.compression_weight, compression_ramp=cfg.compression_ramp,
         )
 
 
@@ -175,22 +200,26 @@ class DistillModule(L.LightningModule):
         # after the strategy has set up the student: replicate (single, DDP) or shard (FSDP) the teacher
         self.__dict__["teacher"] = place_teacher(self.teacher, self.trainer.strategy)
 
-    def _generator(self) -> torch.Generator | None:
-        st = self.s.scorer_training
-        return st.generator if st is not None else None
+    def _generators(self) -> dict[str, torch.Generator]:
+        """The random streams a resumed run must continue: the boundary loss's query sampling, the gate's noise."""
+        st, gt = self.s.scorer_training, self.s.gate_training
+        gens = {"kvpop_query_generator": st.generator if st is not None else None,
+                "kvpop_gate_generator": gt.generator if gt is not None and self.policy.gated else None}
+        return {k: g for k, g in gens.items() if g is not None}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        if (g := self._generator()) is not None:  # the boundary loss's query sampling
-            checkpoint["kvpop_query_generator"] = g.get_state()
+        for key, g in self._generators().items():
+            checkpoint[key] = g.get_state()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        if (g := self._generator()) is not None and "kvpop_query_generator" in checkpoint:
-            g.set_state(checkpoint["kvpop_query_generator"])
+        for key, g in self._generators().items():
+            if key in checkpoint:
+                g.set_state(checkpoint[key])
 
-    def _ctx(self, policy: Policy, batch, scorer_training=None) -> SparseContext:
+    def _ctx(self, policy: Policy, batch, scorer_training=None, gate_training=None) -> SparseContext:
         return SparseContext.for_rows(
             policy, batch["doc_ids"], batch["position_ids"], sinks=self.s.sinks, window=self.s.window, long_range=self.s.long_range,
-            executor="flex" if batch["input_ids"].is_cuda else "sdpa", scorer_training=scorer_training,
+            executor="flex" if batch["input_ids"].is_cuda else "sdpa", scorer_training=scorer_training, gate_training=gate_training,
         )
 
     def training_step(self, batch, batch_idx):
@@ -203,12 +232,16 @@ class DistillModule(L.LightningModule):
             del t_logits
             # global distilled-token count / world size: averaged gradients = the global-batch gradient
             denom = self.trainer.strategy.reduce(mask.sum().float(), reduce_op="mean") if distributed else None
-        ctx = self._ctx(self.policy, batch, self.s.scorer_training if self.policy.learned else None)
+        gated = self.policy.gated
+        ctx = self._ctx(self.policy, batch, self.s.scorer_training if self.policy.learned and not gated else None,
+                        self.s.gate_training if gated else None)
         s_logits = self.student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx, use_cache=False).logits
         ctx.finish_scorer_losses()
         kl = topk_kl(s_logits, top_vals, top_idx, mask, denom)
         loss = kl
         logs = {"train/kl": kl.detach()}
+        if gated:
+            loss = loss + self._compression(ctx, batch, logs)
         if ctx.losses:
             score_loss = torch.stack([x.float() for x in ctx.losses]).mean()  # a layer without decisions gives float64 0
             loss = loss + score_loss
@@ -224,6 +257,19 @@ class DistillModule(L.LightningModule):
         if ctx.losses:
             self.log("train/decisions", decisions, prog_bar=True, on_step=True, batch_size=ids.shape[0], sync_dist=distributed, reduce_fx="sum")
         return loss
+
+    def _compression(self, ctx: SparseContext, batch, logs: dict) -> Tensor:
+        """The gate's weighted compression loss toward the budget's eviction ratio, ramped up over the
+        first ``compression_ramp`` of the steps; logs the target and the relaxed eviction rate."""
+        from kvpop.policies.dms import budget_evict_ratio, leaving_tokens
+
+        geo = dict(sinks=self.s.sinks, window=self.s.window)
+        doc, pos = batch["doc_ids"], batch["position_ids"]
+        target = budget_evict_ratio(doc, pos, long_range=self.s.long_range, **geo) * ramp(self.global_step, self.s.steps, self.s.compression_ramp)
+        comp, evicted = compression_loss(ctx.gate_evict_probs, leaving_tokens(doc, pos, **geo), target)
+        logs.update({"train/compression_loss": comp.detach(), "train/gate_evicted": evicted.detach(),
+                     "train/compression_target": torch.tensor(target)})
+        return self.s.compression_weight * comp
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip by the global norm; under FSDP through the root unit, which sums the norm over shards."""

@@ -8,7 +8,8 @@ Token ``t >= sinks`` is written into ring slot ``sinks + (t - sinks) % window``.
 arrives it overwrites token ``q - window``, which leaves the window and competes for the
 long-range slots by its priority: a free slot takes it; otherwise it replaces the lowest-ranked
 slot iff it outranks it (rank = priority, then recency: it is newer than every slot, so it wins
-ties); a loser is gone for good. With static priorities this is exactly the top-k of the eligible
+ties); a loser is gone for good. A priority of ``-inf`` is a gate's eviction (``dms``): that token
+leaves with the window even when a slot is free. With static priorities this is exactly the top-k of the eligible
 set that :func:`kvpop.selection.eviction_times` describes, so decoding reproduces the training
 pattern token for token. Keys keep the rotary positions they were written with, and
 :meth:`BoundedCache.get_seq_length` reports the number of tokens *seen*, so new positions keep
@@ -206,7 +207,8 @@ class BoundedLayer(CacheLayerMixin):
         low = prio.amin(-1, keepdim=True)  # (B, Hk, 1); empty slots are -inf
         # lowest-ranked slot: lowest priority, and the oldest among equal priorities
         victim = torch.where(prio == low, pos, torch.iinfo(torch.int64).max).argmin(-1, keepdim=True)  # (B, Hk, 1)
-        wins = self.prio[:, :, src : src + 1] >= low  # the candidate is the newest: it wins ties
+        leaver = self.prio[:, :, src : src + 1]
+        wins = (leaver >= low) & (leaver > NEG_INF)  # the candidate is the newest: it wins ties; gated out (-inf, dms): it leaves
         dst = victim + self.lr  # (B, Hk, 1)
         for buf in (self.keys, self.values, self.prio, self.pos):  # not the state
             idx = dst if buf.dim() == 3 else dst[..., None].expand(-1, -1, -1, buf.shape[-1])
@@ -240,8 +242,9 @@ class BoundedLayer(CacheLayerMixin):
         dst = slice(self.lr, self.lr + n)
         self.keys[:, :, dst] = k.gather(2, top[..., None].expand(-1, -1, -1, k.shape[-1]))
         self.values[:, :, dst] = v.gather(2, top[..., None].expand(-1, -1, -1, v.shape[-1]))
-        self.prio[:, :, dst] = prio.gather(2, top)
-        self.pos[:, :, dst] = top
+        top_prio = prio.gather(2, top)
+        self.prio[:, :, dst] = top_prio
+        self.pos[:, :, dst] = torch.where(top_prio > NEG_INF, top, -1)  # a gated-out token (dms) is not kept: an empty slot
 
     # --- attention ------------------------------------------------------------------------------
     def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:

@@ -290,8 +290,10 @@ class DecodeEngine:
         cos, sin = self.model.model.rotary_emb(x, position_ids)  # (B, 1, D)
         # eager (not captured): the filled slots are a prefix (sinks and ring fill in order, an empty
         # long-range slot is always the first victim), every stored token is visible to the new
-        # query, so attention reads that prefix without a mask; the graphed step masks the whole buffer
-        filled = None if self.compiled else min(self.seen, self.slots)
+        # query, so attention reads that prefix without a mask; the graphed step masks the whole buffer,
+        # and so does a gate's (dms), whose gated-out leavers leave long-range slots empty anywhere
+        gaps = self.policy is not None and self.policy.gated
+        filled = None if self.compiled or gaps else min(self.seen, self.slots)
         at = self.home_slot(p).expand(self.B * self.Hk) if self.kind == "bounded" else None  # (B * Hk,): token p's slot in every layer
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(i, layer.input_layernorm(x), cos, sin)  # (B, H, 1, D), (B, Hk, 1, D)
@@ -357,7 +359,8 @@ class DecodeEngine:
         lr_prio, lr_pos = prio[:, :, self.lr : self.slots], pos[:, :, self.lr : self.slots]  # (B, Hk, k)
         low = lr_prio.amin(-1, keepdim=True)  # (B, Hk, 1); empty slots are -inf
         victim = (torch.where(lr_prio == low, lr_pos, I64_MAX).argmin(-1) + self.lr).view(B * Hk)  # (B * Hk,)
-        wins = leaving & (cand_prio >= low.view(-1))  # (B * Hk,); the leaver is newer than every slot: it wins ties
+        # (B * Hk,); the leaver is newer than every slot: it wins ties; a gated-out one (-inf, dms) leaves
+        wins = leaving & (cand_prio >= low.view(-1)) & (cand_prio > NEG_INF)
         src = torch.where(wins, at, victim)  # the victim slot then holds the leaver, or keeps its own token
         moved = (keys[bi, hi, src], values[bi, hi, src], pos[bi, hi, src], torch.where(wins, cand_prio, prio[bi, hi, victim]))
         rows = (*self._bh2, torch.cat([victim, at]))  # distinct slots: a long-range one, a sink/ring one

@@ -49,12 +49,15 @@ def model_device(model) -> torch.device:
 
 
 @torch.no_grad()
-def teacher_forced_logits(model, policy: Policy, input_ids: Tensor, *, budget: int, sinks: int, window: int, prefill: int = 1) -> Tensor:
+def teacher_forced_logits(model, policy: Policy, input_ids: Tensor, *, budget: int, sinks: int, window: int, prefill: int = 1,
+                          cache: BoundedCache | None = None) -> Tensor:
     """Logits (B, S, V) of decoding ``input_ids`` (B, S) through the reference cache: ``prefill``
-    tokens at once, then one at a time (the attention rules' teacher-forced path)."""
+    tokens at once, then one at a time (the attention rules' teacher-forced path). ``cache``: an
+    empty one of this geometry to decode into (the caller reads it afterwards), else a new one."""
     enable(model)
     policy.to(model_device(model))
-    cache = new_cache(model, policy, budget=budget, sinks=sinks, window=window)
+    if cache is None:
+        cache = new_cache(model, policy, budget=budget, sinks=sinks, window=window)
     B, S = input_ids.shape
     first = model(input_ids=input_ids[:, :prefill], past_key_values=cache).logits
     logits = first.new_empty(B, S, first.shape[-1])

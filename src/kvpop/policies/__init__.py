@@ -6,7 +6,7 @@ means that file plus its line in :data:`REGISTRY`; the config's allowed names, t
 evaluate stage and both decode paths read the registry and the declared capabilities.
 
     from kvpop.policies import make_policy, names
-    names(trained=True)                      # ('streaming_llm_plus', 'kvpop_mlp', 'kvpop')
+    names(trained=True)                      # ('streaming_llm_plus', 'kvpop_mlp', 'kvpop', 'dms')
     make_policy("kvpop_mlp", num_layers=30, num_kv_heads=3, head_dim=64)
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from kvpop.policies.base import Policy, ScorerSpec, Scores
 from kvpop.policies.dense import Dense
+from kvpop.policies.dms import Dms
 from kvpop.policies.h2o import H2O
 from kvpop.policies.kvpop import Kvpop
 from kvpop.policies.kvpop_mlp import KvpopMLP
@@ -23,7 +24,7 @@ from kvpop.policies.tova import TOVA
 
 #: name -> policy class, in the order tables list them
 REGISTRY: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Dense, StreamingLLM, TOVA, H2O, StreamingLLMPlus, KvpopMLP, Kvpop, OracleTarget, OracleSources)
+    cls.name: cls for cls in (Dense, StreamingLLM, TOVA, H2O, StreamingLLMPlus, KvpopMLP, Kvpop, Dms, OracleTarget, OracleSources)
 }
 
 
@@ -67,7 +68,7 @@ def resolve_policy(name: str, exported: Policy | None = None) -> Policy:
 
 
 __all__ = [
-    "REGISTRY", "Dense", "H2O", "Kvpop", "KvpopMLP", "OracleSources", "OracleTarget",
+    "REGISTRY", "Dense", "Dms", "H2O", "Kvpop", "KvpopMLP", "OracleSources", "OracleTarget",
     "Policy", "Scores", "ScorerSpec", "StreamingLLM", "StreamingLLMPlus", "TOVA",
     "make_policy", "names", "policy_class", "resolve_policy",
 ]

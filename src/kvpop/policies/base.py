@@ -18,6 +18,9 @@ capability                    meaning
 ``scores_on_exit``            scored from a recurrent state when a token leaves the window (the delayed
                               mLSTM): the recurrent hooks below
 ``chunked_prefill``           (with ``scores_on_exit``) :meth:`prefill_chunk` reads a chunk in closed form
+``gated``                     (with ``learned``) a keep/evict gate trained through the distillation loss, not
+                              the boundary loss: in training, attention adds the bias of :meth:`relax` to
+                              tokens past the window, and the trainer adds a compression loss (``dms``)
 ============================  ==========================================================================
 
 Hooks:
@@ -29,6 +32,7 @@ Hooks:
 * :meth:`slot_scores` -- an attention rule, after every decode step;
 * :meth:`init_state`, :meth:`step`, :meth:`exit_scores`, :meth:`prefill`, :meth:`prefill_chunk`
   -- a delayed rule;
+* :meth:`relax` -- ``gated``: the differentiable relaxation of the gate in training;
 * :meth:`long_range_slots` -- ``k`` at a nominal budget (a stateful rule spends slots on its state).
 
 Shapes: B batch, Hk KV heads, Q queries, S sequence, T cache slots, D head dim.
@@ -74,13 +78,14 @@ class Policy(nn.Module):
     needs_attention: ClassVar[bool] = False
     scores_on_exit: ClassVar[bool] = False
     chunked_prefill: ClassVar[bool] = False
+    gated: ClassVar[bool] = False
     #: priorities from the evaluated trace's own future (a ceiling): teacher-forced evaluation only,
     #: never trained or decoded; :meth:`fit_trace` sees each trace first
     oracle: ClassVar[bool] = False
 
     #: the capabilities, in the order the registry and the README list them
     CAPABILITIES: ClassVar[tuple[str, ...]] = (
-        "evicts", "learned", "trained", "layer_independent", "needs_attention", "scores_on_exit", "oracle",
+        "evicts", "learned", "trained", "layer_independent", "needs_attention", "scores_on_exit", "gated", "oracle",
     )
 
     @classmethod
@@ -115,6 +120,12 @@ class Policy(nn.Module):
         for) before the forward that scores it; False if the trace lacks what the oracle needs (it
         is then skipped)."""
         raise NotImplementedError(f"policy {self.name!r} is not an oracle")
+
+    def relax(self, x: Tensor, *, tau: float, generator: torch.Generator | None = None, noise: bool = True):
+        """``gated``: gate logits x (B, Hk, S) (``scores(...).r_hat``, with their graph) -> a
+        :class:`kvpop.policies.dms.GateRelaxation` (the training pattern's priorities, the attention bias
+        of tokens past the window, the relaxed eviction probabilities)."""
+        raise NotImplementedError(f"policy {self.name!r} has no gate")
 
     # --- decode-time hooks -------------------------------------------------------------------------
     def token_scores(self, layer: int, keys: Tensor, values: Tensor, pos: Tensor) -> Tensor:
