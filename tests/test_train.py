@@ -165,7 +165,7 @@ def test_build_training_trains_two_steps(policy_name, tmp_path):
         assert "train/score_loss" in trainer.callback_metrics
 
 
-@pytest.mark.parametrize("pool", ["group", "layer", "model"])
+@pytest.mark.parametrize("pool", ["group", "layer", "model", "blend"])
 def test_pooled_target_losses_equal_the_boundary_loss_on_pooled_targets(pool):
     """train.target_pool: each layer's boundary loss is the one of its target pooled over the heads
     (layer) or over every layer and head (model, computed after the forward); reference: the
@@ -195,7 +195,7 @@ def test_pooled_target_losses_equal_the_boundary_loss_on_pooled_targets(pool):
         attention.boundary_loss = real
     ctx = SparseContext.for_rows(policy, doc, pos, sinks=2, window=6, long_range=5, scorer_training=ScorerTraining(pool=pool))
     student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx)
-    if pool == "model":
+    if pool in ("model", "blend"):
         assert ctx.losses == []  # waits for every layer
     losses = ctx.finish_scorer_losses()
     assert len(losses) == 2 and ctx.finish_scorer_losses() is losses and len(losses) == 2  # idempotent
@@ -206,9 +206,11 @@ def test_pooled_target_losses_equal_the_boundary_loss_on_pooled_targets(pool):
             for h in range(Hk):
                 for t in range(S):
                     heads = [(L, g) for g in range(Hk)] if pool == "layer" else [(L, h)]
-                    if pool == "model":
+                    if pool in ("model", "blend"):
                         heads = [(l2, g) for l2 in range(len(recorded)) for g in range(Hk)]
                     want[b, h, t] = max(recorded[l2][1][b, g, t].item() for l2, g in heads)
+                    if pool == "blend":  # the mean of the head's own target and the model's maximum
+                        want[b, h, t] = (want[b, h, t] + recorded[L][1][b, h, t].item()) / 2
         ref, _ = boundary_loss(r_hat, want, log_gamma, doc, pos, sinks=2, window=6, long_range=5)
         assert torch.allclose(losses[L].detach().double(), ref.double(), atol=1e-6), (pool, L)
     if pool != "group":  # pooling changes the labels on this toy: the test can tell the pools apart

@@ -45,7 +45,7 @@ from kvpop.boundary import BoundaryWeight, boundary_loss
 from kvpop.masks import block_mask_from_eviction_times, dense_mask, make_eviction_mask_mod
 from kvpop.policies import Policy
 from kvpop.selection import NEVER, eviction_times
-from kvpop.target import TargetKind, TargetPool, future_attention_target, pool_targets
+from kvpop.target import TargetKind, TargetPool, future_attention_target, pool_targets, pools_across_layers
 
 ATTN_IMPLEMENTATION = "kvpop"
 Executor = Literal["sdpa", "flex"]
@@ -271,7 +271,7 @@ class SparseContext:
                     q.detach(), k.detach(), lse.detach(), self.doc_ids, window=self.window, scale=scale, impl=impl,
                     kind=st.target, beta=st.target_beta,
                 )
-            if st.pool == "model":  # needs every layer's target: the loss waits for finish_scorer_losses
+            if pools_across_layers(st.pool):  # needs every layer's target: the loss waits for finish_scorer_losses
                 self._pending.append((scores.r_hat, r_tgt, scores.log_gamma))
             else:
                 self._scorer_loss(scores.r_hat, pool_targets([r_tgt], st.pool)[0], scores.log_gamma)
@@ -304,10 +304,10 @@ class SparseContext:
     def finish_scorer_losses(self) -> list[Tensor]:
         """The boundary loss of every trained layer, after the forward pass (:attr:`losses`).
 
-        Under ``pool="model"`` a layer's target depends on every layer's, so those losses are
+        Under ``pool="model"`` or ``"blend"`` a layer's target depends on every layer's, so those losses are
         computed here, once the forward has seen all layers; call it before reading ``losses``."""
         if self._pending:
-            pooled = pool_targets([t for _, t, _ in self._pending], "model")
+            pooled = pool_targets([t for _, t, _ in self._pending], self.scorer_training.pool)
             for (r_hat, _, log_gamma), r_tgt in zip(self._pending, pooled, strict=True):
                 self._scorer_loss(r_hat, r_tgt, log_gamma)
             self._pending.clear()

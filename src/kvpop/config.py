@@ -153,7 +153,8 @@ class TrainConfig(_Section):
     )
     target_pool: TargetPool = Field(
         "group", description="over which heads the target is maximized: 'group' (the paper's: each KV head's query "
-        "group), 'layer' (every KV head of the layer) or 'model' (every layer and KV head: one label per token; kvpop.target)"
+        "group), 'layer' (every KV head of the layer), 'model' (every layer and KV head: one label per token) or 'blend' "
+        "(the mean of the group's and the model's; kvpop.target)"
     )
     boundary_weight: BoundaryWeight = Field(
         "tie", description="boundary-loss weights: 'tie' (the paper's near-tie discount x class balance), 'regret' "

@@ -39,7 +39,10 @@ group: ``"group"`` (the paper's) keeps ``r_tgt(h, t)`` per KV head; ``"layer"`` 
 over every KV head of the layer; ``"model"`` over every layer and KV head, so that each token gets
 one label, the strongest need any head of the model has for it (every head then learns to keep
 what some head will need: a copy needs the source in the heads that find it and in the heads
-that read it, which the per-head target splits apart).
+that read it, which the per-head target splits apart); ``"blend"`` averages the group's and the
+model's (log) targets, ``(r_tgt(h, t) + max_{l, g} r_tgt(l, g, t)) / 2``: a head ranks what it
+reads itself and what any head needs (pooling over the model keeps more far facts at more KL;
+BENCHMARKS.md).
 
 Shapes: ``B`` batch, ``H`` query heads, ``Hk`` KV heads, ``G = H / Hk``,
 ``S`` sequence length, ``D`` head dim.
@@ -79,13 +82,13 @@ import torch
 
 from kvpop.selection import document_spans
 
-__all__ = ["TARGET_KINDS", "TARGET_POOLS", "TargetKind", "TargetPool", "future_attention_target", "pool_targets"]
+__all__ = ["TARGET_KINDS", "TARGET_POOLS", "TargetKind", "TargetPool", "future_attention_target", "pool_targets", "pools_across_layers"]
 
 #: How the future attention a token receives is aggregated (see the module docstring).
 TargetKind = Literal["mean", "power", "max"]
 TARGET_KINDS: tuple[str, ...] = get_args(TargetKind)
 #: Over which heads the target takes its maximum (see the module docstring).
-TargetPool = Literal["group", "layer", "model"]
+TargetPool = Literal["group", "layer", "model", "blend"]
 TARGET_POOLS: tuple[str, ...] = get_args(TargetPool)
 
 
@@ -93,7 +96,8 @@ def pool_targets(targets: list[torch.Tensor], pool: TargetPool) -> list[torch.Te
     """Per-layer targets ``(B, Hk, S)`` -> the same list pooled by ``pool`` (module docstring).
 
     ``"group"`` returns the targets as they are; ``"layer"`` the maximum over each layer's KV heads;
-    ``"model"`` the maximum over every layer and KV head (layers must agree in ``(B, Hk, S)``)."""
+    ``"model"`` the maximum over every layer and KV head (layers must agree in ``(B, Hk, S)``);
+    ``"blend"`` the mean of each target and that model-wide maximum."""
     if pool not in TARGET_POOLS:
         raise ValueError(f"unknown target pool {pool!r}; one of {', '.join(TARGET_POOLS)}")
     if pool == "group":
@@ -101,7 +105,14 @@ def pool_targets(targets: list[torch.Tensor], pool: TargetPool) -> list[torch.Te
     if pool == "layer":
         return [t.amax(dim=1, keepdim=True).expand_as(t) for t in targets]
     m = torch.stack(list(targets)).amax(dim=(0, 2), keepdim=True)[0]  # (B, 1, S)
+    if pool == "blend":
+        return [(t + m) / 2 for t in targets]
     return [m.expand_as(t) for t in targets]
+
+
+def pools_across_layers(pool: TargetPool) -> bool:
+    """Whether a layer's pooled target needs every layer's (the loss then waits for the whole forward)."""
+    return pool in ("model", "blend")
 
 _compiled_flex_attention = None
 
