@@ -208,7 +208,7 @@ def test_boundary_labels_cuda_equal_cpu():
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-@pytest.mark.parametrize("policy_name", ["streaming_llm", "kvpop_mlp", "kvpop", "dms"])
+@pytest.mark.parametrize("policy_name", ["streaming_llm", "kvpop_mlp", "kvpop", "dms", "trimkv"])
 def test_bounded_cache_decoding_equals_flex_training_forward(model_type, policy_name, tiny_model):
     """Token-by-token decoding with the bounded cache on CUDA equals the CUDA (FlexAttention) training forward."""
     from kvpop.attention import SparseContext
@@ -271,9 +271,11 @@ def test_compiled_engine_equals_bounded_cache(policy_name, tiny_model):
 
 
 # --- dms: the gate's training forward (compiled flex + score_mod) against the SDPA float mask ----------
-def test_gated_training_flex_equals_sdpa(tiny_model):
-    """A whole tiny model in training under dms (straight-through gate, noise off): logits and the
-    gradients of the gate and of the student, compiled FlexAttention on CUDA vs SDPA on the CPU."""
+@pytest.mark.parametrize("policy_name", ["dms", "trimkv_joint"])
+def test_gated_training_flex_equals_sdpa(tiny_model, policy_name):
+    """A whole tiny model in training under a gated policy (dms: straight-through gate, noise off;
+    trimkv: the age-scaled retention bias): logits and the gradients of the gate and of the student,
+    compiled FlexAttention on CUDA vs SDPA on the CPU."""
     from kvpop.attention import GateTraining
     from kvpop.policies import make_policy
 
@@ -284,9 +286,12 @@ def test_gated_training_flex_equals_sdpa(tiny_model):
         from kvpop.attention import register
 
         model = tiny_model("llama", attn_implementation=register()).to(device)
-        policy = make_policy("dms", num_layers=2, num_kv_heads=2, head_dim=16)
+        policy = make_policy(policy_name, num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
         for p in policy.parameters():
             torch.nn.init.normal_(p, std=0.3)
+        if policy.decays:  # retention near 0.998: the age-scaled bias matters and its gradient survives
+            for mlp in policy.scorer.layers:
+                mlp.b2.data.fill_(6.0)
         policy.to(device)
         ctx = SparseContext.for_rows(policy, doc.to(device), pos.to(device), sinks=4, window=32, long_range=24, executor=executor,
                                      gate_training=GateTraining(noise=False))
@@ -298,6 +303,6 @@ def test_gated_training_flex_equals_sdpa(tiny_model):
     d_logits = _maxdiff(l1 * real, l2.cpu() * real)
     d_gate = max(_maxdiff(a, b) / max(a.abs().max().item(), 1e-12) for a, b in zip(g1, g2, strict=True))
     d_model = max(_maxdiff(a, b) / max(a.abs().max().item(), 1e-12) for a, b in zip(m1, m2, strict=True))
-    print(f"dms training: flex vs sdpa logits {d_logits:.2e}, gate grads (rel) {d_gate:.2e}, model grads (rel) {d_model:.2e}")
+    print(f"{policy_name} training: flex vs sdpa logits {d_logits:.2e}, gate grads (rel) {d_gate:.2e}, model grads (rel) {d_model:.2e}")
     assert d_logits < 1e-3 and d_gate < 1e-2 and d_model < 1e-2
     assert all(g.abs().sum() > 0 for g in g1)

@@ -14,8 +14,8 @@ The model runs with ``attn_implementation="kvpop"``; every attention layer then 
 5. a ``gated`` policy in training (``dms``) instead runs its relaxed gate (:meth:`Policy.relax`):
    the pattern comes from the relaxation's priorities, and the executor adds the gate's
    differentiable bias to the logits of every token past the window (:func:`gate_bias_mod`,
-   :func:`gate_bias_mask`), so the KL reaches the gate; each layer's eviction probabilities wait in
-   :attr:`SparseContext.gate_evict_probs` for the compression loss.
+   :func:`gate_bias_mask`; for ``trimkv`` times the token's age), so the KL reaches the gate; each
+   layer's relaxation waits in :attr:`SparseContext.gate_relaxations` for the gate's budget loss.
 
 Activation checkpointing (``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant":
 False})``) runs every decoder layer twice: the forward, then a recomputation during backward. The
@@ -44,7 +44,8 @@ from torch.nn import functional as F
 from kvpop.boundary import BoundaryWeight, boundary_loss
 from kvpop.masks import block_mask_from_eviction_times, dense_mask, make_eviction_mask_mod
 from kvpop.policies import Policy
-from kvpop.selection import NEVER, eviction_times
+from kvpop.policies.base import GateRelaxation
+from kvpop.selection import NEVER, decaying_eviction_times, eviction_times
 from kvpop.target import TargetKind, TargetPool, future_attention_target, pool_targets, pools_across_layers
 
 ATTN_IMPLEMENTATION = "kvpop"
@@ -92,25 +93,33 @@ def _gate_applies(pos: Tensor, b, q_idx, kv_idx, *, sinks: int, window: int):
     return (q_idx - kv_idx >= window) & (pos[b, kv_idx] >= sinks)
 
 
-def gate_bias_mod(bias: Tensor, pos: Tensor, *, sinks: int, window: int, group: int):
-    """A FlexAttention ``score_mod`` adding ``bias[b, h // group, kv]`` (B, Hk, S) to the logits of
-    tokens past the window (the flex twin of :func:`gate_bias_mask`; gradients reach ``bias``)."""
+def gate_bias_mod(bias: Tensor, pos: Tensor, *, sinks: int, window: int, group: int, age_scaled: bool = False):
+    """A FlexAttention ``score_mod`` adding ``bias[b, h // group, kv]`` (B, Hk, S), times the age ``q - kv``
+    if ``age_scaled``, to the logits of tokens past the window (the flex twin of :func:`gate_bias_mask`;
+    gradients reach ``bias``)."""
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        return score + torch.where(_gate_applies(pos, b, q_idx, kv_idx, sinks=sinks, window=window), bias[b, h // group, kv_idx], 0.0)
+        add = bias[b, h // group, kv_idx]
+        if age_scaled:
+            add = add * (q_idx - kv_idx)
+        return score + torch.where(_gate_applies(pos, b, q_idx, kv_idx, sinks=sinks, window=window), add, 0.0)
 
     return score_mod
 
 
-def gate_bias_mask(allowed: Tensor, bias: Tensor, pos: Tensor, *, sinks: int, window: int) -> Tensor:
+def gate_bias_mask(allowed: Tensor, bias: Tensor, pos: Tensor, *, sinks: int, window: int, age_scaled: bool = False) -> Tensor:
     """The SDPA twin: allowed (B, H, S, S) bool, bias (B, Hk, S), pos (B, S) -> float mask (B, H, S, S):
-    ``-inf`` where not allowed, the bias on tokens past the window, 0 elsewhere."""
+    ``-inf`` where not allowed, the bias (times the age ``q - kv`` if ``age_scaled``) on tokens past
+    the window, 0 elsewhere."""
     B, H, S, _ = allowed.shape
     b = torch.arange(B, device=pos.device).view(B, 1, 1)
     q = torch.arange(S, device=pos.device).view(1, S, 1)
     kv = torch.arange(S, device=pos.device).view(1, 1, S)
     applies = _gate_applies(pos, b, q, kv, sinks=sinks, window=window)  # (B, S, S)
-    add = torch.where(applies[:, None], bias[:, :, None, :], 0.0)  # (B, Hk, S, S), bias's dtype
+    add = bias[:, :, None, :].expand(B, bias.shape[1], S, S)  # (B, Hk, S, S), bias's dtype
+    if age_scaled:
+        add = add * (q - kv).to(bias.dtype)
+    add = torch.where(applies[:, None], add, 0.0)
     add = add.repeat_interleave(H // bias.shape[1], dim=1)  # (B, H, S, S)
     return add.masked_fill(~allowed, float("-inf"))
 
@@ -134,9 +143,11 @@ class ScorerTraining:
 class GateTraining:
     """Settings of a gated policy's relaxation, when it is being trained (``dms``)."""
 
-    tau: float = 0.1  # temperature of the Gumbel-sigmoid
+    tau: float = 0.1  # temperature of the Gumbel-sigmoid (dms)
     noise: bool = True  # logistic noise on the logits (off: the deterministic relaxation)
     generator: torch.Generator | None = None
+    loss_weight: float = 1.0  # weight of the gate's budget loss (train.compression_weight)
+    loss_ramp: float = 0.5  # share of training over which it ramps up (train.compression_ramp)
 
 
 def _keep(t: Tensor) -> Tensor:
@@ -167,6 +178,7 @@ class _LayerRecord:
     need_lse: bool
     grad_enabled: bool
     gate_bias: Tensor | None = None  # (B, Hk, S) a gated policy's training bias
+    age_scaled: bool = False
 
 
 @dataclass
@@ -187,7 +199,7 @@ class SparseContext:
     scorer_training: ScorerTraining | None = None
     gate_training: GateTraining | None = None
     losses: list[Tensor] = field(default_factory=list)  # boundary loss per layer (see finish_scorer_losses)
-    gate_evict_probs: list[Tensor] = field(default_factory=list)  # gated policy in training: (B, Hk, S) per layer
+    gate_relaxations: list[GateRelaxation] = field(default_factory=list)  # gated policy in training: one per layer
     stats: list[dict[str, Tensor]] = field(default_factory=list)
     _pending: list[tuple[Tensor, Tensor, Tensor]] = field(default_factory=list)  # (r_hat, r_tgt, log_gamma) awaiting the model-wide pool
     _cache: dict = field(default_factory=dict)
@@ -207,7 +219,8 @@ class SparseContext:
         if scores is None:
             evict = torch.full((B, Hk, S), NEVER, dtype=torch.int64, device=k.device)
         else:
-            evict = eviction_times(scores.prio, self.doc_ids, self.pos, sinks=self.sinks, window=self.window, long_range=self.long_range)
+            times = decaying_eviction_times if self.policy.decays else eviction_times  # ranks that fall with age: a simulation
+            evict = times(scores.prio, self.doc_ids, self.pos, sinks=self.sinks, window=self.window, long_range=self.long_range)
         if self.policy.layer_independent:
             self._cache["evict"] = evict
         return evict, scores
@@ -232,14 +245,14 @@ class SparseContext:
         return pat
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, evict: Tensor, scale: float, need_lse: bool, layer_key: object, keep: bool | None = None,
-            gate_bias: Tensor | None = None):
+            gate_bias: Tensor | None = None, age_scaled: bool = False):
         """Attention under the eviction pattern; ``gate_bias`` (B, Hk, S): added to the logits of tokens
-        past the window (a gated policy in training; no LSE then)."""
+        past the window, times their age if ``age_scaled`` (a gated policy in training; no LSE then)."""
         if keep is None:
             keep = self.policy.layer_independent or self.executor == "flex"
         pat = self._pattern(evict, q.shape[1], layer_key, keep)
         if gate_bias is not None:
-            gk = dict(sinks=self.sinks, window=self.window)
+            gk = dict(sinks=self.sinks, window=self.window, age_scaled=age_scaled)
             if self.executor == "flex":
                 return flex_execute(q, k, v, pat, scale, False, score_mod=gate_bias_mod(gate_bias, self.pos, group=q.shape[1] // k.shape[1], **gk))
             return sdpa_execute(q, k, v, gate_bias_mask(pat, gate_bias, self.pos, **gk), scale, False)
@@ -283,11 +296,15 @@ class SparseContext:
         with _kept_saved_tensors(), torch.autocast(device_type=k.device.type, enabled=False):
             x = self.policy.scores(layer, k.float(), v.float(), self.pos).r_hat  # (B, Hk, S) gate logits
             relax = self.policy.relax(x, tau=gt.tau, generator=gt.generator, noise=gt.noise)
-        evict = eviction_times(relax.prio, self.doc_ids, self.pos, sinks=self.sinks, window=self.window, long_range=self.long_range)
+        if relax.prio is None:  # no eviction in training: the bias alone stands for it (trimkv)
+            evict = torch.full(x.shape, NEVER, dtype=torch.int64, device=x.device)
+        else:
+            evict = eviction_times(relax.prio, self.doc_ids, self.pos, sinks=self.sinks, window=self.window, long_range=self.long_range)
         bias = relax.bias.to(q.dtype)
-        out, _ = self.run(q, k, v, evict, scale, need_lse=False, layer_key=key, gate_bias=bias)
-        self._layers[layer] = _LayerRecord(evict=evict, need_lse=False, grad_enabled=torch.is_grad_enabled(), gate_bias=bias)
-        self.gate_evict_probs.append(relax.evict_prob)
+        out, _ = self.run(q, k, v, evict, scale, need_lse=False, layer_key=key, gate_bias=bias, age_scaled=relax.age_scaled)
+        self._layers[layer] = _LayerRecord(evict=evict, need_lse=False, grad_enabled=torch.is_grad_enabled(), gate_bias=bias,
+                                           age_scaled=relax.age_scaled)
+        self.gate_relaxations.append(relax)
         return out.transpose(1, 2).contiguous()
 
     def _scorer_loss(self, r_hat: Tensor, r_tgt: Tensor, log_gamma: Tensor) -> None:
@@ -331,7 +348,7 @@ class SparseContext:
                 "would get none: use gradient_checkpointing_kwargs={'use_reentrant': False}"
             )
         need_lse = rec.need_lse and self.executor == "flex"  # flex: the same kernel call as the first pass
-        out, _ = self.run(q, k, v, rec.evict, scale, need_lse=need_lse, layer_key=key, gate_bias=rec.gate_bias)
+        out, _ = self.run(q, k, v, rec.evict, scale, need_lse=need_lse, layer_key=key, gate_bias=rec.gate_bias, age_scaled=rec.age_scaled)
         return out.transpose(1, 2).contiguous()
 
 

@@ -38,7 +38,7 @@ import torch
 
 from kvpop.order import prefix_kth_smallest
 
-__all__ = ["NEVER", "candidate_eviction_times", "document_spans", "eviction_times", "recency_priority"]
+__all__ = ["NEVER", "candidate_eviction_times", "decaying_eviction_times", "document_spans", "eviction_times", "recency_priority"]
 
 #: Eviction time of tokens that are never evicted (sinks, padding, tokens with
 #: fewer than ``k`` outrankers).
@@ -217,3 +217,64 @@ def candidate_eviction_times(
     e = torch.empty_like(e_sorted).scatter_(-1, order, e_sorted)
     e = torch.where(prio == float("-inf"), torch.minimum(e, pos + window), e)  # gated out: leaves with the window
     return torch.where(eligible, e, never)
+
+
+@torch.no_grad()
+def decaying_eviction_times(
+    log_beta: torch.Tensor,
+    doc_ids: torch.Tensor,
+    pos: torch.Tensor,
+    *,
+    sinks: int,
+    window: int,
+    long_range: int,
+) -> torch.Tensor:
+    """Eviction times of a cache whose ranks fall with age (``trimkv``): a simulation, query by query.
+
+    Token ``i`` scores ``(t - i) * log_beta_i`` at query ``t`` (``log_beta <= 0``: its retention
+    ``beta_i ** (t - i)``, in log). Sinks and the window are kept as always. When token ``t - window``
+    leaves the window it takes a free long-range slot; with all ``k`` taken, the lowest-scoring of
+    the slots and the leaver is evicted at query ``t`` (among equal scores the older token; the
+    leaver is the newest, so it wins ties). Scores cross as tokens age, so no static order (and no
+    closed form like :func:`eviction_times`) exists: this runs the rule itself, vectorized over rows
+    and heads, sequential over queries (``O(S * k)`` per head). It is what
+    :class:`kvpop.decode.BoundedCache` does token by token, and a test proves them equal.
+
+    Args:
+        log_beta: ``(B, Hk, S)`` float, ``<= 0``.
+        doc_ids, pos: ``(B, S)`` as for :func:`eviction_times` (documents restart the cache).
+
+    Returns:
+        ``(B, Hk, S)`` int32 eviction times (``NEVER`` if never evicted).
+    """
+    B, Hk, S = log_beta.shape
+    dev = log_beta.device
+    lb = log_beta.double()
+    e = torch.full((B, Hk, S), NEVER, dtype=torch.int64, device=dev)
+    k = long_range
+    slot_pos = torch.full((B, Hk, max(k, 1)), -1, dtype=torch.int64, device=dev)
+    slot_lb = torch.zeros((B, Hk, max(k, 1)), dtype=torch.float64, device=dev)
+    rows = torch.arange(B, device=dev)[:, None].expand(B, Hk)
+    heads = torch.arange(Hk, device=dev)[None, :].expand(B, Hk)
+    big = torch.iinfo(torch.int64).max
+    for q in range(window, S):
+        start = (pos[:, q] == 0)[:, None, None]  # a new document: its cache starts empty
+        slot_pos = torch.where(start, -1, slot_pos)
+        j = q - window  # the token leaving the window at query q
+        leaves = (doc_ids[:, j] == doc_ids[:, q]) & (doc_ids[:, q] >= 0) & (pos[:, j] >= sinks)  # (B,)
+        leaves = leaves[:, None].expand(B, Hk)
+        if k == 0:
+            e[:, :, j] = torch.where(leaves, q, e[:, :, j])
+            continue
+        filled = slot_pos >= 0
+        score = torch.where(filled, (q - slot_pos).double() * slot_lb, float("-inf"))  # (B, Hk, k)
+        low = score.amin(-1)  # (B, Hk)
+        victim = torch.where(score == low[..., None], slot_pos, big).argmin(-1)  # (B, Hk): empty first, then the oldest
+        wins = leaves & (window * lb[:, :, j] >= low)  # the leaver is the newest: it wins ties
+        old = slot_pos[rows, heads, victim]  # (B, Hk), -1 for an empty slot
+        e[rows, heads, old.clamp(min=0)] = torch.where(wins & (old >= 0), q, e[rows, heads, old.clamp(min=0)])
+        e[:, :, j] = torch.where(leaves & ~wins, q, e[:, :, j])
+        slot_pos[rows, heads, victim] = torch.where(wins, j, old)
+        slot_lb[rows, heads, victim] = torch.where(wins, lb[:, :, j], slot_lb[rows, heads, victim])
+    eligible = eligible_tokens(doc_ids, pos, sinks)[:, None, :]
+    return torch.where(eligible, e, NEVER).clamp(max=NEVER).to(torch.int32)

@@ -7,11 +7,11 @@ teacher runs densely (causal within each packed document). The loss is
   + boundary loss of the learned scorer (if any), mean over layers       -> scorer and decay only
 
 The two never mix: the pattern is built from detached priorities, and the scorer reads detached
-keys and values. A ``gated`` policy (``dms``) has no boundary loss: its gate learns from the KL
-itself, through the relaxed pattern (:meth:`kvpop.policies.Policy.relax`), plus the one-sided
-compression loss (:func:`compression_loss`) that pushes its eviction rate up to what the budget
-implies. Optimizer groups: a fixed learning rate for the model, a cosine schedule for the scorer
-(or gate).
+keys and values. A ``gated`` policy (``dms``, ``trimkv``) has no boundary loss: its gate learns
+from the KL itself, through the relaxed pattern (:meth:`kvpop.policies.Policy.relax`), plus its
+budget loss (:meth:`kvpop.policies.Policy.gate_loss`: dms's compression loss, trimkv's capacity
+loss). A policy that declares ``trains_model = False`` (``trimkv``) leaves the student frozen.
+Optimizer groups: a fixed learning rate for the model, a cosine schedule for the scorer (or gate).
 
 Scale-out and resume (see also :mod:`kvpop.distributed`):
 
@@ -94,23 +94,6 @@ def topk_kl(student_logits: Tensor, top_vals: Tensor, top_idx: Tensor, mask: Ten
     return (kl * m).sum() / d.clamp(min=1.0)
 
 
-def compression_loss(evict_probs: list[Tensor], leaves: Tensor, target: float) -> tuple[Tensor, Tensor]:
-    """A gate's one-sided compression loss ``max(0, target - evicted)`` and ``evicted``: the mean
-    relaxed eviction probability over every layer and KV head of the tokens that leave the window.
-
-    evict_probs: per layer (B, Hk, S); leaves (B, S) bool (:func:`kvpop.policies.dms.leaving_tokens`)."""
-    m = leaves[:, None, :].to(evict_probs[0].dtype)  # (B, 1, S)
-    per_layer = torch.stack([(p * m).sum() for p in evict_probs])  # (L,)
-    evicted = per_layer.sum() / (m.sum() * evict_probs[0].shape[1] * len(evict_probs)).clamp(min=1.0)
-    return torch.relu(target - evicted), evicted
-
-
-def ramp(step: int, steps: int, fraction: float) -> float:
-    """A linear ramp from 0 at step 0 to 1 at ``fraction * steps``, then 1 (``fraction`` 0: always 1)."""
-    span = fraction * steps
-    return 1.0 if span <= 0 else min(1.0, step / span)
-
-
 def prediction_mask(loss_mask: Tensor, doc_ids: Tensor) -> Tensor:
     """(B, S): position i predicts token i + 1 of the same document, which must be distilled."""
     nxt = F.pad(loss_mask[:, 1:], (0, 1))
@@ -144,9 +127,7 @@ class TrainSettings:
     top_logits: int = 256
     scorer_training: ScorerTraining | None = None
     activation_checkpointing: bool = False
-    gate_training: GateTraining | None = None  # gated policies (dms)
-    compression_weight: float = 1.0  # weight of the gate's compression loss
-    compression_ramp: float = 0.5  # share of the steps over which its target ratio ramps up from 0
+    gate_training: GateTraining | None = None  # gated policies (dms, trimkv)
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, *, sinks: int, window: int, long_range: int, seed: int) -> TrainSettings:
@@ -161,8 +142,8 @@ class TrainSettings:
                 generator=torch.Generator().manual_seed(seed),
             ),
             activation_checkpointing=cfg.activation_checkpointing,
-            gate_training=GateTraining(tau=cfg.gate_tau, generator=torch.Generator().manual_seed(seed + 1)),
-            compression_weight=cfg.compression_weight, compression_ramp=cfg.compression_ramp,
+            gate_training=GateTraining(tau=cfg.gate_tau, generator=torch.Generator().manual_seed(seed + 1),
+                                       loss_weight=cfg.compression_weight, loss_ramp=cfg.compression_ramp),
         )
 
 
@@ -191,7 +172,7 @@ class DistillModule(L.LightningModule):
         teacher.requires_grad_(False).eval()
         self.__dict__["teacher"] = teacher
         self._dense = Dense()
-        if settings.model_lr == 0:
+        if settings.model_lr == 0 or not policy.trains_model:  # trimkv: the gate alone learns
             student.requires_grad_(False)
         if settings.activation_checkpointing:  # recompute each decoder layer in backward
             student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -241,7 +222,13 @@ class DistillModule(L.LightningModule):
         loss = kl
         logs = {"train/kl": kl.detach()}
         if gated:
-            loss = loss + self._compression(ctx, batch, logs)
+            gt = self.s.gate_training
+            gate_loss, gate_logs = self.policy.gate_loss(
+                ctx.gate_relaxations, doc_ids=batch["doc_ids"], pos=pos, sinks=self.s.sinks, window=self.s.window, long_range=self.s.long_range,
+                weight=gt.loss_weight, ramp=gt.loss_ramp, progress=self.global_step / max(1, self.s.steps),
+            )
+            loss = loss + gate_loss
+            logs.update({f"train/{k}": v for k, v in gate_logs.items()})
         if ctx.losses:
             score_loss = torch.stack([x.float() for x in ctx.losses]).mean()  # a layer without decisions gives float64 0
             loss = loss + score_loss
@@ -258,19 +245,6 @@ class DistillModule(L.LightningModule):
             self.log("train/decisions", decisions, prog_bar=True, on_step=True, batch_size=ids.shape[0], sync_dist=distributed, reduce_fx="sum")
         return loss
 
-    def _compression(self, ctx: SparseContext, batch, logs: dict) -> Tensor:
-        """The gate's weighted compression loss toward the budget's eviction ratio, ramped up over the
-        first ``compression_ramp`` of the steps; logs the target and the relaxed eviction rate."""
-        from kvpop.policies.dms import budget_evict_ratio, leaving_tokens
-
-        geo = dict(sinks=self.s.sinks, window=self.s.window)
-        doc, pos = batch["doc_ids"], batch["position_ids"]
-        target = budget_evict_ratio(doc, pos, long_range=self.s.long_range, **geo) * ramp(self.global_step, self.s.steps, self.s.compression_ramp)
-        comp, evicted = compression_loss(ctx.gate_evict_probs, leaving_tokens(doc, pos, **geo), target)
-        logs.update({"train/compression_loss": comp.detach(), "train/gate_evicted": evicted.detach(),
-                     "train/compression_target": torch.tensor(target)})
-        return self.s.compression_weight * comp
-
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip by the global norm; under FSDP through the root unit, which sums the norm over shards."""
         from kvpop.distributed import is_fsdp
@@ -284,8 +258,9 @@ class DistillModule(L.LightningModule):
 
     def configure_optimizers(self):
         groups, lambdas = [], []
-        if self.s.model_lr > 0:
-            groups.append({"params": [p for p in self.student.parameters() if p.requires_grad], "lr": self.s.model_lr, "weight_decay": self.s.weight_decay})
+        student_params = [p for p in self.student.parameters() if p.requires_grad]  # none when the policy freezes it (trimkv)
+        if self.s.model_lr > 0 and student_params:
+            groups.append({"params": student_params, "lr": self.s.model_lr, "weight_decay": self.s.weight_decay})
             lambdas.append(lambda step: 1.0)  # fixed learning rate for the model
         scorer_params = [p for p in self.policy.parameters() if p.requires_grad]
         if scorer_params:

@@ -69,7 +69,7 @@ from kvpop.decode.layout import NEG_INF, CacheLayout
 from kvpop.masks import block_mask_from_eviction_times, dense_mask, make_eviction_mask_mod
 from kvpop.modeling import head_dim_of
 from kvpop.policies import Policy
-from kvpop.selection import eviction_times
+from kvpop.selection import decaying_eviction_times, eviction_times
 
 ATTN_IMPLEMENTATION = "kvpop_cache"
 
@@ -191,23 +191,28 @@ class BoundedLayer(CacheLayerMixin):
                 self.prio[:, :, slot] = self.policy.exit_scores(
                     self.layer_idx, self.state, self.keys[:, :, slot], self.values[:, :, slot], p - self.window
                 )
-            self._compete(slot)
+            self._compete(slot, p)
         self.keys[:, :, slot] = k[:, :, 0]
         self.values[:, :, slot] = v[:, :, 0]
         self.prio[:, :, slot] = prio[:, :, 0]
         self.pos[:, :, slot] = p
         self.seen = p + 1
 
-    def _compete(self, src: int) -> None:
-        """The token in slot ``src`` takes the lowest-ranked long-range slot iff it outranks it."""
+    def _compete(self, src: int, p: int) -> None:
+        """The token in slot ``src`` takes the lowest-ranked long-range slot iff it outranks it, at the
+        arrival of token ``p``. A ``decays`` policy ranks by ``(p - pos) * prio`` (its retention at ``p``,
+        in log; :func:`kvpop.selection.decaying_eviction_times`), every other by ``prio``."""
         if self.long_range == 0:
             return
         lr = slice(self.lr, self.slots)
         prio, pos = self.prio[:, :, lr], self.pos[:, :, lr]  # (B, Hk, k)
+        leaver = self.prio[:, :, src : src + 1]
+        if self.policy.decays:  # the same float64 products as the simulation
+            prio = torch.where(pos >= 0, (p - pos).double() * prio, NEG_INF)
+            leaver = self.window * leaver  # its age: it arrived `window` tokens ago
         low = prio.amin(-1, keepdim=True)  # (B, Hk, 1); empty slots are -inf
         # lowest-ranked slot: lowest priority, and the oldest among equal priorities
         victim = torch.where(prio == low, pos, torch.iinfo(torch.int64).max).argmin(-1, keepdim=True)  # (B, Hk, 1)
-        leaver = self.prio[:, :, src : src + 1]
         wins = (leaver >= low) & (leaver > NEG_INF)  # the candidate is the newest: it wins ties; gated out (-inf, dms): it leaves
         dst = victim + self.lr  # (B, Hk, 1)
         for buf in (self.keys, self.values, self.prio, self.pos):  # not the state
@@ -217,11 +222,12 @@ class BoundedLayer(CacheLayerMixin):
             buf.scatter_(2, idx, torch.where(keep, cand, buf.gather(2, idx)))
 
     @torch.no_grad()
-    def _keep_survivors(self, k: Tensor, v: Tensor, prio: Tensor) -> None:
+    def _keep_survivors(self, k: Tensor, v: Tensor, prio: Tensor, evict: Tensor | None = None) -> None:
         """After a prompt k, v (B, Hk, S, D): keep the tokens attended by its last query.
 
         Sinks, the last ``window`` tokens, and the top-k of the eligible tokens
-        ``[sinks, S - window)`` by (priority, recency)."""
+        ``[sinks, S - window)`` by (priority, recency); with ``evict`` (B, Hk, S) (a ``decays`` policy,
+        whose survivors no static order gives), those not evicted by the last query instead."""
         S = k.shape[2]
         self.reset()
         self.seen = S
@@ -237,12 +243,23 @@ class BoundedLayer(CacheLayerMixin):
         n = min(self.long_range, hi - lo)
         if n <= 0:
             return
+        if evict is not None:  # survivors first (any order), evicted ones after: the first n are kept
+            alive = (evict[:, :, lo:hi] > S - 1).to(torch.uint8)
+            top = lo + alive.sort(dim=-1, descending=True, stable=True).indices[..., :n]  # (B, Hk, n) token index
+            top_prio = torch.where(alive.gather(2, top - lo) > 0, prio.gather(2, top), NEG_INF)  # evicted: an empty slot
+            self._store_long_range(k, v, top, top_prio)
+            return
         flipped = prio[:, :, lo:hi].flip(-1)  # newest first, so a stable sort lets ties go to the newer
         top = (hi - 1) - flipped.sort(dim=-1, descending=True, stable=True).indices[..., :n]  # (B, Hk, n) token index
+        self._store_long_range(k, v, top, prio.gather(2, top))
+
+    def _store_long_range(self, k: Tensor, v: Tensor, top: Tensor, top_prio: Tensor) -> None:
+        """Write tokens ``top`` (B, Hk, n) into the first n long-range slots; a token of priority
+        ``-inf`` (gated out, or not a survivor) leaves its slot empty."""
+        n = top.shape[-1]
         dst = slice(self.lr, self.lr + n)
         self.keys[:, :, dst] = k.gather(2, top[..., None].expand(-1, -1, -1, k.shape[-1]))
         self.values[:, :, dst] = v.gather(2, top[..., None].expand(-1, -1, -1, v.shape[-1]))
-        top_prio = prio.gather(2, top)
         self.prio[:, :, dst] = top_prio
         self.pos[:, :, dst] = torch.where(top_prio > NEG_INF, top, -1)  # a gated-out token (dms) is not kept: an empty slot
 
@@ -286,27 +303,29 @@ class BoundedLayer(CacheLayerMixin):
                 prio = prio.double()
             else:
                 prio = self.policy.token_scores(self.layer_idx, k, v, pos).double()  # (B, Hk, S)
+        evict = None
         if self.policy.needs_attention:
             out, prio = self._dense_prefill(q, k, v, scale, prio)
         else:
-            out = self._pattern_prefill(q, k, v, scale, prio, pos)
-        self._keep_survivors(k, v, prio)
+            out, evict = self._pattern_prefill(q, k, v, scale, prio, pos)
+        self._keep_survivors(k, v, prio, evict if self.policy.decays else None)
         if state is not None:
             self._set_state(state)
             fixed = self.prio[:, :, : self.lr]  # sinks and window: stored unscored (NaN), scored when they leave
             fixed.copy_(torch.where(self.pos[:, :, : self.lr] >= 0, float("nan"), NEG_INF))
         return out.transpose(1, 2)
 
-    def _pattern_prefill(self, q, k, v, scale, prio, pos) -> Tensor:
-        """The training pattern over the prompt (one document): out (B, H, S, D)."""
+    def _pattern_prefill(self, q, k, v, scale, prio, pos) -> tuple[Tensor, Tensor]:
+        """The training pattern over the prompt (one document): (out (B, H, S, D), eviction times (B, Hk, S))."""
         B, H, S, _ = q.shape
         doc = torch.zeros_like(pos)
-        evict = eviction_times(prio, doc, pos, sinks=self.sinks, window=self.window, long_range=self.long_range)
+        times = decaying_eviction_times if self.policy.decays else eviction_times
+        evict = times(prio, doc, pos, sinks=self.sinks, window=self.window, long_range=self.long_range)
         if q.is_cuda:
             bm = block_mask_from_eviction_times(doc, pos, evict, sinks=self.sinks, num_heads=H)
-            return flex_execute(q, k, v, bm, scale, need_lse=False)[0]
+            return flex_execute(q, k, v, bm, scale, need_lse=False)[0], evict
         mm = make_eviction_mask_mod(doc, pos, evict, sinks=self.sinks, group=H // k.shape[1])
-        return sdpa_execute(q, k, v, dense_mask(mm, B, H, S, q.device), scale, need_lse=False)[0]
+        return sdpa_execute(q, k, v, dense_mask(mm, B, H, S, q.device), scale, need_lse=False)[0], evict
 
     def _dense_prefill(self, q, k, v, scale, prio, chunk: int = 256) -> tuple[Tensor, Tensor]:
         """Causal attention in query chunks, folding each chunk's weights into the policy's statistic."""

@@ -6,7 +6,7 @@ means that file plus its line in :data:`REGISTRY`; the config's allowed names, t
 evaluate stage and both decode paths read the registry and the declared capabilities.
 
     from kvpop.policies import make_policy, names
-    names(trained=True)                      # ('streaming_llm_plus', 'kvpop_mlp', 'kvpop', 'dms')
+    names(trained=True)                      # ('streaming_llm_plus', 'kvpop_mlp', 'kvpop', 'dms', 'trimkv', 'trimkv_joint')
     make_policy("kvpop_mlp", num_layers=30, num_kv_heads=3, head_dim=64)
 """
 
@@ -21,10 +21,13 @@ from kvpop.policies.kvpop_mlp import KvpopMLP
 from kvpop.policies.oracle import OracleSources, OracleTarget
 from kvpop.policies.streaming_llm import StreamingLLM, StreamingLLMPlus
 from kvpop.policies.tova import TOVA
+from kvpop.policies.trimkv import TrimKV, TrimKVJoint
 
 #: name -> policy class, in the order tables list them
 REGISTRY: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Dense, StreamingLLM, TOVA, H2O, StreamingLLMPlus, KvpopMLP, Kvpop, Dms, OracleTarget, OracleSources)
+    cls.name: cls for cls in (
+        Dense, StreamingLLM, TOVA, H2O, StreamingLLMPlus, KvpopMLP, Kvpop, Dms, TrimKV, TrimKVJoint, OracleTarget, OracleSources,
+    )
 }
 
 
@@ -69,6 +72,6 @@ def resolve_policy(name: str, exported: Policy | None = None) -> Policy:
 
 __all__ = [
     "REGISTRY", "Dense", "Dms", "H2O", "Kvpop", "KvpopMLP", "OracleSources", "OracleTarget",
-    "Policy", "Scores", "ScorerSpec", "StreamingLLM", "StreamingLLMPlus", "TOVA",
+    "Policy", "Scores", "ScorerSpec", "StreamingLLM", "StreamingLLMPlus", "TOVA", "TrimKV", "TrimKVJoint",
     "make_policy", "names", "policy_class", "resolve_policy",
 ]

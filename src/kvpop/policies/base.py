@@ -18,9 +18,13 @@ capability                    meaning
 ``scores_on_exit``            scored from a recurrent state when a token leaves the window (the delayed
                               mLSTM): the recurrent hooks below
 ``chunked_prefill``           (with ``scores_on_exit``) :meth:`prefill_chunk` reads a chunk in closed form
-``gated``                     (with ``learned``) a keep/evict gate trained through the distillation loss, not
-                              the boundary loss: in training, attention adds the bias of :meth:`relax` to
-                              tokens past the window, and the trainer adds a compression loss (``dms``)
+``gated``                     (with ``learned``) a gate trained through the distillation loss, not the
+                              boundary loss: in training, attention adds the bias of :meth:`relax` to tokens
+                              past the window, and the trainer adds :meth:`gate_loss` (``dms``, ``trimkv``)
+``decays``                    a slot's rank falls with its age: at query t a token scores
+                              ``(t - pos) * prio`` (``prio = log beta <= 0``), re-ranked at every step, so
+                              no static order exists; its pattern comes from a simulation of the cache
+                              (:func:`kvpop.selection.decaying_eviction_times`; ``trimkv``)
 ============================  ==========================================================================
 
 Hooks:
@@ -32,7 +36,8 @@ Hooks:
 * :meth:`slot_scores` -- an attention rule, after every decode step;
 * :meth:`init_state`, :meth:`step`, :meth:`exit_scores`, :meth:`prefill`, :meth:`prefill_chunk`
   -- a delayed rule;
-* :meth:`relax` -- ``gated``: the differentiable relaxation of the gate in training;
+* :meth:`relax`, :meth:`gate_loss` -- ``gated``: the differentiable relaxation of the gate in
+  training, and its budget loss;
 * :meth:`long_range_slots` -- ``k`` at a nominal budget (a stateful rule spends slots on its state).
 
 Shapes: B batch, Hk KV heads, Q queries, S sequence, T cache slots, D head dim.
@@ -52,6 +57,17 @@ class Scores:
     prio: Tensor  # (B, Hk, S) static priority, higher is kept longer
     r_hat: Tensor | None = None  # (B, Hk, S) raw learned score, with the scorer's graph
     log_gamma: Tensor | None = None  # (Hk,) with the decay's graph
+
+
+@dataclass
+class GateRelaxation:
+    """One layer's relaxed gate in training (``gated`` policies, :meth:`Policy.relax`)."""
+
+    bias: Tensor  # (B, Hk, S) attention-logit bias of a token once it left the window, with the gate's graph
+    prio: Tensor | None = None  # (B, Hk, S) float64 detached: the training pattern's priorities (None: no eviction in training)
+    age_scaled: bool = False  # the bias counts (q - kv) times (a decay per step of age), else once
+    evict_prob: Tensor | None = None  # (B, Hk, S) relaxed eviction probability (dms)
+    log_beta: Tensor | None = None  # (B, Hk, S) log retention per step of age (trimkv)
 
 
 @dataclass(frozen=True)
@@ -79,13 +95,16 @@ class Policy(nn.Module):
     scores_on_exit: ClassVar[bool] = False
     chunked_prefill: ClassVar[bool] = False
     gated: ClassVar[bool] = False
+    decays: ClassVar[bool] = False
+    #: False: training leaves the student model frozen (the gate alone learns; ``trimkv``)
+    trains_model: ClassVar[bool] = True
     #: priorities from the evaluated trace's own future (a ceiling): teacher-forced evaluation only,
     #: never trained or decoded; :meth:`fit_trace` sees each trace first
     oracle: ClassVar[bool] = False
 
     #: the capabilities, in the order the registry and the README list them
     CAPABILITIES: ClassVar[tuple[str, ...]] = (
-        "evicts", "learned", "trained", "layer_independent", "needs_attention", "scores_on_exit", "gated", "oracle",
+        "evicts", "learned", "trained", "layer_independent", "needs_attention", "scores_on_exit", "gated", "decays", "oracle",
     )
 
     @classmethod
@@ -121,10 +140,16 @@ class Policy(nn.Module):
         is then skipped)."""
         raise NotImplementedError(f"policy {self.name!r} is not an oracle")
 
-    def relax(self, x: Tensor, *, tau: float, generator: torch.Generator | None = None, noise: bool = True):
-        """``gated``: gate logits x (B, Hk, S) (``scores(...).r_hat``, with their graph) -> a
-        :class:`kvpop.policies.dms.GateRelaxation` (the training pattern's priorities, the attention bias
-        of tokens past the window, the relaxed eviction probabilities)."""
+    def relax(self, x: Tensor, *, tau: float, generator: torch.Generator | None = None, noise: bool = True) -> GateRelaxation:
+        """``gated``: gate logits x (B, Hk, S) (``scores(...).r_hat``, with their graph) -> the layer's
+        :class:`GateRelaxation` in training."""
+        raise NotImplementedError(f"policy {self.name!r} has no gate")
+
+    def gate_loss(self, relaxations: list[GateRelaxation], *, doc_ids: Tensor, pos: Tensor, sinks: int, window: int, long_range: int,
+                  weight: float, ramp: float, progress: float) -> tuple[Tensor, dict[str, Tensor]]:
+        """``gated``: the gate's budget loss over every layer's relaxation (weighted by ``weight``; ``ramp``:
+        the share of training over which it ramps up; ``progress``: the share of training done) and the
+        values to log, ``{name: scalar}``."""
         raise NotImplementedError(f"policy {self.name!r} has no gate")
 
     # --- decode-time hooks -------------------------------------------------------------------------

@@ -15,8 +15,8 @@ end to end through the distillation loss: no attention-derived label, no boundar
   tau)``; forward, a token past the window gets the attention-logit bias ``-1e4`` if ``x + g > 0``
   (weight exactly 0) else 0; backward, the gradient of ``log(1 - alpha)`` (the relaxed mask). The
   trainer adds the one-sided compression loss ``max(0, target_ratio - mean alpha)`` over the tokens
-  that leave the window (:func:`kvpop.train.compression_loss`), with the target ramped up to the
-  ratio that the budget implies (:func:`budget_evict_ratio`).
+  that leave the window (:meth:`Dms.gate_loss`, :func:`compression_loss`), with the target ramped up
+  to the ratio that the budget implies (:func:`budget_evict_ratio`).
 * **Budget.** Memory is the same fixed pool as every policy's: ``budget`` entries per KV head.
   Tokens the gate keeps compete for the ``k`` long-range slots by priority ``-x`` (the surest keeps
   stay; ties go to the newer), so a head that keeps more than ``k`` is capped at the budget; a head
@@ -30,13 +30,11 @@ Shapes: B batch, Hk KV heads, S sequence, D head dim, L layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from kvpop.policies.base import Policy, ScorerSpec, Scores
+from kvpop.policies.base import GateRelaxation, Policy, ScorerSpec, Scores
 from kvpop.selection import document_spans, eligible_tokens
 
 #: the forward attention-logit bias of a gated-out token in training: exp(-1e4) is exactly 0 in float32
@@ -57,15 +55,6 @@ class GateScorer(nn.Module):
         """k, v (B, Hk, S, D) -> gate logits x (B, Hk, S); > 0 evicts. Inputs are detached here."""
         x = torch.cat([k.detach(), v.detach()], dim=-1).to(self.w.dtype)  # (B, Hk, S, 2D)
         return torch.einsum("bhsi,hi->bhs", x, self.w[layer]) + self.b[layer][:, None]
-
-
-@dataclass
-class GateRelaxation:
-    """One layer's relaxed gate in training."""
-
-    prio: Tensor  # (B, Hk, S) float64, detached: the capped pattern's priorities (-(x + g); finite)
-    bias: Tensor  # (B, Hk, S): attention-logit bias once the token left the window; forward hard, backward relaxed
-    evict_prob: Tensor  # (B, Hk, S): alpha, the relaxed eviction probability (the compression loss)
 
 
 def gate_priority(x: Tensor) -> Tensor:
@@ -106,7 +95,33 @@ class Dms(Policy):
         hard = torch.where(z > 0, EVICTED_BIAS, 0.0).to(z.dtype)
         soft = F.logsigmoid(-z)  # log(1 - alpha)
         bias = soft + (hard - soft).detach()  # forward: the hard decision; backward: the relaxed mask's gradient
-        return GateRelaxation(prio=(-x).detach().double(), bias=bias, evict_prob=torch.sigmoid(z))
+        # the capped pattern ranks by -(x + g), finite: the gate acts through the bias
+        return GateRelaxation(bias=bias, prio=(-x).detach().double(), evict_prob=torch.sigmoid(z))
+
+    def gate_loss(self, relaxations, *, doc_ids, pos, sinks, window, long_range, weight, ramp, progress):
+        """The compression loss toward the budget's eviction ratio, its target ramped up over the first
+        ``ramp`` of training; logs the loss, the target and the relaxed eviction rate."""
+        target = budget_evict_ratio(doc_ids, pos, sinks=sinks, window=window, long_range=long_range) * ramp_factor(progress, ramp)
+        comp, evicted = compression_loss([r.evict_prob for r in relaxations], leaving_tokens(doc_ids, pos, sinks=sinks, window=window), target)
+        logs = {"compression_loss": comp.detach(), "gate_evicted": evicted.detach(), "compression_target": torch.tensor(target)}
+        return weight * comp, logs
+
+
+def compression_loss(evict_probs: list[Tensor], leaves: Tensor, target: float) -> tuple[Tensor, Tensor]:
+    """A gate's one-sided compression loss ``max(0, target - evicted)`` and ``evicted``: the mean
+    relaxed eviction probability over every layer and KV head of the tokens that leave the window.
+
+    evict_probs: per layer (B, Hk, S); leaves (B, S) bool (:func:`leaving_tokens`)."""
+    m = leaves[:, None, :].to(evict_probs[0].dtype)  # (B, 1, S)
+    per_layer = torch.stack([(p * m).sum() for p in evict_probs])  # (L,)
+    evicted = per_layer.sum() / (m.sum() * evict_probs[0].shape[1] * len(evict_probs)).clamp(min=1.0)
+    return torch.relu(target - evicted), evicted
+
+
+def ramp_factor(progress: float, fraction: float) -> float:
+    """A linear ramp over training: 0 at the start, 1 once ``progress`` (the share of the steps done)
+    reaches ``fraction``, then 1 (``fraction`` 0: always 1)."""
+    return 1.0 if fraction <= 0 else min(1.0, progress / fraction)
 
 
 def leaving_tokens(doc_ids: Tensor, pos: Tensor, *, sinks: int, window: int) -> Tensor:
