@@ -178,3 +178,16 @@ def test_no_import_cycle_in_the_library():
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
+
+
+@pytest.mark.parametrize(("shape", "counts"), [
+    ((30, 3, 64), {"kvpop_mlp": 748_980, "kvpop": 589_320, "dms": 11_610, "trimkv": 748_890, "trimkv_joint": 748_890}),
+    ((36, 8, 128), {"kvpop_mlp": 4_756_032, "kvpop": 3_765_888, "dms": 74_016, "trimkv": 4_755_744, "trimkv_joint": 4_755_744}),
+])
+def test_parameter_counts_in_the_readme(shape, counts):
+    """The README's table of scorer and gate sizes (SmolLM2-135M, Qwen3-4B) is what make_policy builds."""
+    readme = (ROOT / "README.md").read_text()
+    for name, n in counts.items():
+        p = make_policy(name, num_layers=shape[0], num_kv_heads=shape[1], head_dim=shape[2])
+        assert sum(x.numel() for x in p.parameters()) == n, name
+        assert f"{n:,}" in readme, (name, n)

@@ -158,6 +158,9 @@ def test_capacity_loss_matches_a_loop_and_pushes_retention_down():
     assert math.isclose(got.item(), total / n, rel_tol=1e-9)
     got.backward()
     assert (lb.grad >= 0).all() and lb.grad.sum() > 0  # more retention (log beta up) costs more
+    steep = torch.full((2, 3, 40), -30.0, dtype=torch.float32, requires_grad=True)  # future keys' terms would overflow
+    capacity_loss(steep, doc, pos, sinks=SINKS, window=WINDOW, long_range=k).backward()
+    assert torch.isfinite(steep.grad).all()
 
 
 @pytest.mark.parametrize("prefill", [1, 30])

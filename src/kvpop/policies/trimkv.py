@@ -112,7 +112,9 @@ def capacity_loss(log_beta: Tensor, doc_ids: Tensor, pos: Tensor, *, sinks: int,
         q = idx[s : s + chunk]  # (C,)
         age = (q[:, None] - idx[None, :]).to(log_beta.dtype)  # (C, S)
         ok = (age >= window)[None] & (doc_ids[:, q, None] == doc_ids[:, None, :]) & past[:, None, :]  # (B, C, S)
-        terms = torch.where(ok[:, None], torch.exp(age * log_beta[:, :, None, :]), 0.0)  # (B, Hk, C, S)
+        # mask the exponent, not the power: a future key's (negative age) term would overflow to inf,
+        # and the gradient of a discarded inf is NaN
+        terms = torch.exp(torch.where(ok[:, None], age * log_beta[:, :, None, :], float("-inf")))  # (B, Hk, C, S)
         mass = terms.sum(-1)  # (B, Hk, C)
         real = (doc_ids[:, q] >= 0)[:, None, :]
         total = total + (torch.relu(mass - long_range) / k * real).sum()
