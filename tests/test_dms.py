@@ -196,3 +196,24 @@ def test_bad_gate_settings_name_the_key(bad):
 
     with pytest.raises(ValidationError, match=next(iter(bad))):
         TrainConfig(**bad)
+
+
+def test_evaluation_reports_occupancy(tiny_model):
+    """occupancy: 1 for a top-k rule (and an attention rule) on a trace longer than its budget, below 1
+    for a gate that evicts more than the budget needs, S / budget for dense."""
+    from kvpop.attention import register
+    from kvpop.evaluate import Candidate, evaluate_fidelity
+
+    model = tiny_model(attn_implementation=register())
+    rec = {"input_ids": torch.randint(0, model.config.vocab_size, (60,)).tolist(), "loss_mask": [1] * 60}
+    evicting = make_policy("dms", num_layers=2, num_kv_heads=2, head_dim=16)
+    with torch.no_grad():
+        evicting.scorer.b.fill_(5.0)  # every token gated out: only sinks and the window stay
+    keeping = make_policy("dms", num_layers=2, num_kv_heads=2, head_dim=16)  # the untrained gate keeps all: capped at k
+    cands = [Candidate(n, model, p) for n, p in (("dense", make_policy("dense")), ("h2o", make_policy("h2o")),
+                                                 ("streaming_llm", make_policy("streaming_llm")), ("gate_out", evicting), ("gate_in", keeping))]
+    budget = SINKS + WINDOW + K
+    res = evaluate_fidelity([rec], model, cands, budget=budget, sinks=SINKS, window=WINDOW)
+    assert res["dense"]["occupancy"] == pytest.approx(60 / budget)
+    assert res["streaming_llm"]["occupancy"] == res["gate_in"]["occupancy"] == res["h2o"]["occupancy"] == 1.0
+    assert res["gate_out"]["occupancy"] == pytest.approx((SINKS + WINDOW) / budget)
