@@ -135,15 +135,15 @@ def held_share(evict: Tensor, capacity: int) -> float:
 
 
 @torch.no_grad()
-def policy_logits(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: int, long_range: int) -> tuple[Tensor, float]:
-    """One trace (1, S) under a policy's full-sequence pattern -> (logits (S, V) float32, occupancy)."""
+def captured_forward(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: int, long_range: int) -> tuple[Tensor, Tensor]:
+    """One trace (1, S) under a policy's full-sequence pattern -> (logits (S, V) float32, every layer's
+    eviction times (L, Hk, S); dense: ``NEVER``)."""
     S = input_ids.shape[1]
     pos = torch.arange(S, device=input_ids.device)[None]
     ctx = EvictionCapture.for_rows(policy, torch.zeros_like(pos), pos, sinks=sinks, window=window, long_range=long_range,
                                    executor="flex" if input_ids.is_cuda else "sdpa")
     logits = model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx).logits[0].float()
-    evict = torch.stack([ctx.evict[i][0] for i in sorted(ctx.evict)])  # (L, Hk, S)
-    return logits, held_share(evict, sinks + window + long_range)
+    return logits, torch.stack([ctx.evict[i][0] for i in sorted(ctx.evict)])
 
 
 @torch.no_grad()
@@ -152,11 +152,8 @@ def keep_map(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: in
     training forward's own eviction times: (L, Hk, S) float in [0, 1], the share of its remaining
     trace that token ``j`` stayed attendable, ``(min(evict_j, S) - j) / (S - j)``; 1 = kept to the end."""
     S = input_ids.shape[1]
-    pos = torch.arange(S, device=input_ids.device)[None]
-    ctx = EvictionCapture.for_rows(policy, torch.zeros_like(pos), pos, sinks=sinks, window=window, long_range=long_range,
-                                   executor="flex" if input_ids.is_cuda else "sdpa")
-    model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx)  # every layer records (dense: NEVER)
-    evict = torch.stack([ctx.evict[i][0] for i in sorted(ctx.evict)]).clamp(max=S).float().cpu()  # (L, Hk, S)
+    _, evict = captured_forward(model, policy, input_ids, sinks=sinks, window=window, long_range=long_range)
+    evict = evict.clamp(max=S).float().cpu()  # (L, Hk, S)
     j = torch.arange(S, dtype=torch.float32)
     keep = ((evict - j) / (S - j)).clamp(0, 1)
     keep[..., :sinks] = 1.0  # sinks are never evicted, whatever their eviction time says
@@ -233,7 +230,8 @@ def evaluate_fidelity(
             elif c.policy.name == "dense" and c.model is teacher:
                 logits, occupancy = ref, ids.shape[1] / budget
             else:
-                logits, occupancy = policy_logits(c.model, c.policy, ids, sinks=sinks, window=window, long_range=slots[c.name])
+                logits, evict = captured_forward(c.model, c.policy, ids, sinks=sinks, window=window, long_range=slots[c.name])
+                occupancy = held_share(evict, sinks + window + slots[c.name])
             logp = torch.log_softmax(logits, -1)
             kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # (S,)
             a = acc[c.name]

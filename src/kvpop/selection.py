@@ -252,8 +252,7 @@ def decaying_eviction_times(
     lb = log_beta.double()
     e = torch.full((B, Hk, S), NEVER, dtype=torch.int64, device=dev)
     k = long_range
-    slot_pos = torch.full((B, Hk, max(k, 1)), -1, dtype=torch.int64, device=dev)
-    slot_lb = torch.zeros((B, Hk, max(k, 1)), dtype=torch.float64, device=dev)
+    slot_pos = torch.full((B, Hk, max(k, 1)), -1, dtype=torch.int64, device=dev)  # the token in each long-range slot, -1: empty
     rows = torch.arange(B, device=dev)[:, None].expand(B, Hk)
     heads = torch.arange(Hk, device=dev)[None, :].expand(B, Hk)
     big = torch.iinfo(torch.int64).max
@@ -267,7 +266,7 @@ def decaying_eviction_times(
             e[:, :, j] = torch.where(leaves, q, e[:, :, j])
             continue
         filled = slot_pos >= 0
-        score = torch.where(filled, (q - slot_pos).double() * slot_lb, float("-inf"))  # (B, Hk, k)
+        score = torch.where(filled, (q - slot_pos).double() * lb.gather(2, slot_pos.clamp(min=0)), float("-inf"))  # (B, Hk, k)
         low = score.amin(-1)  # (B, Hk)
         victim = torch.where(score == low[..., None], slot_pos, big).argmin(-1)  # (B, Hk): empty first, then the oldest
         wins = leaves & (window * lb[:, :, j] >= low)  # the leaver is the newest: it wins ties
@@ -275,6 +274,5 @@ def decaying_eviction_times(
         e[rows, heads, old.clamp(min=0)] = torch.where(wins & (old >= 0), q, e[rows, heads, old.clamp(min=0)])
         e[:, :, j] = torch.where(leaves & ~wins, q, e[:, :, j])
         slot_pos[rows, heads, victim] = torch.where(wins, j, old)
-        slot_lb[rows, heads, victim] = torch.where(wins, lb[:, :, j], slot_lb[rows, heads, victim])
     eligible = eligible_tokens(doc_ids, pos, sinks)[:, None, :]
     return torch.where(eligible, e, NEVER).clamp(max=NEVER).to(torch.int32)

@@ -225,9 +225,10 @@ class BoundedLayer(CacheLayerMixin):
     def _keep_survivors(self, k: Tensor, v: Tensor, prio: Tensor, evict: Tensor | None = None) -> None:
         """After a prompt k, v (B, Hk, S, D): keep the tokens attended by its last query.
 
-        Sinks, the last ``window`` tokens, and the top-k of the eligible tokens
-        ``[sinks, S - window)`` by (priority, recency); with ``evict`` (B, Hk, S) (a ``decays`` policy,
-        whose survivors no static order gives), those not evicted by the last query instead."""
+        Sinks, the last ``window`` tokens, and of the eligible tokens ``[sinks, S - window)``: with the
+        prompt's eviction times ``evict`` (B, Hk, S) (a pattern policy, whose prefill ran under them),
+        those the last query still attends (one definition of the pattern, gates and decaying ranks
+        included); without them (an attention rule), the top-k by (priority, recency)."""
         S = k.shape[2]
         self.reset()
         self.seen = S
@@ -243,7 +244,7 @@ class BoundedLayer(CacheLayerMixin):
         n = min(self.long_range, hi - lo)
         if n <= 0:
             return
-        if evict is not None:  # survivors first (any order), evicted ones after: the first n are kept
+        if evict is not None:  # survivors first (in token order), evicted ones after: the first n are kept
             alive = (evict[:, :, lo:hi] > S - 1).to(torch.uint8)
             top = lo + alive.sort(dim=-1, descending=True, stable=True).indices[..., :n]  # (B, Hk, n) token index
             top_prio = torch.where(alive.gather(2, top - lo) > 0, prio.gather(2, top), NEG_INF)  # evicted: an empty slot
@@ -254,14 +255,14 @@ class BoundedLayer(CacheLayerMixin):
         self._store_long_range(k, v, top, prio.gather(2, top))
 
     def _store_long_range(self, k: Tensor, v: Tensor, top: Tensor, top_prio: Tensor) -> None:
-        """Write tokens ``top`` (B, Hk, n) into the first n long-range slots; a token of priority
-        ``-inf`` (gated out, or not a survivor) leaves its slot empty."""
+        """Write tokens ``top`` (B, Hk, n) into the first n long-range slots; priority ``-inf`` (not a
+        survivor) leaves the slot empty."""
         n = top.shape[-1]
         dst = slice(self.lr, self.lr + n)
         self.keys[:, :, dst] = k.gather(2, top[..., None].expand(-1, -1, -1, k.shape[-1]))
         self.values[:, :, dst] = v.gather(2, top[..., None].expand(-1, -1, -1, v.shape[-1]))
         self.prio[:, :, dst] = top_prio
-        self.pos[:, :, dst] = torch.where(top_prio > NEG_INF, top, -1)  # a gated-out token (dms) is not kept: an empty slot
+        self.pos[:, :, dst] = torch.where(top_prio > NEG_INF, top, -1)
 
     # --- attention ------------------------------------------------------------------------------
     def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
@@ -308,7 +309,7 @@ class BoundedLayer(CacheLayerMixin):
             out, prio = self._dense_prefill(q, k, v, scale, prio)
         else:
             out, evict = self._pattern_prefill(q, k, v, scale, prio, pos)
-        self._keep_survivors(k, v, prio, evict if self.policy.decays else None)
+        self._keep_survivors(k, v, prio, evict)
         if state is not None:
             self._set_state(state)
             fixed = self.prio[:, :, : self.lr]  # sinks and window: stored unscored (NaN), scored when they leave
