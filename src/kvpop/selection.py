@@ -36,9 +36,18 @@ from __future__ import annotations
 
 import torch
 
+from kvpop.kernels import triton_available
 from kvpop.order import prefix_kth_smallest
 
-__all__ = ["NEVER", "candidate_eviction_times", "decaying_eviction_times", "document_spans", "eviction_times", "recency_priority"]
+__all__ = [
+    "NEVER",
+    "candidate_eviction_times",
+    "decaying_eviction_times",
+    "decaying_eviction_times_reference",
+    "document_spans",
+    "eviction_times",
+    "recency_priority",
+]
 
 #: Eviction time of tokens that are never evicted (sinks, padding, tokens with
 #: fewer than ``k`` outrankers).
@@ -221,6 +230,29 @@ def candidate_eviction_times(
 
 @torch.no_grad()
 def decaying_eviction_times(
+    log_beta: torch.Tensor,
+    doc_ids: torch.Tensor,
+    pos: torch.Tensor,
+    *,
+    sinks: int,
+    window: int,
+    long_range: int,
+) -> torch.Tensor:
+    """Eviction times of a cache whose ranks fall with age (``trimkv``); see
+    :func:`decaying_eviction_times_reference`, the definition.
+
+    On CUDA with Triton this is one kernel launch (:func:`kvpop.kernels.decay.decaying_eviction_times`,
+    tested equal to the reference); elsewhere it is the reference. ``(B, Hk, S)`` log beta, ``(B, S)``
+    doc_ids and pos -> ``(B, Hk, S)`` int32.
+    """
+    if log_beta.is_cuda and triton_available():
+        from kvpop.kernels.decay import decaying_eviction_times as kernel
+
+        return kernel(log_beta, doc_ids, pos, sinks=sinks, window=window, long_range=long_range)
+    return decaying_eviction_times_reference(log_beta, doc_ids, pos, sinks=sinks, window=window, long_range=long_range)
+
+
+def decaying_eviction_times_reference(
     log_beta: torch.Tensor,
     doc_ids: torch.Tensor,
     pos: torch.Tensor,

@@ -1,0 +1,15 @@
+"""Triton kernels of the CUDA path. Each has a tensor twin that it is tested equal to; the CPU
+(and a CUDA machine without Triton) runs the twin.
+
+* :mod:`kvpop.kernels.decay`: the decaying cache's eviction times (``trimkv``), twin
+  :func:`kvpop.selection.decaying_eviction_times_reference`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+
+def triton_available() -> bool:
+    """Whether Triton can be imported (CUDA builds of torch ship it; the CPU build does not)."""
+    return importlib.util.find_spec("triton") is not None
