@@ -12,7 +12,8 @@ Every trained policy is a *label* ``name[@target]``: ``kvpop_mlp`` trains agains
 (log mean future attention), ``kvpop_mlp@max`` against the max future attention, ``kvpop@power:16``
 against the power mean with beta 16 (:func:`kvpop.target.future_attention_target`); a ``.pool`` after
 the target pools it over more heads (``kvpop_mlp@max.model``: over every layer and KV head,
-``train.target_pool``, :func:`kvpop.target.pool_targets`); a ``+regret`` (``+uniform``) suffix
+``train.target_pool``, :func:`kvpop.target.pool_targets`; ``.blend:0.75`` weighs the model's target
+0.75 against the head's own, ``train.target_blend``, plain ``.blend`` 0.5); a ``+regret`` (``+uniform``) suffix
 trains with the regret-weighted (unweighted) boundary loss (``train.boundary_weight``, :func:`kvpop.boundary.boundary_loss`). All labels get the
 same rows in the same order and the same step count (``--steps``, also the scorers' cosine length).
 
@@ -86,9 +87,26 @@ def parse_label(label: str) -> tuple[str, str, float, str, str]:
     kind, _, beta = tgt.partition(":")
     if kind not in TARGET_KINDS:
         raise SystemExit(f"label {label!r}: unknown target {kind!r} (mean, power[:beta], max)")
-    if (pool or "group") not in TARGET_POOLS:
-        raise SystemExit(f"label {label!r}: unknown target pool {pool!r} ({', '.join(TARGET_POOLS)})")
+    try:
+        split_pool(pool or "group")
+    except ValueError as e:
+        raise SystemExit(f"label {label!r}: {e}") from None
     return name, kind, float(beta) if beta else 8.0, pool or "group", weighting or "tie"
+
+
+def split_pool(pool: str) -> tuple[str, float]:
+    """A label's pool, ``group`` / ``layer`` / ``model`` / ``blend[:w]`` -> (``train.target_pool``,
+    ``train.target_blend``)."""
+    name, _, w = pool.partition(":")
+    if name not in TARGET_POOLS or (w and name != "blend"):
+        raise ValueError(f"unknown target pool {pool!r} ({', '.join(TARGET_POOLS)}; blend:<weight>)")
+    try:
+        blend = float(w) if w else 0.5
+    except ValueError:
+        raise ValueError(f"target pool {pool!r}: the blend weight must be a number") from None
+    if not 0.0 <= blend <= 1.0:
+        raise ValueError(f"target pool {pool!r}: the blend weight must lie in [0, 1]")
+    return name, blend
 
 
 def target_name(kind: str, beta: float, pool: str = "group") -> str:
@@ -161,7 +179,8 @@ def train_phase(args) -> None:
             continue
         cfg = TrainConfig(steps=args.steps, seq_len=c["seq_len"], batch_size=1, model_lr=args.model_lr, scorer_lr=args.scorer_lr,
                           scorer_hidden=args.scorer_hidden, top_logits=256, precision=resolve_precision("auto", accelerator),
-                          accelerator=accelerator, target=kind, target_beta=beta, target_pool=pool, boundary_weight=weighting)
+                          accelerator=accelerator, target=kind, target_beta=beta, target_pool=split_pool(pool)[0],
+                          target_blend=split_pool(pool)[1], boundary_weight=weighting)
         training = build_training(teacher, name, packed, cfg=cfg, budget=c["budget"], sinks=c["sinks"], window=c["window"], seed=args.seed)
         ckpt = run_dir / "resume.ckpt"
         timer = step_timer()
@@ -219,7 +238,8 @@ def eval_phase(args) -> None:
     targets = [parse_label(f"x@{t}")[1:4] for t in args.oracle_targets.split(",")]
     for i, (kind, beta, pool) in enumerate(targets):
         label = "oracle_target" if i == 0 else f"oracle_target@{target_name(kind, beta, pool)}"
-        cands.append(Candidate(label, teacher, make_policy("oracle_target").configure(target=kind, target_beta=beta, pool=pool)))
+        pool_name, blend = split_pool(pool)
+        cands.append(Candidate(label, teacher, make_policy("oracle_target").configure(target=kind, target_beta=beta, pool=pool_name, blend=blend)))
     cands.append(Candidate("oracle_sources", teacher, make_policy("oracle_sources")))  # definitions: name and digits
     cands.append(Candidate("oracle_sources@digits", teacher, make_policy("oracle_sources").configure(lead=0)))  # the digits alone
     cands = [cd for cd in cands if cd.name not in done or cd.name == "dense"]  # dense: the reference of every KL

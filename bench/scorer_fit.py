@@ -39,7 +39,7 @@ import torch
 
 from bench_no_harm import default_files, pieces
 from gpu_embedded_run import make_records
-from gpu_quality import CONFIGS, data_args, parse_label, target_name
+from gpu_quality import CONFIGS, data_args, parse_label, split_pool, target_name
 from kvpop.attention import ScorerTraining
 from kvpop.boundary import boundary_loss
 from kvpop.data.other_text import KINDS, other_text_records, token_ids
@@ -141,7 +141,7 @@ def fit(label: str, cache: dict, shape: dict, args) -> tuple:
             L, Hk, S, _ = row["k"].shape
             pos = torch.arange(S)[None]
             doc = torch.zeros_like(pos)
-            targets = pool_targets([t[None] for t in row["targets"][(kind, beta)]], pool)  # per layer (1, Hk, S)
+            targets = pool_targets([t[None] for t in row["targets"][(kind, beta)]], *split_pool(pool))  # per layer (1, Hk, S)
             loss = 0.0
             for layer in range(L):
                 sc = policy.scores(layer, row["k"][layer][None].float(), row["v"][layer][None].float(), pos, doc_ids=doc, window=c["window"])
@@ -200,7 +200,8 @@ def main() -> None:
     cands = [Candidate("dense", teacher, make_policy("dense")), Candidate("streaming_llm", teacher, make_policy("streaming_llm"))]
     for kind, beta, pool in sorted({p[1:4] for p in parsed.values()}):
         cands.append(Candidate(f"oracle_target@{target_name(kind, beta, pool)}", teacher,
-                               make_policy("oracle_target").configure(target=kind, target_beta=beta, pool=pool)))
+                               make_policy("oracle_target").configure(target=kind, target_beta=beta, pool=split_pool(pool)[0],
+                                                                      blend=split_pool(pool)[1])))
     cands.append(Candidate("oracle_sources", teacher, make_policy("oracle_sources")))
     logs = {}
     for lb in labels:

@@ -105,3 +105,17 @@ def test_target_pool_reaches_scorer_training(pool):
     r["train"]["target_pool"] = "heads"
     with pytest.raises(Exception, match="target_pool"):
         parse_params(r)
+
+
+def test_target_blend_reaches_scorer_training_and_is_bounded():
+    """train.target_blend (pool "blend": the weight of the model-wide target) reaches the settings; outside [0, 1] it is refused."""
+    from kvpop.train import TrainSettings
+
+    r = raw()
+    r["train"].update(target_pool="blend", target_blend=0.8)
+    p = parse_params(r)
+    assert TrainSettings.from_config(p.train, sinks=p.sinks, window=p.window, long_range=p.long_range, seed=0).scorer_training.blend == 0.8
+    for bad in (-0.1, 1.5):
+        r["train"]["target_blend"] = bad
+        with pytest.raises(Exception, match="target_blend"):
+            parse_params(r)

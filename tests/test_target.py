@@ -321,3 +321,11 @@ def test_pool_targets():
                     assert t[b, h, s] == max(ts[L2][b, g2, s] for L2 in range(4) for g2 in range(3))
     with pytest.raises(ValueError, match="pool"):
         pool_targets(ts, "heads")
+    # blend: weight 0 is the group's targets, 1 the model's; 0.25 a quarter of the way
+    for w, ends in ((0.0, ts), (1.0, pool_targets(ts, "model"))):
+        assert all(torch.equal(a, b.expand_as(a)) for a, b in zip(pool_targets(ts, "blend", w), ends, strict=True))
+    model = pool_targets(ts, "model")
+    for L, t in enumerate(pool_targets(ts, "blend", 0.25)):
+        assert torch.allclose(t, 0.75 * ts[L] + 0.25 * model[L])
+    with pytest.raises(ValueError, match="blend weight"):
+        pool_targets(ts, "blend", 1.5)

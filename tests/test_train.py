@@ -165,7 +165,7 @@ def test_build_training_trains_two_steps(policy_name, tmp_path):
         assert "train/score_loss" in trainer.callback_metrics
 
 
-@pytest.mark.parametrize("pool", ["group", "layer", "model", "blend"])
+@pytest.mark.parametrize("pool", ["group", "layer", "model", "blend", "blend:0.8"])
 def test_pooled_target_losses_equal_the_boundary_loss_on_pooled_targets(pool):
     """train.target_pool: each layer's boundary loss is the one of its target pooled over the heads
     (layer) or over every layer and head (model, computed after the forward); reference: the
@@ -193,7 +193,10 @@ def test_pooled_target_losses_equal_the_boundary_loss_on_pooled_targets(pool):
         student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx)
     finally:
         attention.boundary_loss = real
-    ctx = SparseContext.for_rows(policy, doc, pos, sinks=2, window=6, long_range=5, scorer_training=ScorerTraining(pool=pool))
+    pool, _, w = pool.partition(":")
+    blend = float(w or 0.5)
+    ctx = SparseContext.for_rows(policy, doc, pos, sinks=2, window=6, long_range=5,
+                                 scorer_training=ScorerTraining(pool=pool, blend=blend))
     student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx)
     if pool in ("model", "blend"):
         assert ctx.losses == []  # waits for every layer
@@ -209,8 +212,8 @@ def test_pooled_target_losses_equal_the_boundary_loss_on_pooled_targets(pool):
                     if pool in ("model", "blend"):
                         heads = [(l2, g) for l2 in range(len(recorded)) for g in range(Hk)]
                     want[b, h, t] = max(recorded[l2][1][b, g, t].item() for l2, g in heads)
-                    if pool == "blend":  # the mean of the head's own target and the model's maximum
-                        want[b, h, t] = (want[b, h, t] + recorded[L][1][b, h, t].item()) / 2
+                    if pool == "blend":  # the head's own target and the model's maximum, weighed
+                        want[b, h, t] = blend * want[b, h, t] + (1 - blend) * recorded[L][1][b, h, t].item()
         ref, _ = boundary_loss(r_hat, want, log_gamma, doc, pos, sinks=2, window=6, long_range=5)
         assert torch.allclose(losses[L].detach().double(), ref.double(), atol=1e-6), (pool, L)
     if pool != "group":  # pooling changes the labels on this toy: the test can tell the pools apart

@@ -136,6 +136,7 @@ class ScorerTraining:
     target_beta: float = 8.0  # order of the power mean (target "power" only)
     weighting: BoundaryWeight = "tie"  # boundary-loss weights (kvpop.boundary.boundary_loss)
     pool: TargetPool = "group"  # over which heads the target is maximized (kvpop.target.pool_targets)
+    blend: float = 0.5  # pool "blend": the weight of the model-wide maximum
     generator: torch.Generator | None = None
 
 
@@ -287,7 +288,7 @@ class SparseContext:
             if pools_across_layers(st.pool):  # needs every layer's target: the loss waits for finish_scorer_losses
                 self._pending.append((scores.r_hat, r_tgt, scores.log_gamma))
             else:
-                self._scorer_loss(scores.r_hat, pool_targets([r_tgt], st.pool)[0], scores.log_gamma)
+                self._scorer_loss(scores.r_hat, pool_targets([r_tgt], st.pool, st.blend)[0], scores.log_gamma)
         return out.transpose(1, 2).contiguous()
 
     def _attend_gated(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, key: object) -> Tensor:
@@ -324,7 +325,7 @@ class SparseContext:
         Under ``pool="model"`` or ``"blend"`` a layer's target depends on every layer's, so those losses are
         computed here, once the forward has seen all layers; call it before reading ``losses``."""
         if self._pending:
-            pooled = pool_targets([t for _, t, _ in self._pending], self.scorer_training.pool)
+            pooled = pool_targets([t for _, t, _ in self._pending], self.scorer_training.pool, self.scorer_training.blend)
             for (r_hat, _, log_gamma), r_tgt in zip(self._pending, pooled, strict=True):
                 self._scorer_loss(r_hat, r_tgt, log_gamma)
             self._pending.clear()

@@ -154,7 +154,11 @@ class TrainConfig(_Section):
     target_pool: TargetPool = Field(
         "group", description="over which heads the target is maximized: 'group' (the paper's: each KV head's query "
         "group), 'layer' (every KV head of the layer), 'model' (every layer and KV head: one label per token) or 'blend' "
-        "(the mean of the group's and the model's; kvpop.target)"
+        "(the group's and the model's, weighed by target_blend; kvpop.target)"
+    )
+    target_blend: float = Field(
+        0.5, ge=0, le=1, allow_inf_nan=False, description="target_pool 'blend': the weight of the model-wide target "
+        "(0.5: the mean of the two log targets; 0 is 'group', 1 is 'model')"
     )
     boundary_weight: BoundaryWeight = Field(
         "tie", description="boundary-loss weights: 'tie' (the paper's near-tie discount x class balance), 'regret' "

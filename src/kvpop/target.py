@@ -39,8 +39,9 @@ group: ``"group"`` (the paper's) keeps ``r_tgt(h, t)`` per KV head; ``"layer"`` 
 over every KV head of the layer; ``"model"`` over every layer and KV head, so that each token gets
 one label, the strongest need any head of the model has for it (every head then learns to keep
 what some head will need: a copy needs the source in the heads that find it and in the heads
-that read it, which the per-head target splits apart); ``"blend"`` averages the group's and the
-model's (log) targets, ``(r_tgt(h, t) + max_{l, g} r_tgt(l, g, t)) / 2``: a head ranks what it
+that read it, which the per-head target splits apart); ``"blend"`` weighs the group's and the
+model's (log) targets, ``(1 - w) r_tgt(h, t) + w max_{l, g} r_tgt(l, g, t)`` with ``w =
+train.target_blend`` (0.5: their mean; 0 is ``"group"``, 1 is ``"model"``): a head ranks what it
 reads itself and what any head needs (pooling over the model keeps more far facts at more KL;
 BENCHMARKS.md).
 
@@ -92,21 +93,23 @@ TargetPool = Literal["group", "layer", "model", "blend"]
 TARGET_POOLS: tuple[str, ...] = get_args(TargetPool)
 
 
-def pool_targets(targets: list[torch.Tensor], pool: TargetPool) -> list[torch.Tensor]:
+def pool_targets(targets: list[torch.Tensor], pool: TargetPool, blend: float = 0.5) -> list[torch.Tensor]:
     """Per-layer targets ``(B, Hk, S)`` -> the same list pooled by ``pool`` (module docstring).
 
     ``"group"`` returns the targets as they are; ``"layer"`` the maximum over each layer's KV heads;
     ``"model"`` the maximum over every layer and KV head (layers must agree in ``(B, Hk, S)``);
-    ``"blend"`` the mean of each target and that model-wide maximum."""
+    ``"blend"`` ``(1 - blend) * target + blend * that model-wide maximum``."""
     if pool not in TARGET_POOLS:
         raise ValueError(f"unknown target pool {pool!r}; one of {', '.join(TARGET_POOLS)}")
+    if not 0.0 <= blend <= 1.0:
+        raise ValueError(f"target blend weight must lie in [0, 1], got {blend}")
     if pool == "group":
         return list(targets)
     if pool == "layer":
         return [t.amax(dim=1, keepdim=True).expand_as(t) for t in targets]
     m = torch.stack(list(targets)).amax(dim=(0, 2), keepdim=True)[0]  # (B, 1, S)
     if pool == "blend":
-        return [(t + m) / 2 for t in targets]
+        return [(1 - blend) * t + blend * m for t in targets]
     return [m.expand_as(t) for t in targets]
 
 

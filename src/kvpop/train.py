@@ -138,7 +138,7 @@ class TrainSettings:
             scorer_training=ScorerTraining(
                 tau=cfg.tau, tie_margin=cfg.tie_margin, query_samples=cfg.query_samples,
                 target_normalizer=cfg.target_normalizer, target=cfg.target, target_beta=cfg.target_beta,
-                weighting=cfg.boundary_weight, pool=cfg.target_pool,
+                weighting=cfg.boundary_weight, pool=cfg.target_pool, blend=cfg.target_blend,
                 generator=torch.Generator().manual_seed(seed),
             ),
             activation_checkpointing=cfg.activation_checkpointing,

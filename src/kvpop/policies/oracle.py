@@ -45,23 +45,26 @@ class OracleTarget(_Oracle):
     name = "oracle_target"
     layer_independent = False
 
-    def __init__(self, target: str = "mean", target_beta: float = 8.0, pool: str = "group"):
+    def __init__(self, target: str = "mean", target_beta: float = 8.0, pool: str = "group", blend: float = 0.5):
         super().__init__()
-        self.configure(target=target, target_beta=target_beta, pool=pool)
+        self.configure(target=target, target_beta=target_beta, pool=pool, blend=blend)
         self.r_tgt: list[Tensor] = []  # per layer (1, Hk, S)
 
-    def configure(self, *, target: str, target_beta: float, pool: str = "group") -> OracleTarget:
-        """The training target to rank by (``train.target``, ``train.target_beta``, ``train.target_pool``); returns self."""
+    def configure(self, *, target: str, target_beta: float, pool: str = "group", blend: float = 0.5) -> OracleTarget:
+        """The training target to rank by (``train.target``, ``train.target_beta``, ``train.target_pool``,
+        ``train.target_blend``); returns self."""
         if pool not in TARGET_POOLS:
             raise ValueError(f"unknown target pool {pool!r}; one of {', '.join(TARGET_POOLS)}")
-        self.target, self.target_beta, self.pool = target, target_beta, pool
+        if not 0.0 <= blend <= 1.0:
+            raise ValueError(f"target blend weight must lie in [0, 1], got {blend}")
+        self.target, self.target_beta, self.pool, self.blend = target, target_beta, pool, blend
         return self
 
     def teacher_target(self) -> tuple[str, float]:
         return self.target, float(self.target_beta)
 
     def fit_trace(self, *, input_ids: Tensor, record: dict, targets: dict) -> bool:
-        self.r_tgt = pool_targets(targets[self.teacher_target()], self.pool)
+        self.r_tgt = pool_targets(targets[self.teacher_target()], self.pool, self.blend)
         return True
 
     def scores(self, layer, keys, values, pos, **_):
