@@ -16,6 +16,13 @@ invocation:
   the cache is put straight into its state at 32K (:func:`fill`; ``--batch-fill prefill`` prefills
   B * 32K tokens instead), since a step does the same work whatever the entries hold.
 
+* ``--parts policies``: decode memory of each evicting policy at ``--policy-context`` (32K), batch 1,
+  the first budget, every policy on the same model: the engine where it serves the policy
+  (``kvpop_mlp``, ``kvpop``, ``dms``; eager, since these rows are about memory), the reference
+  :class:`kvpop.decode.BoundedCache` where it does not (``trimkv``: its ranks fall with age), with the
+  allocated cache beside a dense cache's size at that context. Every policy holds the same
+  fixed per-head pool (``dms`` caps its gate at it; ``kvpop`` adds its recurrent state).
+
 For each row: ms per step, tokens/s, peak memory, the bandwidth floor
 ``(weight bytes + B * KV bytes of the held entries) / copy bandwidth`` and the fraction of it
 reached; ratios against eager ``generate`` and against dense at the same context.
@@ -23,6 +30,7 @@ reached; ratios against eager ``generate`` and against dense at the same context
     PYTHONPATH=src python3 bench/bench_decode.py --out results/bench_decode_h200.json
     PYTHONPATH=src python3 bench/bench_decode.py --parts b1          # batch-1 rows only
     PYTHONPATH=src python3 bench/bench_decode.py --parts batch       # batch 16/64 rows only
+    PYTHONPATH=src python3 bench/bench_decode.py --parts policies --out results/bench_decode_policies_h200.json
     PYTHONPATH=src python3 bench/bench_decode.py --small --out /tmp/d.json   # tiny model (also on CPU)
 """
 
@@ -36,7 +44,8 @@ from pathlib import Path
 
 import torch
 
-from kvpop.decode.engine import DecodeEngine, kv_bytes_per_token, weight_bytes
+from kvpop.decode.cache import BoundedCache, enable
+from kvpop.decode.engine import DecodeEngine, engine_refusal, kv_bytes_per_token, weight_bytes
 from kvpop.policies import make_policy
 
 GB = 1e9
@@ -187,6 +196,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--eager-new", type=int, default=32, help="new tokens timed for eager generate")
     ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--policies", default="kvpop_mlp,kvpop,dms,trimkv", help="part 'policies': the evicting policies compared")
+    ap.add_argument("--policy-context", type=int, default=32768, help="part 'policies': the context of the memory rows")
+    ap.add_argument("--policy-steps", type=int, default=20, help="part 'policies': decode steps after the prefill")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -199,7 +211,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     parts = set(args.parts.split(","))
     if args.small:
-        contexts, budgets, batches, args.batch_context = [512, 1024], [384], [4], 1024
+        contexts, budgets, batches, args.batch_context, args.policy_context = [512, 1024], [384], [4], 1024, 1024
         args.chunk, args.steps, args.eager_new = 256, 8, 4
     cfg = qwen3_4b(args.small)
     torch.manual_seed(0)
@@ -295,7 +307,50 @@ def main() -> None:
             del eng
             torch.cuda.empty_cache() if dev.type == "cuda" else None
 
+    if "policies" in parts:  # last: enable() switches the model's attention to the kvpop_cache implementation
+        for name in args.policies.split(","):
+            done(policy_row(name, model, budget=budgets[0], ctx=args.policy_context, steps=args.policy_steps, warmup=args.warmup,
+                            chunk=args.chunk, wbytes=wbytes, per_tok=per_tok, bw=bw, base=base, dev=dev))
     summarize(info, rows)
+
+
+@torch.no_grad()
+def policy_row(name: str, model, *, budget: int, ctx: int, steps: int, warmup: int, chunk: int, wbytes: int, per_tok: int, bw: float,
+               base: int, dev) -> dict:
+    """Decode memory of one policy after a ``ctx``-token prompt, batch 1: the engine (eager) where it
+    serves the policy, else the reference BoundedCache (prefill in one forward, then ``steps`` tokens)."""
+    cfg = model.config
+    pol = make_policy(name, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim).to(dev)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+    extra = {"policy": name, "dense_kv_gb_at_context": round(ctx * per_tok / GB, 3)}
+    if engine_refusal(model, pol) is None:
+        eng = DecodeEngine(model, pol, budget=budget, sinks=4, window=256, batch_size=1, chunk=chunk, compile=False)
+        pre = grow(eng, ctx, cfg.vocab_size, ctx)
+        r = row("bounded", B=1, ctx=ctx, budget=budget, timed=time_steps(eng, steps, warmup), eng=eng,
+                floor_bytes=wbytes + min(ctx, eng.slots) * per_tok, bw=bw, base_bytes=base, dev=dev, prefill_s=pre,
+                extra={**extra, "path": "engine (eager)"})
+        del eng
+        return r
+    enable(model)
+    cache = BoundedCache(cfg, pol, budget=budget, sinks=4, window=256)
+    ids = random_ids(1, ctx + warmup + steps, cfg.vocab_size, ctx, dev)
+    sync(dev)
+    t0 = time.perf_counter()
+    model(input_ids=ids[:, :ctx], past_key_values=cache, logits_to_keep=1)
+    sync(dev)
+    pre = time.perf_counter() - t0
+    for t in range(ctx, ctx + warmup):
+        model(input_ids=ids[:, t : t + 1], past_key_values=cache)
+    sync(dev)
+    t0 = time.perf_counter()
+    for t in range(ctx + warmup, ctx + warmup + steps):
+        model(input_ids=ids[:, t : t + 1], past_key_values=cache)
+    sync(dev)
+    s_step = (time.perf_counter() - t0) / steps
+    return row("reference", B=1, ctx=ctx, budget=budget, timed=(s_step, 0.0), eng=cache, floor_bytes=wbytes + min(ctx, cache.slots) * per_tok,
+               bw=bw, base_bytes=base, dev=dev, prefill_s=pre, extra={**extra, "path": "reference BoundedCache"})
 
 
 def summarize(info: dict, rows: list[dict]) -> None:
@@ -314,8 +369,15 @@ def summarize(info: dict, rows: list[dict]) -> None:
         d = dense.get((r["batch"], r["context"]))
         vd = f"{d['ms_per_step'] / r['ms_per_step']:.2f}x" if d and r["engine"] == "bounded" else ""
         pk = r.get("peak_gb", float("nan"))
-        print(f"{r['engine']:<18}{r['batch']:>4}{r['context']:>9}{r['budget'] or '':>7}{r['ms_per_step']:>9.2f}{r['tokens_per_s']:>9.1f}"
+        label = f"{r['engine']} {r['policy']}" if "policy" in r else r["engine"]
+        print(f"{label:<18}{r['batch']:>4}{r['context']:>9}{r['budget'] or '':>7}{r['ms_per_step']:>9.2f}{r['tokens_per_s']:>9.1f}"
               f"{100 * r['floor_fraction']:>7.0f}%{pk:>9.2f}{ve:>9}{vd:>9}")
+    pols = [r for r in rows if "policy" in r]
+    if pols:
+        print(f"\ndecode memory at {pols[0]['context']} tokens, batch 1, budget {pols[0]['budget']} (dense cache: {pols[0]['dense_kv_gb_at_context']} GB)")
+        print(f"{'policy':<12}{'path':<24}{'cache GB':>9}{'peak above weights GB':>23}{'ms/step':>9}")
+        for r in pols:
+            print(f"{r['policy']:<12}{r['path']:<24}{r['cache_gb']:>9.3f}{r['peak_above_weights_gb']:>23.3f}{r['ms_per_step']:>9.2f}")
 
 
 if __name__ == "__main__":
