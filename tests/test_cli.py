@@ -35,6 +35,12 @@ def test_generate_streams_and_reports(exported, policy, capsys):
     assert " MB" in err and "tokens/s" in err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's answer to --compile")
+def test_generate_compile_needs_cuda(exported, capsys):
+    assert gen(exported, "kvpop_mlp", "--prompt", "x", "--compile") == 2
+    assert "--compile needs a CUDA device" in capsys.readouterr().err
+
+
 def test_generate_plain_folder_and_prompt_file(tiny_llama_dir, tmp_path, capsys):
     f = tmp_path / "prompt.txt"
     f.write_text(TEXT)

@@ -204,3 +204,26 @@ def test_packed_projections_are_views_and_compute_the_same():
     assert eng2._wqkv[1][0].data_ptr() == w.data_ptr() and eng2._wgu[0][0].data_ptr() == eng._wgu[0][0].data_ptr()
     got = engine_logits(eng2, x, 20)
     assert (got - want[:, 19:]).abs().max() < 1e-4
+
+
+def test_compile_cache_folder(monkeypatch, tmp_path):
+    """use_compile_cache: the argument, else $KVPOP_COMPILE_CACHE, else ~/.cache/kvpop/compile; a
+    TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR already set (the user's, or an earlier compile's) wins."""
+    from kvpop.decode.engine import use_compile_cache
+
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "KVPOP_COMPILE_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert use_compile_cache() == tmp_path / "home" / ".cache" / "kvpop" / "compile"
+    import os
+
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "home" / ".cache" / "kvpop" / "compile" / "triton")
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("KVPOP_COMPILE_CACHE", str(tmp_path / "env"))
+    assert use_compile_cache() == tmp_path / "env"
+    assert use_compile_cache(tmp_path / "arg") == tmp_path / "env"  # already chosen in this process: kept
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(var)
+    assert use_compile_cache(tmp_path / "arg") == tmp_path / "arg"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "arg" / "inductor")

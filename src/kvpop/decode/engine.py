@@ -36,12 +36,19 @@ modules (norms, projections, MLP, rotary embedding), so the arithmetic is the mo
 layer's q/k/v and gate/up weights are packed into one matrix (:func:`pack_linears`, the modules
 keep views of it): at batch 1 one wide GEMM reads the weights faster than several narrow ones.
 
+Compiling the step takes about a minute and a half on a fresh machine (``bench/bench_ttft.py``
+times it); the compiled artifacts go to one folder (:func:`use_compile_cache`,
+``$KVPOP_COMPILE_CACHE``, default ``~/.cache/kvpop/compile``) that later processes reuse, and
+``compile=False`` (``kvpop generate`` without ``--compile``) starts at once, slower per token.
+
 Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, C chunk, N candidates, T cache slots
 (on CUDA padded to a multiple of the 128-wide attention block), D head dim, V vocabulary.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -58,6 +65,24 @@ from kvpop.selection import NEVER, candidate_eviction_times
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 BLOCK = 128  # FlexAttention block width; cache slots are padded to a multiple of it
 I64_MAX = torch.iinfo(torch.int64).max
+
+#: the environment variable naming the folder of compiled decode steps (default: COMPILE_CACHE_DEFAULT)
+COMPILE_CACHE_ENV = "KVPOP_COMPILE_CACHE"
+COMPILE_CACHE_DEFAULT = Path("~/.cache/kvpop/compile")
+
+
+def use_compile_cache(folder: str | Path | None = None) -> Path:
+    """Keep compiled decode steps in one documented folder, so that a fresh process reuses them.
+
+    ``folder``, else ``$KVPOP_COMPILE_CACHE``, else ``~/.cache/kvpop/compile``: inductor's caches
+    (FX graphs, generated kernels, autotuning) go to ``<folder>/inductor`` and Triton's compiled
+    kernels to ``<folder>/triton``, unless ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR`` are set
+    already (the user's choice, or an earlier compile in this process, wins). Without this they
+    live in ``/tmp``, which a reboot or a fresh container empties. Returns the folder in use."""
+    root = Path(folder or os.environ.get(COMPILE_CACHE_ENV) or COMPILE_CACHE_DEFAULT).expanduser()
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).parent
 
 
 def slot_mask_mod(kv_pos: Tensor, q_pos0: Tensor | int, group: int, sinks: int = 0, evict: Tensor | None = None):
@@ -180,6 +205,8 @@ class DecodeEngine:
         if compile and dev.type != "cuda":
             raise ValueError("compile=True needs a CUDA device (the step is replayed as a CUDA graph)")
         self.compiled = compile
+        if compile:
+            use_compile_cache()
         self._compiled_step = torch.compile(self._decode_step, fullgraph=True, dynamic=False) if compile else None
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_out: Tensor | None = None

@@ -170,7 +170,8 @@ def generate(
 
     ``prompt_ids``: (B, S) or a list of ids (one row); rows share one length (no padding).
     ``temperature == 0`` is greedy; ``seed`` seeds torch's global generator for sampling.
-    ``path``: see the module docstring; ``compile`` compiles the engine's step (CUDA only)."""
+    ``path``: see the module docstring; ``compile`` compiles the engine's step (CUDA only; its
+    artifacts are kept in :func:`kvpop.decode.engine.use_compile_cache`'s folder for the next process)."""
     device = model_device(model)
     policy.to(device)
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
