@@ -141,8 +141,10 @@ def data_args(args, *, train: bool) -> argparse.Namespace:
 
 def run_name(args) -> str:
     """The configuration's name in --work and --out: ``4k``; ``4k+w384`` with --window 384 (the same
-    budget, fewer long-range slots); ``4k+mix64`` with --mix 64."""
-    return args.config + (f"+w{args.window}" if args.window else "") + (f"+mix{args.mix}" if args.mix else "")
+    budget, fewer long-range slots); ``4k+mix64`` with --mix 64; ``4k+seed1`` with --seed 1 (a replicate:
+    other training rows, order and initialization, the same held-out traces)."""
+    return (args.config + (f"+w{args.window}" if args.window else "") + (f"+mix{args.mix}" if args.mix else "")
+            + (f"+seed{args.seed}" if args.seed else ""))
 
 
 def mix_records(args, tok) -> list[dict]:
@@ -296,7 +298,8 @@ def main() -> None:
                     "configuration's, so a longer window leaves fewer long-range slots (results under <config>+w<N>)")
     ap.add_argument("--mix", type=int, default=0, help="add up to N pieces each of code and prose to the training rows "
                     "(kvpop.data.other_text; results under <config>+mix<N>)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="training rows, their order and the initialization; "
+                    "non-zero: a replicate, results under <config>+seed<N> (its spread is the noise of one training run)")
     ap.add_argument("--eval-seed", type=int, default=1)
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--model-dir", default="/tmp/smol-hf")
@@ -304,6 +307,8 @@ def main() -> None:
     ap.add_argument("--out", default="results/quality_h200.json")
     ap.add_argument("--incremental", action="store_true", help="keep the policies --out already holds for this config; evaluate the rest")
     args = ap.parse_args()
+    if args.seed == args.eval_seed:
+        raise SystemExit(f"--seed {args.seed} equals --eval-seed: the training rows would be the held-out traces; pick another")
     tiny = args.config == "tiny"
     args.train_traces = args.train_traces or (4 if tiny else 320)
     args.eval_traces = args.eval_traces or (2 if tiny else 16)
