@@ -202,8 +202,10 @@ def test_decaying_eviction_times_kernel_equals_reference(k):
     1,788 slots at budget 2,048."""
     import time
 
-    from kvpop.kernels.decay import decaying_eviction_times as kernel
-    from kvpop.selection import decaying_eviction_times_reference
+    from kvpop.kernels import triton_available
+    from kvpop.selection import decaying_eviction_times, decaying_eviction_times_reference
+
+    assert triton_available()  # else the CUDA call below would run the reference, not the kernel
 
     S_ = 4096
     _, doc, pos = packed_toy(B, S_, seed=k)
@@ -211,7 +213,7 @@ def test_decaying_eviction_times_kernel_equals_reference(k):
     for lb in (-torch.rand(B, HK, S_, generator=g) * 0.01, -torch.randint(1, 4, (B, HK, S_), generator=g).float() * 1e-3):
         ref = decaying_eviction_times_reference(lb, doc, pos, sinks=SINKS, window=WINDOW, long_range=k)
         t0 = time.perf_counter()
-        got = kernel(lb.cuda(), doc.cuda(), pos.cuda(), sinks=SINKS, window=WINDOW, long_range=k)
+        got = decaying_eviction_times(lb.cuda(), doc.cuda(), pos.cuda(), sinks=SINKS, window=WINDOW, long_range=k)
         torch.cuda.synchronize()
         print(f"decaying times k={k}: kernel {1e3 * (time.perf_counter() - t0):.1f} ms (first call compiles)")
         assert torch.equal(ref, got.cpu()), (k, (ref != got.cpu()).sum().item())

@@ -241,15 +241,22 @@ def decaying_eviction_times(
     """Eviction times of a cache whose ranks fall with age (``trimkv``); see
     :func:`decaying_eviction_times_reference`, the definition.
 
-    On CUDA with Triton this is one kernel launch (:func:`kvpop.kernels.decay.decaying_eviction_times`,
-    tested equal to the reference); elsewhere it is the reference. ``(B, Hk, S)`` log beta, ``(B, S)``
+    On CUDA with Triton the rule runs in one kernel launch (:func:`kvpop.kernels.decay.run_decaying_cache`,
+    tested equal to the reference); elsewhere this is the reference. ``(B, Hk, S)`` log beta, ``(B, S)``
     doc_ids and pos -> ``(B, Hk, S)`` int32.
     """
     if log_beta.is_cuda and triton_available():
-        from kvpop.kernels.decay import decaying_eviction_times as kernel
+        from kvpop.kernels.decay import run_decaying_cache
 
-        return kernel(log_beta, doc_ids, pos, sinks=sinks, window=window, long_range=long_range)
+        e = run_decaying_cache(log_beta, doc_ids, pos, sinks=sinks, window=window, long_range=long_range, never=NEVER)
+        return _only_eligible(e, doc_ids, pos, sinks)
     return decaying_eviction_times_reference(log_beta, doc_ids, pos, sinks=sinks, window=window, long_range=long_range)
+
+
+def _only_eligible(e: torch.Tensor, doc_ids: torch.Tensor, pos: torch.Tensor, sinks: int) -> torch.Tensor:
+    """Eviction times (B, Hk, S) int64 -> int32, ``NEVER`` for the tokens never eligible (sinks, padding)."""
+    eligible = eligible_tokens(doc_ids, pos, sinks)[:, None, :]
+    return torch.where(eligible, e, NEVER).clamp(max=NEVER).to(torch.int32)
 
 
 def decaying_eviction_times_reference(
@@ -306,5 +313,4 @@ def decaying_eviction_times_reference(
         e[rows, heads, old.clamp(min=0)] = torch.where(wins & (old >= 0), q, e[rows, heads, old.clamp(min=0)])
         e[:, :, j] = torch.where(leaves & ~wins, q, e[:, :, j])
         slot_pos[rows, heads, victim] = torch.where(wins, j, old)
-    eligible = eligible_tokens(doc_ids, pos, sinks)[:, None, :]
-    return torch.where(eligible, e, NEVER).clamp(max=NEVER).to(torch.int32)
+    return _only_eligible(e, doc_ids, pos, sinks)

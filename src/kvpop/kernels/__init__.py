@@ -3,6 +3,8 @@
 
 * :mod:`kvpop.kernels.decay`: the decaying cache's eviction times (``trimkv``), twin
   :func:`kvpop.selection.decaying_eviction_times_reference`.
+
+Kernels import nothing from the library (the library dispatches to them), so no import cycle forms.
 """
 
 from __future__ import annotations

@@ -17,8 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpop.selection import NEVER, eligible_tokens
-
 
 @triton.jit
 def _decaying_times_kernel(lb_ptr, doc_ptr, pos_ptr, e_ptr, S, Hk, sinks, window, k, K: tl.constexpr):
@@ -52,23 +50,24 @@ def _decaying_times_kernel(lb_ptr, doc_ptr, pos_ptr, e_ptr, S, Hk, sinks, window
         slot_lb = tl.where(take, lb_j, slot_lb)
 
 
-def decaying_eviction_times(log_beta: torch.Tensor, doc_ids: torch.Tensor, pos: torch.Tensor, *, sinks: int, window: int,
-                            long_range: int) -> torch.Tensor:
-    """:func:`kvpop.selection.decaying_eviction_times_reference` on CUDA tensors, in one kernel launch.
+def run_decaying_cache(log_beta: torch.Tensor, doc_ids: torch.Tensor, pos: torch.Tensor, *, sinks: int, window: int,
+                       long_range: int, never: int) -> torch.Tensor:
+    """The rule of :func:`kvpop.selection.decaying_eviction_times_reference` on CUDA tensors, in one
+    kernel launch: the query at which each token is evicted, ``never`` where it is not (sinks and
+    padding included; :func:`kvpop.selection.decaying_eviction_times` masks them, as the reference does).
 
     Args:
         log_beta: ``(B, Hk, S)`` float, ``<= 0``, on a CUDA device.
         doc_ids, pos: ``(B, S)``.
 
     Returns:
-        ``(B, Hk, S)`` int32 eviction times (``NEVER`` if never evicted).
+        ``(B, Hk, S)`` int64.
     """
     B, Hk, S = log_beta.shape
     lb = log_beta.double().contiguous()
-    e = torch.full((B, Hk, S), NEVER, dtype=torch.int64, device=lb.device)
+    e = torch.full((B, Hk, S), never, dtype=torch.int64, device=lb.device)
     if S > window:
         K = triton.next_power_of_2(max(long_range, 1))
         _decaying_times_kernel[(B * Hk,)](lb, doc_ids.long().contiguous(), pos.long().contiguous(), e, S, Hk, sinks, window,
                                           long_range, K=K, num_warps=4 if K <= 1024 else 8)
-    eligible = eligible_tokens(doc_ids, pos, sinks)[:, None, :]
-    return torch.where(eligible, e, NEVER).to(torch.int32)
+    return e
