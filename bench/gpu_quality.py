@@ -63,7 +63,7 @@ from kvpop.export import export, load_export
 from kvpop.modeling import load_model, model_shape
 from kvpop.pack import pack_records
 from kvpop.policies import make_policy
-from kvpop.target import TARGET_KINDS, TARGET_POOLS
+from kvpop.target import TARGET_KINDS, check_pool
 from kvpop.train import build_training, resolve_precision
 
 #: data and geometry of each configuration (the testbed of the quality issue)
@@ -98,14 +98,13 @@ def split_pool(pool: str) -> tuple[str, float]:
     """A label's pool, ``group`` / ``layer`` / ``model`` / ``blend[:w]`` -> (``train.target_pool``,
     ``train.target_blend``)."""
     name, _, w = pool.partition(":")
-    if name not in TARGET_POOLS or (w and name != "blend"):
-        raise ValueError(f"unknown target pool {pool!r} ({', '.join(TARGET_POOLS)}; blend:<weight>)")
+    if w and name != "blend":
+        raise ValueError(f"target pool {pool!r}: only blend takes a weight (blend:<weight>)")
     try:
         blend = float(w) if w else 0.5
     except ValueError:
         raise ValueError(f"target pool {pool!r}: the blend weight must be a number") from None
-    if not 0.0 <= blend <= 1.0:
-        raise ValueError(f"target pool {pool!r}: the blend weight must lie in [0, 1]")
+    check_pool(name, blend)
     return name, blend
 
 
@@ -171,6 +170,7 @@ def train_phase(args) -> None:
     t_start = time.time()
     for label in args.labels.split(","):
         name, kind, beta, pool, weighting = parse_label(label)
+        pool_name, blend = split_pool(pool)
         run_dir = Path(args.work) / run_name(args) / label
         if (run_dir / "export").is_dir():  # written atomically: present means complete
             print(f"[{label}] already exported, skipped", flush=True)
@@ -181,8 +181,8 @@ def train_phase(args) -> None:
             continue
         cfg = TrainConfig(steps=args.steps, seq_len=c["seq_len"], batch_size=1, model_lr=args.model_lr, scorer_lr=args.scorer_lr,
                           scorer_hidden=args.scorer_hidden, top_logits=256, precision=resolve_precision("auto", accelerator),
-                          accelerator=accelerator, target=kind, target_beta=beta, target_pool=split_pool(pool)[0],
-                          target_blend=split_pool(pool)[1], boundary_weight=weighting)
+                          accelerator=accelerator, target=kind, target_beta=beta, target_pool=pool_name,
+                          target_blend=blend, boundary_weight=weighting)
         training = build_training(teacher, name, packed, cfg=cfg, budget=c["budget"], sinks=c["sinks"], window=c["window"], seed=args.seed)
         ckpt = run_dir / "resume.ckpt"
         timer = step_timer()

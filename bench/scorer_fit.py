@@ -123,6 +123,7 @@ def mix_cache(args, teacher, tok, kinds: tuple) -> list[dict]:
 def fit(label: str, cache: dict, shape: dict, args) -> tuple:
     """A fresh scorer of ``label``'s policy trained on the cached train traces; (policy, log)."""
     name, kind, beta, pool, weighting = parse_label(label)
+    pool_name, blend = split_pool(pool)
     c = args.cfg
     torch.manual_seed(args.seed)
     policy = make_policy(name, **{x: shape[x] for x in ("num_layers", "num_kv_heads", "head_dim")}, scorer_hidden=args.scorer_hidden)
@@ -141,7 +142,7 @@ def fit(label: str, cache: dict, shape: dict, args) -> tuple:
             L, Hk, S, _ = row["k"].shape
             pos = torch.arange(S)[None]
             doc = torch.zeros_like(pos)
-            targets = pool_targets([t[None] for t in row["targets"][(kind, beta)]], *split_pool(pool))  # per layer (1, Hk, S)
+            targets = pool_targets([t[None] for t in row["targets"][(kind, beta)]], pool_name, blend)  # per layer (1, Hk, S)
             loss = 0.0
             for layer in range(L):
                 sc = policy.scores(layer, row["k"][layer][None].float(), row["v"][layer][None].float(), pos, doc_ids=doc, window=c["window"])
@@ -199,9 +200,9 @@ def main() -> None:
         cache = {**cache, "mix": mix_cache(args, teacher, tok, kinds)}
     cands = [Candidate("dense", teacher, make_policy("dense")), Candidate("streaming_llm", teacher, make_policy("streaming_llm"))]
     for kind, beta, pool in sorted({p[1:4] for p in parsed.values()}):
+        pool_name, blend = split_pool(pool)
         cands.append(Candidate(f"oracle_target@{target_name(kind, beta, pool)}", teacher,
-                               make_policy("oracle_target").configure(target=kind, target_beta=beta, pool=split_pool(pool)[0],
-                                                                      blend=split_pool(pool)[1])))
+                               make_policy("oracle_target").configure(target=kind, target_beta=beta, pool=pool_name, blend=blend)))
     cands.append(Candidate("oracle_sources", teacher, make_policy("oracle_sources")))
     logs = {}
     for lb in labels:

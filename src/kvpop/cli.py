@@ -150,10 +150,10 @@ def read_texts(files: list[str]) -> list[tuple[str, str | dict]]:
 def cmd_generate(args) -> int:
     from transformers import TextStreamer
 
-    from kvpop.decode import generate
+    from kvpop.decode import generate, model_device
 
     lo = load(args)
-    if args.compile and next(lo.model.parameters()).device.type != "cuda":
+    if args.compile and model_device(lo.model).type != "cuda":
         raise UsageError("--compile needs a CUDA device (the compiled step is replayed as a CUDA graph); drop it to decode eagerly")
     ids = read_prompt(args, lo.tokenizer)
     streamer = None if args.quiet else TextStreamer(lo.tokenizer, skip_prompt=True, skip_special_tokens=True)

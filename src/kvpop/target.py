@@ -83,7 +83,8 @@ import torch
 
 from kvpop.selection import document_spans
 
-__all__ = ["TARGET_KINDS", "TARGET_POOLS", "TargetKind", "TargetPool", "future_attention_target", "pool_targets", "pools_across_layers"]
+__all__ = ["TARGET_KINDS", "TARGET_POOLS", "TargetKind", "TargetPool", "check_pool", "future_attention_target", "pool_targets",
+           "pools_across_layers"]
 
 #: How the future attention a token receives is aggregated (see the module docstring).
 TargetKind = Literal["mean", "power", "max"]
@@ -93,16 +94,21 @@ TargetPool = Literal["group", "layer", "model", "blend"]
 TARGET_POOLS: tuple[str, ...] = get_args(TargetPool)
 
 
+def check_pool(pool: str, blend: float = 0.5) -> None:
+    """A ValueError naming the problem unless ``pool`` is one of :data:`TARGET_POOLS` and ``blend`` lies in [0, 1]."""
+    if pool not in TARGET_POOLS:
+        raise ValueError(f"unknown target pool {pool!r}; one of {', '.join(TARGET_POOLS)}")
+    if not 0.0 <= blend <= 1.0:
+        raise ValueError(f"target blend weight must lie in [0, 1], got {blend}")
+
+
 def pool_targets(targets: list[torch.Tensor], pool: TargetPool, blend: float = 0.5) -> list[torch.Tensor]:
     """Per-layer targets ``(B, Hk, S)`` -> the same list pooled by ``pool`` (module docstring).
 
     ``"group"`` returns the targets as they are; ``"layer"`` the maximum over each layer's KV heads;
     ``"model"`` the maximum over every layer and KV head (layers must agree in ``(B, Hk, S)``);
     ``"blend"`` ``(1 - blend) * target + blend * that model-wide maximum``."""
-    if pool not in TARGET_POOLS:
-        raise ValueError(f"unknown target pool {pool!r}; one of {', '.join(TARGET_POOLS)}")
-    if not 0.0 <= blend <= 1.0:
-        raise ValueError(f"target blend weight must lie in [0, 1], got {blend}")
+    check_pool(pool, blend)
     if pool == "group":
         return list(targets)
     if pool == "layer":

@@ -78,7 +78,8 @@ def use_compile_cache(folder: str | Path | None = None) -> Path:
     (FX graphs, generated kernels, autotuning) go to ``<folder>/inductor`` and Triton's compiled
     kernels to ``<folder>/triton``, unless ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR`` are set
     already (the user's choice, or an earlier compile in this process, wins). Without this they
-    live in ``/tmp``, which a reboot or a fresh container empties. Returns the folder in use."""
+    live in ``/tmp``, which a reboot or a fresh container empties. Returns the parent of the inductor
+    cache folder in use (the chosen folder, unless a ``TORCHINDUCTOR_CACHE_DIR`` was set before)."""
     root = Path(folder or os.environ.get(COMPILE_CACHE_ENV) or COMPILE_CACHE_DEFAULT).expanduser()
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))

@@ -9,9 +9,11 @@ Kernels import nothing from the library (the library dispatches to them), so no 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 
+@functools.cache
 def triton_available() -> bool:
     """Whether Triton can be imported (CUDA builds of torch ship it; the CPU build does not)."""
     return importlib.util.find_spec("triton") is not None

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from kvpop.policies.base import Policy, Scores
-from kvpop.target import TARGET_POOLS, pool_targets
+from kvpop.target import check_pool, pool_targets
 
 
 class _Oracle(Policy):
@@ -53,10 +53,7 @@ class OracleTarget(_Oracle):
     def configure(self, *, target: str, target_beta: float, pool: str = "group", blend: float = 0.5) -> OracleTarget:
         """The training target to rank by (``train.target``, ``train.target_beta``, ``train.target_pool``,
         ``train.target_blend``); returns self."""
-        if pool not in TARGET_POOLS:
-            raise ValueError(f"unknown target pool {pool!r}; one of {', '.join(TARGET_POOLS)}")
-        if not 0.0 <= blend <= 1.0:
-            raise ValueError(f"target blend weight must lie in [0, 1], got {blend}")
+        check_pool(pool, blend)  # at configure time, not at the first trace
         self.target, self.target_beta, self.pool, self.blend = target, target_beta, pool, blend
         return self
 
