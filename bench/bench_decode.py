@@ -21,7 +21,11 @@ invocation:
   (``kvpop_mlp``, ``kvpop``, ``dms``; eager, since these rows are about memory), the reference
   :class:`kvpop.decode.BoundedCache` where it does not (``trimkv``: its ranks fall with age), with the
   allocated cache beside a dense cache's size at that context. Every policy holds the same
-  fixed per-head pool (``dms`` caps its gate at it; ``kvpop`` adds its recurrent state).
+  fixed per-head pool (``dms`` caps its gate at it; ``kvpop`` adds its recurrent state), except
+  ``dbtrimkv``: one pool of the same total size shared by every layer and head
+  (:class:`kvpop.decode.pool.SharedPoolCache`, allocated whole at the first token), which takes its
+  first ``budget`` prompt tokens and then ``steps`` decoded ones (its memory does not change with
+  the context).
 
 For each row: ms per step, tokens/s, peak memory, the bandwidth floor
 ``(weight bytes + B * KV bytes of the held entries) / copy bandwidth`` and the fraction of it
@@ -44,8 +48,9 @@ from pathlib import Path
 
 import torch
 
-from kvpop.decode.cache import BoundedCache, enable
+from kvpop.decode.cache import enable
 from kvpop.decode.engine import DecodeEngine, engine_refusal, kv_bytes_per_token, weight_bytes
+from kvpop.decode.generate import new_cache
 from kvpop.policies import make_policy
 
 GB = 1e9
@@ -196,7 +201,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--eager-new", type=int, default=32, help="new tokens timed for eager generate")
     ap.add_argument("--chunk", type=int, default=2048)
-    ap.add_argument("--policies", default="kvpop_mlp,kvpop,dms,trimkv", help="part 'policies': the evicting policies compared")
+    ap.add_argument("--policies", default="kvpop_mlp,kvpop,dms,trimkv,dbtrimkv", help="part 'policies': the evicting policies compared")
     ap.add_argument("--policy-context", type=int, default=32768, help="part 'policies': the context of the memory rows")
     ap.add_argument("--policy-steps", type=int, default=20, help="part 'policies': decode steps after the prefill")
     args = ap.parse_args()
@@ -318,7 +323,7 @@ def main() -> None:
 def policy_row(name: str, model, *, budget: int, ctx: int, steps: int, warmup: int, chunk: int, wbytes: int, per_tok: int, bw: float,
                base: int, dev) -> dict:
     """Decode memory of one policy after a ``ctx``-token prompt, batch 1: the engine (eager) where it
-    serves the policy, else the reference BoundedCache (prefill in one forward, then ``steps`` tokens)."""
+    serves the policy, else its reference cache (prefill in one forward, then ``steps`` tokens)."""
     cfg = model.config
     pol = make_policy(name, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim).to(dev)
     if dev.type == "cuda":
@@ -334,23 +339,28 @@ def policy_row(name: str, model, *, budget: int, ctx: int, steps: int, warmup: i
         del eng
         return r
     enable(model)
-    cache = BoundedCache(cfg, pol, budget=budget, sinks=4, window=256)
-    ids = random_ids(1, ctx + warmup + steps, cfg.vocab_size, ctx, dev)
+    cache = new_cache(model, pol, budget=budget, sinks=4, window=256)
+    # a shared pool (dbtrimkv) takes at most `budget` prompt tokens at once (the rest would go one at a time); its
+    # buffers are allocated whole at the first token and never change with the context, so the memory after
+    # `budget` tokens is the memory at any longer context
+    fed = min(ctx, budget) if pol.global_budget else ctx
+    ids = random_ids(1, fed + warmup + steps, cfg.vocab_size, fed, dev)
     sync(dev)
     t0 = time.perf_counter()
-    model(input_ids=ids[:, :ctx], past_key_values=cache, logits_to_keep=1)
+    model(input_ids=ids[:, :fed], past_key_values=cache, logits_to_keep=1)
     sync(dev)
     pre = time.perf_counter() - t0
-    for t in range(ctx, ctx + warmup):
+    for t in range(fed, fed + warmup):
         model(input_ids=ids[:, t : t + 1], past_key_values=cache)
     sync(dev)
     t0 = time.perf_counter()
-    for t in range(ctx + warmup, ctx + warmup + steps):
+    for t in range(fed + warmup, fed + warmup + steps):
         model(input_ids=ids[:, t : t + 1], past_key_values=cache)
     sync(dev)
     s_step = (time.perf_counter() - t0) / steps
     return row("reference", B=1, ctx=ctx, budget=budget, timed=(s_step, 0.0), eng=cache, floor_bytes=wbytes + min(ctx, cache.slots) * per_tok,
-               bw=bw, base_bytes=base, dev=dev, prefill_s=pre, extra={**extra, "path": "reference BoundedCache"})
+               bw=bw, base_bytes=base, dev=dev, prefill_s=pre,
+               extra={**extra, "path": f"reference {type(cache).__name__}", "prompt_fed": fed})
 
 
 def summarize(info: dict, rows: list[dict]) -> None:
@@ -375,9 +385,9 @@ def summarize(info: dict, rows: list[dict]) -> None:
     pols = [r for r in rows if "policy" in r]
     if pols:
         print(f"\ndecode memory at {pols[0]['context']} tokens, batch 1, budget {pols[0]['budget']} (dense cache: {pols[0]['dense_kv_gb_at_context']} GB)")
-        print(f"{'policy':<12}{'path':<24}{'cache GB':>9}{'peak above weights GB':>23}{'ms/step':>9}")
+        print(f"{'policy':<12}{'path':<28}{'cache GB':>9}{'peak above weights GB':>23}{'ms/step':>9}")
         for r in pols:
-            print(f"{r['policy']:<12}{r['path']:<24}{r['cache_gb']:>9.3f}{r['peak_above_weights_gb']:>23.3f}{r['ms_per_step']:>9.2f}")
+            print(f"{r['policy']:<12}{r['path']:<28}{r['cache_gb']:>9.3f}{r['peak_above_weights_gb']:>23.3f}{r['ms_per_step']:>9.2f}")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ def test_pipeline_end_to_end(tiny_qwen3_dir, tmp_path):
         "metrics/base_model.json", "data/filtered/train.jsonl", "data/filtered/eval.jsonl", "metrics/filter.json",
         "data/packed/train.safetensors", "metrics/pack.json", "metrics/eval.json",
         "plots/cache_memory.png", "plots/accuracy_vs_budget.png", "plots/keep_map.png", "plots/budget_points.json",
+        "plots/occupancy.png",
     }
     for pol in POLICIES:
         expected |= {f"models/train/{pol}/last.ckpt", f"metrics/train/{pol}.json"}
@@ -74,6 +75,9 @@ def test_pipeline_end_to_end(tiny_qwen3_dir, tmp_path):
     assert ev["policies"]["dense"]["kl"] == pytest.approx(0.0, abs=1e-6)
     assert ev["policies"]["dense"]["top1_agreement"] == 1.0
     assert ev["policies"]["streaming_llm"]["kl"] > 0  # eviction really happens at this budget
+    occ = ev["policies"]["kvpop_mlp"]["occupancy_map"]  # [layer][head], its mean is occupancy
+    assert sum(map(sum, occ)) / sum(map(len, occ)) == pytest.approx(ev["policies"]["kvpop_mlp"]["occupancy"], abs=1e-3)
+    assert "occupancy_map" not in ev["policies"]["tova"]  # decoded, no full-sequence pattern
     filt = json.loads((tmp_path / "metrics/filter.json").read_text())
     assert filt["train"]["kept"] > 0 and filt["eval"]["quote_tokens"] > 0
     train = json.loads((tmp_path / "metrics/train/kvpop_mlp.json").read_text())
@@ -93,7 +97,7 @@ def check_tracking(db: Path, ev: dict) -> None:
     assert len(parents) == 1 and {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
     assert not any("." in k for k in parents[0].data.metrics)  # no flattened <policy>.<metric> columns
     logged = {a.path for a in mlflow.MlflowClient().list_artifacts(parents[0].info.run_id, "plots")}
-    assert {"plots/keep_map.png", "plots/cache_memory.png", "plots/accuracy_vs_budget.png"} <= logged
+    assert {"plots/keep_map.png", "plots/cache_memory.png", "plots/accuracy_vs_budget.png", "plots/occupancy.png"} <= logged
     # what the UI's chart of one metric across runs reads: the runs of one budget, by policy
     chart = mlflow.search_runs(experiment_names=["kvpop"], filter_string="params.budget = '48' and tags.stage = 'evaluate'")
     chart = chart.dropna(subset=["metrics.quote_accuracy"])

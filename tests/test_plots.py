@@ -1,6 +1,6 @@
 """The evaluate stage's PNG plots."""
 
-from kvpop.plots import plot_accuracy_vs_budget, plot_memory_curve
+from kvpop.plots import plot_accuracy_vs_budget, plot_memory_curve, plot_occupancy
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -75,3 +75,9 @@ def test_plot_keep_map_and_shared_lines(tmp_path):
     curves = {n: [(64, 0.5), (0, 0.5)] for n in ("e", "b", "c", "d", "a")} | {"dense": [(0, 1.0), (64, 2.0)], "h2o": []}
     assert shared_lines(curves) == [(((0.0, 0.5), (64.0, 0.5)), ["a", "b", "c", "d", "e"]), (((0.0, 1.0), (64.0, 2.0)), ["dense"])]
     assert plot_memory_curve(curves, tmp_path / "m.png").stat().st_size > 1_000
+
+
+def test_plot_occupancy(tmp_path):
+    maps = {"dms": [[0.5, 0.9], [1.0, 0.2]], "dbtrimkv": [[2.5, 0.1], [0.9, 0.5]], "kvpop_mlp": [[1.0, 1.0], [1.0, 1.0]]}
+    out = plot_occupancy(maps, tmp_path / "occ.png", title="budget 48")
+    assert out.read_bytes().startswith(PNG) and out.stat().st_size > 1_000

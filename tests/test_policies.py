@@ -20,7 +20,7 @@ SHAPE = dict(num_layers=2, num_kv_heads=2, head_dim=16)
 def test_registry_holds_every_policy_once_under_its_own_name():
     assert list(REGISTRY) == [
         "dense", "streaming_llm", "tova", "h2o", "streaming_llm_plus", "kvpop_mlp", "kvpop", "dms", "trimkv", "trimkv_joint",
-        "oracle_target", "oracle_sources",
+        "dbtrimkv", "oracle_target", "oracle_sources",
     ]
     for name, cls in REGISTRY.items():
         assert cls.name == name
@@ -31,11 +31,12 @@ def test_registry_holds_every_policy_once_under_its_own_name():
 def test_declared_capabilities():
     caps = {name: cls.capabilities() for name, cls in REGISTRY.items()}
     assert caps["dense"]["evicts"] is False and all(c["evicts"] for n, c in caps.items() if n != "dense")
-    assert names(learned=True) == ("kvpop_mlp", "kvpop", "dms", "trimkv", "trimkv_joint")
-    assert names(trained=True) == ("streaming_llm_plus", "kvpop_mlp", "kvpop", "dms", "trimkv", "trimkv_joint")
-    assert names(gated=True) == ("dms", "trimkv", "trimkv_joint")
-    assert names(decays=True) == ("trimkv", "trimkv_joint")
-    assert [n for n, cls in REGISTRY.items() if not cls.trains_model] == ["trimkv"]
+    assert names(learned=True) == ("kvpop_mlp", "kvpop", "dms", "trimkv", "trimkv_joint", "dbtrimkv")
+    assert names(trained=True) == ("streaming_llm_plus", "kvpop_mlp", "kvpop", "dms", "trimkv", "trimkv_joint", "dbtrimkv")
+    assert names(gated=True) == ("dms", "trimkv", "trimkv_joint", "dbtrimkv")
+    assert names(decays=True) == ("trimkv", "trimkv_joint", "dbtrimkv")
+    assert names(global_budget=True) == ("dbtrimkv",)
+    assert [n for n, cls in REGISTRY.items() if not cls.trains_model] == ["trimkv", "dbtrimkv"]
     assert names(needs_attention=True) == ("tova", "h2o")
     assert names(scores_on_exit=True) == ("kvpop",)
     assert names(layer_independent=True, evicts=True) == ("streaming_llm", "streaming_llm_plus", "oracle_sources")
@@ -47,6 +48,7 @@ def test_declared_capabilities():
         assert cls.chunked_prefill <= cls.scores_on_exit
         assert cls.gated <= cls.learned and not (c["gated"] and c["scores_on_exit"])
         assert not (c["decays"] and (c["needs_attention"] or c["scores_on_exit"] or c["layer_independent"]))
+        assert c["global_budget"] <= c["decays"]  # the pool's simulation is the decaying one
         assert not (c["oracle"] and (c["trained"] or c["needs_attention"] or c["scores_on_exit"]))  # evaluation only
     with pytest.raises(ValueError, match="unknown capability 'fast'"):
         names(fast=True)

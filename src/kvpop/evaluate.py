@@ -9,7 +9,11 @@ policy's pattern at the run's budget and is compared with the dense teacher on t
   step copies from a definition many hundreds of tokens back);
 * ``occupancy``: the entries held at the trace's last token, over the capacity ``sinks + window + k``
   (mean over layers, KV heads and traces): 1 for a top-k rule on a trace longer than its budget,
-  below 1 for a gate that evicts more than the budget needs (``dms``), ``S / budget`` for dense.
+  below 1 for a gate that evicts more than the budget needs (``dms``), ``S / budget`` for dense;
+* ``occupancy_map`` (policies with a full-sequence pattern): the same per layer and KV head,
+  ``[layer][head]``, mean over traces (its mean is ``occupancy``): 1 everywhere for a top-k rule, below 1
+  where a gate evicts more than it must (``dms``), above 1 where a ``global_budget`` policy
+  (``dbtrimkv``) gave a head more of its one pool than the per-head budget.
 
 Scored positions are the next-token predictions of assistant tokens (the trace's loss mask).
 
@@ -30,7 +34,7 @@ from torch import Tensor
 from kvpop.attention import SparseContext
 from kvpop.modeling import model_shape
 from kvpop.policies import Dense, Policy
-from kvpop.selection import NEVER
+from kvpop.selection import NEVER, global_decaying_eviction_times
 from kvpop.target import future_attention_target
 
 TargetKey = tuple[str, float]  # (train.target, train.target_beta)
@@ -59,10 +63,14 @@ class _Acc:
     quote_hit: int = 0
     quotes: int = 0
     occupancy: float = 0.0  # summed over traces
+    occupancy_map: Tensor | None = None  # (L, Hk) summed over traces (policies with a full-sequence pattern)
 
     traces: int = 0
 
     def result(self) -> dict[str, float]:
+        extra = {}
+        if self.occupancy_map is not None:
+            extra["occupancy_map"] = [[round(x, 4) for x in row] for row in (self.occupancy_map / max(1, self.traces)).tolist()]
         return {
             "traces": self.traces,
             "tokens": self.tokens,
@@ -71,6 +79,7 @@ class _Acc:
             "quote_accuracy": self.quote_hit / max(1, self.quotes),
             "quote_tokens": self.quotes,  # 0: the records mark no quote (quote_accuracy then says nothing)
             "occupancy": self.occupancy / max(1, self.traces),
+            **extra,
         }
 
 
@@ -128,22 +137,45 @@ class EvictionCapture(SparseContext):
         return evict, scores
 
 
-def held_share(evict: Tensor, capacity: int) -> float:
-    """Eviction times (L, Hk, S) of one trace -> the entries attendable by its last query over
-    ``capacity``, mean over layers and KV heads (sinks have ``NEVER``)."""
-    return (evict > evict.shape[-1] - 1).sum(-1).double().mean().item() / capacity
+def held_map(evict: Tensor, capacity: int) -> Tensor:
+    """Eviction times (L, Hk, S) of one trace -> (L, Hk) float64: the entries each layer's KV head holds
+    at the last query (attendable by it; sinks have ``NEVER``), over ``capacity``."""
+    return (evict > evict.shape[-1] - 1).sum(-1).double().cpu() / capacity
 
 
 @torch.no_grad()
 def captured_forward(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: int, long_range: int) -> tuple[Tensor, Tensor]:
     """One trace (1, S) under a policy's full-sequence pattern -> (logits (S, V) float32, every layer's
-    eviction times (L, Hk, S); dense: ``NEVER``)."""
+    eviction times (L, Hk, S); dense: ``NEVER``).
+
+    A ``global_budget`` policy's pattern in one layer depends on every layer's scores: it is the fixed
+    point of "forward under the eviction times E, simulate the pool
+    (:func:`kvpop.selection.global_decaying_eviction_times`) on the scores that forward gives",
+    started from no eviction. The pattern at query ``t`` reads only scores of tokens ``<= t - window``,
+    which only patterns at queries ``<= t - window`` change; so if an iteration's pattern is right for
+    queries ``< T`` the next one's is right for queries ``< T + window``. Nothing is evicted before the
+    pool is full (query ``budget = sinks + window + k``), so the fixed point is unique, and the
+    ``ceil((S - budget) / window) + 1``-th forward at the latest finds the times unchanged (a trace of
+    at most ``budget`` tokens: the first)."""
     S = input_ids.shape[1]
     pos = torch.arange(S, device=input_ids.device)[None]
-    ctx = EvictionCapture.for_rows(policy, torch.zeros_like(pos), pos, sinks=sinks, window=window, long_range=long_range,
-                                   executor="flex" if input_ids.is_cuda else "sdpa")
-    logits = model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx).logits[0].float()
-    return logits, torch.stack([ctx.evict[i][0] for i in sorted(ctx.evict)])
+    doc = torch.zeros_like(pos)
+    kw = dict(sinks=sinks, window=window, long_range=long_range, executor="flex" if input_ids.is_cuda else "sdpa")
+    if not policy.global_budget:
+        ctx = EvictionCapture.for_rows(policy, doc, pos, **kw)
+        logits = model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx).logits[0].float()
+        return logits, torch.stack([ctx.evict[i][0] for i in sorted(ctx.evict)])
+    evict = None  # (L, 1, Hk, S)
+    for _ in range(max(0, -(-(S - (sinks + window + long_range)) // window)) + 2):
+        ctx = EvictionCapture.for_rows(policy, doc, pos, global_evict=evict, **kw)
+        logits = model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx).logits[0].float()
+        prio = torch.stack([ctx.global_prio[i] for i in sorted(ctx.global_prio)])  # (L, 1, Hk, S) log beta
+        new = global_decaying_eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=long_range)
+        unchanged = bool((new >= S).all()) if evict is None else torch.equal(new, evict)  # first pass: nothing was evicted
+        if unchanged:
+            return logits, new[:, 0]
+        evict = new
+    raise RuntimeError(f"the pool's pattern of {policy.name!r} did not reach its fixed point; its scores are not causal")
 
 
 @torch.no_grad()
@@ -231,7 +263,9 @@ def evaluate_fidelity(
                 logits, occupancy = ref, ids.shape[1] / budget
             else:
                 logits, evict = captured_forward(c.model, c.policy, ids, sinks=sinks, window=window, long_range=slots[c.name])
-                occupancy = held_share(evict, sinks + window + slots[c.name])
+                m = held_map(evict, sinks + window + slots[c.name])  # (L, Hk)
+                occupancy = m.mean().item()
+                acc[c.name].occupancy_map = m if acc[c.name].occupancy_map is None else acc[c.name].occupancy_map + m
             logp = torch.log_softmax(logits, -1)
             kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # (S,)
             a = acc[c.name]

@@ -1,5 +1,6 @@
 """Small PNG plots for the evaluate stage (matplotlib, Agg backend): curves with one line per policy
-(identical curves share one line, named together), and the per-head keep map."""
+(identical curves share one line, named together), the per-head keep map, and the occupancy of a
+shared pool per layer and KV head."""
 
 from __future__ import annotations
 
@@ -102,5 +103,37 @@ def plot_keep_map(maps: Mapping[str, Any], path: str | Path, *, marks: Mapping[s
         fig.suptitle(title, fontsize=9, x=0.01, ha="left")
     if image is not None:
         fig.colorbar(image, ax=list(axes), shrink=0.8, label="share of the rest of the trace kept")
+    fig.savefig(path, format="png")
+    return path
+
+
+def plot_occupancy(maps: Mapping[str, Any], path: str | Path, *, title: str = "") -> Path:
+    """One panel per policy: the entries each (layer, KV head) held at the traces' last token over the
+    per-head budget (``occupancy_map`` of :func:`kvpop.evaluate.evaluate_fidelity`, ``[layer][head]``):
+    how a ``global_budget`` policy split its one pool (1 everywhere: the per-head split of every other
+    policy)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.figure import Figure
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = list(maps)
+    fig = Figure(figsize=(1.6 + 2.0 * max(1, len(names)), 4.2), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, max(1, len(names)), squeeze=False)[0]
+    top = max([2.0] + [float(max(max(row) for row in maps[n])) for n in names])
+    norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=top)
+    image = None
+    for ax, name in zip(axes, names, strict=False):
+        image = ax.imshow(maps[name], aspect="auto", interpolation="nearest", cmap="RdBu_r", norm=norm)
+        ax.set_title(name, fontsize=8)
+        ax.set_xlabel("KV head", fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[0].set_ylabel("layer", fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=9, x=0.01, ha="left")
+    if image is not None:
+        fig.colorbar(image, ax=list(axes), shrink=0.8, label="entries held / per-head budget")
     fig.savefig(path, format="png")
     return path

@@ -46,6 +46,7 @@ __all__ = [
     "decaying_eviction_times_reference",
     "document_spans",
     "eviction_times",
+    "global_decaying_eviction_times",
     "recency_priority",
 ]
 
@@ -314,3 +315,60 @@ def decaying_eviction_times_reference(
         e[:, :, j] = torch.where(leaves & ~wins, q, e[:, :, j])
         slot_pos[rows, heads, victim] = torch.where(wins, j, old)
     return _only_eligible(e, doc_ids, pos, sinks)
+
+
+@torch.no_grad()
+def global_decaying_eviction_times(
+    log_beta: torch.Tensor,
+    doc_ids: torch.Tensor,
+    pos: torch.Tensor,
+    *,
+    sinks: int,
+    window: int,
+    long_range: int,
+) -> torch.Tensor:
+    """Eviction times of one pool of long-range slots shared by every layer and KV head (``dbtrimkv``).
+
+    The rule of :func:`decaying_eviction_times_reference`, with the ``k`` slots of each of the ``F = L
+    x Hk`` (layer, head) pairs pooled into ``P = F x k``: at query ``q`` token ``j = q - window``
+    leaves the window of every pair at once; the ``F`` leavers and the pool's entries compete by
+    their retention at ``q``, ``(q - i) * log_beta[f, i]``, and the ``F`` lowest go (empty entries
+    first), so the pool never holds more than ``P``. Ties: among equal retentions the older token
+    goes, and among entries of one token the pair of higher index ``f = layer * Hk + head``. With
+    ``F = 1`` this is exactly :func:`decaying_eviction_times_reference`. A simulation, vectorized
+    over rows, sequential over queries (two sorts of ``P + F`` entries per query).
+
+    Args:
+        log_beta: ``(L, B, Hk, S)`` float, ``<= 0``.
+        doc_ids, pos: ``(B, S)`` as for :func:`eviction_times` (a new document empties the row's pool).
+
+    Returns:
+        ``(L, B, Hk, S)`` int32 eviction times (``NEVER`` if never evicted).
+    """
+    L, B, Hk, S = log_beta.shape
+    F = L * Hk
+    P = F * long_range
+    dev = log_beta.device
+    lb = log_beta.double().permute(1, 0, 2, 3).reshape(B, F, S)  # (B, F, S), pair f = layer * Hk + head
+    e = torch.full((B, F, S + 1), NEVER, dtype=torch.int64, device=dev)  # column S: where empty entries write
+    flat = torch.arange(F, device=dev).expand(B, F)
+    rows = torch.arange(B, device=dev)[:, None]
+    pool_pos = torch.full((B, P), -1, dtype=torch.int64, device=dev)  # token of each entry, -1: empty
+    pool_f = torch.zeros((B, P), dtype=torch.int64, device=dev)  # its (layer, head) pair
+    for q in range(window, S):
+        pool_pos = torch.where((pos[:, q] == 0)[:, None], -1, pool_pos)  # a new document: its pool starts empty
+        j = q - window  # the token leaving the window at query q
+        leaves = (doc_ids[:, j] == doc_ids[:, q]) & (doc_ids[:, q] >= 0) & (pos[:, j] >= sinks)  # (B,)
+        cand_pos = torch.cat([pool_pos, torch.where(leaves[:, None], j, -1).expand(B, F)], 1)  # (B, P + F)
+        cand_f = torch.cat([pool_f, flat], 1)
+        valid = cand_pos >= 0
+        score = torch.where(valid, (q - cand_pos).double() * lb[rows, cand_f, cand_pos.clamp(min=0)], float("-inf"))
+        tie = torch.where(valid, cand_pos * F + (F - 1 - cand_f), -1)  # larger survives: newer, then the lower pair
+        order = tie.sort(dim=1, stable=True).indices
+        order = order.gather(1, score.gather(1, order).sort(dim=1, stable=True).indices)  # ascending (score, tie)
+        out, keep = order[:, :F], order[:, F:]
+        out_pos, out_f = cand_pos.gather(1, out), cand_f.gather(1, out)
+        e[rows, out_f, torch.where(out_pos >= 0, out_pos, S)] = q
+        pool_pos, pool_f = cand_pos.gather(1, keep), cand_f.gather(1, keep)
+    e = e[:, :, :S].reshape(B, L, Hk, S).permute(1, 0, 2, 3)  # (L, B, Hk, S)
+    return torch.stack([_only_eligible(e[i], doc_ids, pos, sinks) for i in range(L)])

@@ -363,6 +363,8 @@ class BoundedCache(Cache):
             raise ValueError(f"policy {policy.name!r} never evicts: decode it with a DynamicCache")
         if policy.oracle:
             raise ValueError(f"policy {policy.name!r} is an oracle (it reads the trace's future): teacher-forced evaluation only")
+        if policy.global_budget:
+            raise ValueError(f"policy {policy.name!r} shares one pool between all layers: decode it with kvpop.decode.SharedPoolCache")
         if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
             raise NotImplementedError("BoundedCache does not support sliding-window attention layers")
         self.policy = policy

@@ -29,19 +29,37 @@ from torch import Tensor
 
 from kvpop.decode.cache import BoundedCache, cache_bytes, enable
 from kvpop.decode.engine import DecodeEngine, engine_refusal
+from kvpop.decode.pool import SharedPoolCache
 from kvpop.policies import Policy
 
 Path = Literal["auto", "engine", "reference"]
 
 
 def new_cache(model, policy: Policy, *, budget: int, sinks: int, window: int):
-    """The reference cache of a policy: a DynamicCache for dense, else a BoundedCache (``budget``
-    nominal: the cache takes the policy's k)."""
+    """The reference cache of a policy: a DynamicCache for dense, a SharedPoolCache for a global budget
+    (``dbtrimkv``), else a BoundedCache (``budget`` nominal: the cache takes the policy's k)."""
     from transformers import DynamicCache
 
     if not policy.evicts:
         return DynamicCache(config=model.config)
+    if policy.global_budget:
+        return SharedPoolCache(model.config, policy, budget=budget, sinks=sinks, window=window)
     return BoundedCache(model.config, policy, budget=budget, sinks=sinks, window=window)
+
+
+def feed(model, cache, input_ids: Tensor, *, prefill: int) -> Tensor:
+    """Feed ``input_ids`` (B, S) into an empty reference cache: the first ``prefill`` tokens at once,
+    then one at a time -> logits (B, S, V). A global budget's cache takes at most ``budget`` at once
+    (:class:`kvpop.decode.pool.SharedPoolCache`): ``prefill`` is capped there."""
+    if getattr(cache, "policy", None) is not None and cache.policy.global_budget:
+        prefill = min(prefill, cache.budget)
+    B, S = input_ids.shape
+    first = model(input_ids=input_ids[:, :prefill], past_key_values=cache).logits
+    logits = first.new_empty(B, S, first.shape[-1])
+    logits[:, :prefill] = first
+    for t in range(prefill, S):
+        logits[:, t] = model(input_ids=input_ids[:, t : t + 1], past_key_values=cache).logits[:, 0]
+    return logits
 
 
 def model_device(model) -> torch.device:
@@ -58,13 +76,7 @@ def teacher_forced_logits(model, policy: Policy, input_ids: Tensor, *, budget: i
     policy.to(model_device(model))
     if cache is None:
         cache = new_cache(model, policy, budget=budget, sinks=sinks, window=window)
-    B, S = input_ids.shape
-    first = model(input_ids=input_ids[:, :prefill], past_key_values=cache).logits
-    logits = first.new_empty(B, S, first.shape[-1])
-    logits[:, :prefill] = first
-    for t in range(prefill, S):
-        logits[:, t] = model(input_ids=input_ids[:, t : t + 1], past_key_values=cache).logits[:, 0]
-    return logits
+    return feed(model, cache, input_ids, prefill=prefill)
 
 
 @dataclass
@@ -192,6 +204,8 @@ def generate(
     else:
         enable(model)
         cache = new_cache(model, policy, budget=budget, sinks=sinks, window=window)
+        if policy.global_budget and ids.shape[1] > budget:  # its cache takes the prompt's rest one token at a time
+            feed(model, cache, ids[:, :-1], prefill=budget)  # generate then feeds the last prompt token
         torch.manual_seed(seed)
         out = model.generate(
             input_ids=ids,

@@ -6,13 +6,14 @@ means that file plus its line in :data:`REGISTRY`; the config's allowed names, t
 evaluate stage and both decode paths read the registry and the declared capabilities.
 
     from kvpop.policies import make_policy, names
-    names(trained=True)                      # ('streaming_llm_plus', 'kvpop_mlp', 'kvpop', 'dms', 'trimkv', 'trimkv_joint')
+    names(trained=True)                      # ('streaming_llm_plus', 'kvpop_mlp', 'kvpop', 'dms', 'trimkv', 'trimkv_joint', 'dbtrimkv')
     make_policy("kvpop_mlp", num_layers=30, num_kv_heads=3, head_dim=64)
 """
 
 from __future__ import annotations
 
 from kvpop.policies.base import Policy, ScorerSpec, Scores
+from kvpop.policies.dbtrimkv import DBTrimKV
 from kvpop.policies.dense import Dense
 from kvpop.policies.dms import Dms
 from kvpop.policies.h2o import H2O
@@ -26,7 +27,7 @@ from kvpop.policies.trimkv import TrimKV, TrimKVJoint
 #: name -> policy class, in the order tables list them
 REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls for cls in (
-        Dense, StreamingLLM, TOVA, H2O, StreamingLLMPlus, KvpopMLP, Kvpop, Dms, TrimKV, TrimKVJoint, OracleTarget, OracleSources,
+        Dense, StreamingLLM, TOVA, H2O, StreamingLLMPlus, KvpopMLP, Kvpop, Dms, TrimKV, TrimKVJoint, DBTrimKV, OracleTarget, OracleSources,
     )
 }
 
@@ -71,7 +72,7 @@ def resolve_policy(name: str, exported: Policy | None = None) -> Policy:
 
 
 __all__ = [
-    "REGISTRY", "Dense", "Dms", "H2O", "Kvpop", "KvpopMLP", "OracleSources", "OracleTarget",
+    "REGISTRY", "DBTrimKV", "Dense", "Dms", "H2O", "Kvpop", "KvpopMLP", "OracleSources", "OracleTarget",
     "Policy", "Scores", "ScorerSpec", "StreamingLLM", "StreamingLLMPlus", "TOVA", "TrimKV", "TrimKVJoint",
     "make_policy", "names", "policy_class", "resolve_policy",
 ]

@@ -95,27 +95,35 @@ class TrimKVJoint(TrimKV):
     trains_model = True  # the student is fine-tuned with the gate, as kvpop's is
 
 
-def capacity_loss(log_beta: Tensor, doc_ids: Tensor, pos: Tensor, *, sinks: int, window: int, long_range: int, chunk: int = 512) -> Tensor:
-    """TrimKV's capacity penalty for one layer: log_beta (B, Hk, S) -> scalar.
+def retained_mass(log_beta: Tensor, doc_ids: Tensor, pos: Tensor, *, sinks: int, window: int, chunk: int = 512) -> Tensor:
+    """What one layer's heads would need to hold past the window: log_beta (B, Hk, S) -> (B, Hk, S).
 
     At query ``t`` a head retains ``m_t = sum_i beta_i ** (t - i)`` over the tokens ``i`` of ``t``'s
-    document that left the window (``t - i >= window``, no sink): what its long-range slots would
-    need to hold. The loss is ``mean over (rows, heads, real queries) of relu(m_t - k) / k``
-    (``k`` = ``long_range``, 1 if 0). Chunked over queries: no (S x S) tensor per head at once."""
+    document that left the window (``t - i >= window``, no sink); 0 on padding queries. Chunked over
+    queries: no (S x S) tensor per head at once."""
     B, Hk, S = log_beta.shape
     dev = log_beta.device
     idx = torch.arange(S, device=dev)
     past = eligible_tokens(doc_ids, pos, sinks)  # (B, S) keys that can be long-range tokens
-    k = max(long_range, 1)
-    total = log_beta.new_zeros(())
+    out = []
     for s in range(0, S, chunk):
         q = idx[s : s + chunk]  # (C,)
         age = (q[:, None] - idx[None, :]).to(log_beta.dtype)  # (C, S)
         ok = (age >= window)[None] & (doc_ids[:, q, None] == doc_ids[:, None, :]) & past[:, None, :]  # (B, C, S)
+        ok = ok & (doc_ids[:, q] >= 0)[:, :, None]
         # mask the exponent, not the power: a future key's (negative age) term would overflow to inf,
         # and the gradient of a discarded inf is NaN
         terms = torch.exp(torch.where(ok[:, None], age * log_beta[:, :, None, :], float("-inf")))  # (B, Hk, C, S)
-        mass = terms.sum(-1)  # (B, Hk, C)
-        real = (doc_ids[:, q] >= 0)[:, None, :]
-        total = total + (torch.relu(mass - long_range) / k * real).sum()
+        out.append(terms.sum(-1))  # (B, Hk, C)
+    return torch.cat(out, -1)
+
+
+def capacity_loss(log_beta: Tensor, doc_ids: Tensor, pos: Tensor, *, sinks: int, window: int, long_range: int, chunk: int = 512) -> Tensor:
+    """TrimKV's capacity penalty for one layer: log_beta (B, Hk, S) -> scalar.
+
+    The mean over (rows, heads, real queries) of ``relu(m_t - k) / k`` for the retained mass ``m_t``
+    of :func:`retained_mass` (``k`` = ``long_range``, 1 if 0): each head's own long-range slots."""
+    Hk = log_beta.shape[1]
+    mass = retained_mass(log_beta, doc_ids, pos, sinks=sinks, window=window, chunk=chunk)  # (B, Hk, S), 0 on padding
+    total = (torch.relu(mass - long_range) / max(long_range, 1)).sum()
     return total / ((doc_ids >= 0).sum() * Hk).clamp(min=1)

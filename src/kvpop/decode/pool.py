@@ -1,0 +1,229 @@
+"""One pool of long-range entries shared by every layer and KV head (``global_budget`` policies: ``dbtrimkv``).
+
+The reference cache of a global budget, the decoding twin of
+:func:`kvpop.selection.global_decaying_eviction_times` (a test proves decoding through it equal to
+the fixed-point forward of :func:`kvpop.evaluate.captured_forward`). Per layer and KV head it
+keeps the ``sinks`` first tokens and a ring over the ``window`` most recent ones, as
+:class:`kvpop.decode.BoundedCache` does; the long-range entries of *all* of them live in one pool of
+``P = L x Hk x k`` entries, each tagged with its token's position and its pair ``f = layer * Hk +
+head``. Total entries: ``budget x L x Hk``, as for every policy; how they split between layers
+and heads is the policy's choice (:meth:`SharedPoolCache.occupancy`).
+
+When token ``p`` arrives (at layer 0, before any layer writes it), token ``p - window`` leaves the
+window of every layer and head: the ``L x Hk`` leavers and the pool's entries compete by their
+retention at ``p``, ``(p - i) * log beta``, and the ``L x Hk`` lowest go, with the simulation's
+tie rules. Then each layer writes token ``p`` into its ring and attends over its sinks, ring and the
+pool's entries tagged with its layer, per head.
+
+Prefill: a prompt of at most ``budget`` tokens fills no pool beyond its size, so nothing is evicted
+in it: it attends causally and its tokens past the window go to the pool. A longer prompt must be
+fed one token at a time after its first ``budget`` (:func:`kvpop.decode.generate` and
+:func:`kvpop.decode.teacher_forced_logits` do): a layer's evictions depend on every later layer.
+
+Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, R = sinks + window ring slots, P pool
+entries, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvpop.decode.cache import BoundedCache
+from kvpop.decode.layout import NEG_INF, CacheLayout
+from kvpop.modeling import head_dim_of
+from kvpop.policies import Policy
+
+
+class PoolLayer(CacheLayerMixin):
+    """One layer's sinks and ring, (B, Hk, R, D) keys and values with their log beta and position;
+    its long-range entries are in the cache's pool."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, layer_idx: int, cache: SharedPoolCache):
+        super().__init__()
+        self.layer_idx, self.cache = layer_idx, cache
+        self.seen = 0
+        self._pending: tuple | None = None
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        B, Hk, _, D = key_states.shape
+        R = self.cache.sinks + self.cache.window
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states.new_zeros(B, Hk, R, D)
+        self.values = value_states.new_zeros(B, Hk, R, value_states.shape[-1])
+        self.lb = torch.zeros(B, Hk, R, dtype=torch.float64, device=self.device)  # log beta
+        self.pos = torch.full((B, Hk, R), -1, dtype=torch.int64, device=self.device)
+        self.is_initialized = True
+        self.cache._allocate_pool(key_states, value_states)
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self._pending is not None:
+            raise RuntimeError("SharedPoolCache: the previous step's attention did not run through the cache; call kvpop.decode.enable(model)")
+        S = key_states.shape[-2]
+        c = self.cache
+        lb = c.policy.token_scores(self.layer_idx, key_states, value_states, torch.arange(self.seen, self.seen + S, device=self.device)[None])
+        if self.seen == 0:
+            if S > c.budget:
+                raise NotImplementedError(
+                    f"SharedPoolCache: a {S}-token prompt is longer than the budget ({c.budget}); feed the first {c.budget} "
+                    "at once and the rest one at a time (kvpop.decode.generate and teacher_forced_logits do)"
+                )
+            self._prefill_store(key_states, value_states, lb)
+            self._pending = ("prefill", key_states, value_states)
+            return key_states, value_states
+        if S != 1:
+            raise NotImplementedError(f"SharedPoolCache: a {S}-token forward on a non-empty cache is not supported; feed tokens one at a time")
+        p = self.seen
+        if self.layer_idx == 0:
+            c._compete(p)  # token p - window leaves every layer's window: before any layer overwrites it
+        slot = c.layout.home_slot(p)
+        self.keys[:, :, slot] = key_states[:, :, 0]
+        self.values[:, :, slot] = value_states[:, :, 0]
+        self.lb[:, :, slot] = lb[:, :, 0]
+        self.pos[:, :, slot] = p
+        self.seen = p + 1
+        self._pending = ("decode",)
+        return key_states, value_states
+
+    @torch.no_grad()
+    def _prefill_store(self, k: Tensor, v: Tensor, lb: Tensor) -> None:
+        """A prompt k, v (B, Hk, S, D) of at most ``budget`` tokens: sinks and the last ``window`` tokens
+        into the ring, the tokens between into the pool (all fit: nothing is evicted)."""
+        c, S = self.cache, k.shape[2]
+        ring = [t for t in range(S) if t < c.sinks or t >= S - c.window]
+        for t in ring:
+            slot = c.layout.home_slot(t)
+            self.keys[:, :, slot], self.values[:, :, slot], self.lb[:, :, slot], self.pos[:, :, slot] = k[:, :, t], v[:, :, t], lb[:, :, t], t
+        past = torch.arange(c.sinks, max(c.sinks, S - c.window), device=k.device)  # (n,) tokens that left the window
+        n, Hk = past.numel(), k.shape[1]
+        if n:
+            dst = (self.layer_idx * Hk + torch.arange(Hk, device=k.device))[:, None] * c.long_range + torch.arange(n, device=k.device)  # (Hk, n)
+            c.pool_keys[:, dst] = k[:, :, past]
+            c.pool_values[:, dst] = v[:, :, past]
+            c.pool_lb[:, dst] = lb[:, :, past]
+            c.pool_pos[:, dst] = past
+            c.pool_f[:, dst] = (self.layer_idx * Hk + torch.arange(Hk, device=k.device))[:, None]
+        self.seen = S
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("SharedPoolCache.attend without a preceding update")
+        if pending[0] == "prefill":  # no eviction inside a prompt of at most `budget` tokens
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2)
+        c = self.cache
+        B, H, _, D = q.shape
+        Hk = self.keys.shape[1]
+        qg = q.reshape(B, Hk, H // Hk, D).float()  # query head h reads KV head h // G
+        ring = torch.einsum("bhgd,bhtd->bhgt", qg, self.keys.float()) * scale  # (B, Hk, G, R)
+        ring = ring.masked_fill(self.pos[:, :, None, :] < 0, NEG_INF)
+        pool = torch.einsum("bhgd,bpd->bhgp", qg, c.pool_keys.float()) * scale  # (B, Hk, G, P)
+        mine = (c.pool_pos[:, None, :] >= 0) & (c.pool_f[:, None, :] == self.layer_idx * Hk + torch.arange(Hk, device=q.device)[None, :, None])
+        pool = pool.masked_fill(~mine[:, :, None, :], NEG_INF)
+        attn = torch.cat([ring, pool], -1).softmax(-1)
+        R = ring.shape[-1]
+        out = torch.einsum("bhgt,bhtd->bhgd", attn[..., :R], self.values.float())
+        out = out + torch.einsum("bhgp,bpd->bhgd", attn[..., R:], c.pool_values.float())  # (B, Hk, G, D)
+        return out.to(q.dtype).reshape(B, 1, H, -1)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.pos.fill_(-1)
+            if self.layer_idx == 0:
+                self.cache.pool_pos.fill_(-1)
+        self.seen, self._pending = 0, None
+
+    def nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.lb, self.pos))
+
+
+class SharedPoolCache(BoundedCache):
+    """The cache of a ``global_budget`` policy: per layer its sinks and ring (:class:`PoolLayer`), and one
+    pool of ``L x Hk x k`` long-range entries shared by every layer and KV head (see the module docstring)."""
+
+    def __init__(self, config, policy: Policy, *, budget: int, sinks: int, window: int):
+        cfg = config.get_text_config(decoder=True)
+        if not policy.global_budget:
+            raise ValueError(f"policy {policy.name!r} has a per-head budget: decode it with BoundedCache")
+        if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
+            raise NotImplementedError("SharedPoolCache does not support sliding-window attention layers")
+        self.policy = policy
+        self.layout = CacheLayout.for_policy(policy, budget=budget, sinks=sinks, window=window, head_dim=head_dim_of(cfg))
+        self.budget, self.sinks, self.window = budget, sinks, window
+        self.long_range, self.slots = self.layout.long_range, self.layout.slots
+        self.num_layers, self.num_kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+        self.pool_size = self.num_layers * self.num_kv_heads * self.long_range
+        Cache.__init__(self, layers=[PoolLayer(i, self) for i in range(self.num_layers)])
+
+    def _allocate_pool(self, k: Tensor, v: Tensor) -> None:
+        if getattr(self, "pool_keys", None) is not None and self.pool_keys.shape[0] == k.shape[0]:
+            return
+        B, P, dev = k.shape[0], self.pool_size, k.device
+        self.pool_keys = k.new_zeros(B, P, k.shape[-1])
+        self.pool_values = v.new_zeros(B, P, v.shape[-1])
+        self.pool_lb = torch.zeros(B, P, dtype=torch.float64, device=dev)
+        self.pool_pos = torch.full((B, P), -1, dtype=torch.int64, device=dev)  # -1: empty
+        self.pool_f = torch.zeros(B, P, dtype=torch.int64, device=dev)  # pair layer * Hk + head
+
+    @torch.no_grad()
+    def _compete(self, p: int) -> None:
+        """Token ``p - window`` leaves every layer's window: it and the pool compete, the ``L x Hk``
+        lowest by retention at ``p`` go (:func:`kvpop.selection.global_decaying_eviction_times`'s rule)."""
+        j = p - self.window
+        if j < self.sinks:
+            return
+        L, Hk = self.num_layers, self.num_kv_heads
+        Fp = L * Hk
+        slot = self.layout.home_slot(j)
+        lk = torch.stack([layer.keys[:, :, slot] for layer in self.layers], 1).flatten(1, 2)  # (B, F, D)
+        lv = torch.stack([layer.values[:, :, slot] for layer in self.layers], 1).flatten(1, 2)
+        llb = torch.stack([layer.lb[:, :, slot] for layer in self.layers], 1).flatten(1, 2)  # (B, F)
+        B = lk.shape[0]
+        cand_pos = torch.cat([self.pool_pos, torch.full((B, Fp), j, dtype=torch.int64, device=lk.device)], 1)  # (B, P + F)
+        cand_f = torch.cat([self.pool_f, torch.arange(Fp, device=lk.device).expand(B, Fp)], 1)
+        cand_lb = torch.cat([self.pool_lb, llb], 1)
+        valid = cand_pos >= 0
+        score = torch.where(valid, (p - cand_pos).double() * cand_lb, float("-inf"))
+        tie = torch.where(valid, cand_pos * Fp + (Fp - 1 - cand_f), -1)
+        order = tie.sort(dim=1, stable=True).indices
+        order = order.gather(1, score.gather(1, order).sort(dim=1, stable=True).indices)
+        keep = order[:, Fp:]  # (B, P)
+        self.pool_keys = torch.cat([self.pool_keys, lk], 1).gather(1, keep[..., None].expand(-1, -1, lk.shape[-1]))
+        self.pool_values = torch.cat([self.pool_values, lv], 1).gather(1, keep[..., None].expand(-1, -1, lv.shape[-1]))
+        self.pool_lb, self.pool_pos, self.pool_f = cand_lb.gather(1, keep), cand_pos.gather(1, keep), cand_f.gather(1, keep)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        return self.layers[layer].attend(q, k, v, scale)
+
+    def occupancy(self) -> Tensor:
+        """Entries held now per layer and KV head (sinks, ring and pool), mean over rows: (L, Hk) float."""
+        L, Hk = self.num_layers, self.num_kv_heads
+        ring = torch.stack([(layer.pos >= 0).sum(-1).double().mean(0) for layer in self.layers])  # (L, Hk)
+        f = torch.where(self.pool_pos >= 0, self.pool_f, L * Hk)
+        pool = torch.zeros(self.pool_pos.shape[0], L * Hk + 1, dtype=torch.float64, device=f.device).scatter_add_(1, f, torch.ones_like(f, dtype=torch.float64))
+        return ring + pool[:, :-1].mean(0).view(L, Hk)
+
+    def cache_bytes(self) -> int:
+        """Keys, values, log betas, positions and pair tags of the rings and the pool."""
+        pool = sum(t.numel() * t.element_size() for t in (self.pool_keys, self.pool_values, self.pool_lb, self.pool_pos, self.pool_f)) \
+            if getattr(self, "pool_keys", None) is not None else 0
+        return pool + sum(layer.nbytes() for layer in self.layers)
