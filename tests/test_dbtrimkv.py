@@ -165,16 +165,21 @@ def test_decoding_equals_the_fixed_point(llama, tied):
     assert held.sum() == 2 * 2 * BUDGET and held.max() > BUDGET  # the pool is full and split unevenly
 
 
+def counted_fixed_point(model, policy, ids):
+    """(captured_forward's (logits, eviction times), one entry per forward it ran)."""
+    calls = []
+    hook = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        return captured_forward(model, policy, ids, sinks=SINKS, window=WINDOW, long_range=K), calls
+    finally:
+        hook.remove()
+
+
 def test_the_fixed_point_is_reached_in_few_forwards_and_is_one(llama):
     policy = random_gate(seed=1)
     S = 80
     ids = torch.randint(0, 96, (1, S), generator=torch.Generator().manual_seed(2))
-    calls = []
-    hook = llama.register_forward_pre_hook(lambda *_: calls.append(1))
-    try:
-        logits, evict = captured_forward(llama, policy, ids, sinks=SINKS, window=WINDOW, long_range=K)
-    finally:
-        hook.remove()
+    (logits, evict), calls = counted_fixed_point(llama, policy, ids)
     assert 2 <= len(calls) <= math.ceil((S - BUDGET) / WINDOW) + 1
     pos = torch.arange(S)[None]
     doc = torch.zeros_like(pos)
@@ -204,12 +209,7 @@ def test_a_trace_within_the_budget_takes_one_forward(llama):
     and the bound ``ceil((S - budget) / window) + 1`` of the docstrings is 1."""
     policy = random_gate(seed=1)
     ids = torch.randint(0, 96, (1, BUDGET), generator=torch.Generator().manual_seed(2))
-    calls = []
-    hook = llama.register_forward_pre_hook(lambda *_: calls.append(1))
-    try:
-        _, evict = captured_forward(llama, policy, ids, sinks=SINKS, window=WINDOW, long_range=K)
-    finally:
-        hook.remove()
+    (_, evict), calls = counted_fixed_point(llama, policy, ids)
     assert (evict == NEVER).all()
     assert len(calls) <= max(0, math.ceil((BUDGET - BUDGET) / WINDOW)) + 1
 

@@ -7,7 +7,7 @@ import pytest
 
 from kvpop.data.synthetic import generate_traces
 from kvpop.filter import filter_rows
-from kvpop.policies import resolve_policy
+from kvpop.policies import make_policy, resolve_policy
 from kvpop.rollouts import (
     BOXED_INSTRUCTION,
     BenchmarkUnavailable,
@@ -196,6 +196,10 @@ def test_memory_curve_dense_grows_bounded_flat(model, tiny_tokenizer):
     assert mb[-1] / mb[0] == pytest.approx(64 / 40)  # linear in the sequence length
     assert len({y for _, y in bounded}) == 1 and len({y for _, y in tova}) == 1
     assert bounded[0][1] < dense[0][1]
+    cfg = model.config  # one pool for all layers: its 40-token prompt goes past the budget token by token
+    pool = make_policy("dbtrimkv", num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+    shared = memory_curve(model, tiny_tokenizer, pool, prompt, **kw)
+    assert [x for x, _ in shared] == lengths and len({y for _, y in shared}) == 1 and shared[0][1] < dense[0][1]
     with pytest.raises(ValueError):
         memory_curve(model, tiny_tokenizer, resolve_policy("dense"), prompt, budget=24, sinks=2, window=8, lengths=[])
 

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from kvpop.decode import cache_bytes, enable, generate, model_device, new_cache
+from kvpop.decode import cache_bytes, enable, feed, generate, model_device, new_cache
 from kvpop.policies import Policy
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -333,7 +333,7 @@ def memory_curve(
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
     ids = (ids[None] if ids.dim() == 1 else ids[:1]).expand(rows, -1)
     cache = new_cache(model, policy, budget=budget, sinks=sinks, window=window)
-    logits = model(input_ids=ids, past_key_values=cache).logits[:, -1]
+    logits = feed(model, cache, ids, prefill=ids.shape[1])[:, -1]  # a shared pool takes the prompt past its budget token by token
     want = set(lengths)
     curve = []
     for step in range(lengths[-1] + 1):

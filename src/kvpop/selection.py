@@ -47,6 +47,7 @@ __all__ = [
     "document_spans",
     "eviction_times",
     "global_decaying_eviction_times",
+    "pool_eviction_order",
     "recency_priority",
 ]
 
@@ -361,14 +362,23 @@ def global_decaying_eviction_times(
         leaves = (doc_ids[:, j] == doc_ids[:, q]) & (doc_ids[:, q] >= 0) & (pos[:, j] >= sinks)  # (B,)
         cand_pos = torch.cat([pool_pos, torch.where(leaves[:, None], j, -1).expand(B, F)], 1)  # (B, P + F)
         cand_f = torch.cat([pool_f, flat], 1)
-        valid = cand_pos >= 0
-        score = torch.where(valid, (q - cand_pos).double() * lb[rows, cand_f, cand_pos.clamp(min=0)], float("-inf"))
-        tie = torch.where(valid, cand_pos * F + (F - 1 - cand_f), -1)  # larger survives: newer, then the lower pair
-        order = tie.sort(dim=1, stable=True).indices
-        order = order.gather(1, score.gather(1, order).sort(dim=1, stable=True).indices)  # ascending (score, tie)
+        order = pool_eviction_order(cand_pos, cand_f, lb[rows, cand_f, cand_pos.clamp(min=0)], q, F)
         out, keep = order[:, :F], order[:, F:]
         out_pos, out_f = cand_pos.gather(1, out), cand_f.gather(1, out)
         e[rows, out_f, torch.where(out_pos >= 0, out_pos, S)] = q
         pool_pos, pool_f = cand_pos.gather(1, keep), cand_f.gather(1, keep)
     e = e[:, :, :S].reshape(B, L, Hk, S).permute(1, 0, 2, 3)  # (L, B, Hk, S)
     return torch.stack([_only_eligible(e[i], doc_ids, pos, sinks) for i in range(L)])
+
+
+def pool_eviction_order(pos: torch.Tensor, pair: torch.Tensor, log_beta: torch.Tensor, q: int, pairs: int) -> torch.Tensor:
+    """The candidates of a shared pool at query ``q`` in the order they go, first to go first: their
+    token positions ``pos`` (B, N) (``-1``: an empty entry, which goes first), pairs ``pair`` (B, N)
+    (``layer * Hk + head`` of ``pairs``) and ``log_beta`` (B, N) float64 -> indices (B, N). Ascending
+    retention ``(q - pos) * log_beta``; among equal retentions the older token, then the higher pair.
+    The rule of :func:`global_decaying_eviction_times` and of :class:`kvpop.decode.pool.SharedPoolCache`."""
+    valid = pos >= 0
+    score = torch.where(valid, (q - pos).double() * log_beta, float("-inf"))
+    tie = torch.where(valid, pos * pairs + (pairs - 1 - pair), -1)  # larger stays: newer, then the lower pair
+    order = tie.sort(dim=1, stable=True).indices
+    return order.gather(1, score.gather(1, order).sort(dim=1, stable=True).indices)  # ascending (score, tie)

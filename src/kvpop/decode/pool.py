@@ -35,6 +35,7 @@ from kvpop.decode.cache import BoundedCache
 from kvpop.decode.layout import NEG_INF, CacheLayout
 from kvpop.modeling import head_dim_of
 from kvpop.policies import Policy
+from kvpop.selection import pool_eviction_order
 
 
 class PoolLayer(CacheLayerMixin):
@@ -201,12 +202,7 @@ class SharedPoolCache(BoundedCache):
         cand_pos = torch.cat([self.pool_pos, torch.full((B, Fp), j, dtype=torch.int64, device=lk.device)], 1)  # (B, P + F)
         cand_f = torch.cat([self.pool_f, torch.arange(Fp, device=lk.device).expand(B, Fp)], 1)
         cand_lb = torch.cat([self.pool_lb, llb], 1)
-        valid = cand_pos >= 0
-        score = torch.where(valid, (p - cand_pos).double() * cand_lb, float("-inf"))
-        tie = torch.where(valid, cand_pos * Fp + (Fp - 1 - cand_f), -1)
-        order = tie.sort(dim=1, stable=True).indices
-        order = order.gather(1, score.gather(1, order).sort(dim=1, stable=True).indices)
-        keep = order[:, Fp:]  # (B, P)
+        keep = pool_eviction_order(cand_pos, cand_f, cand_lb, p, Fp)[:, Fp:]  # (B, P): all but the Fp first to go
         self.pool_keys = torch.cat([self.pool_keys, lk], 1).gather(1, keep[..., None].expand(-1, -1, lk.shape[-1]))
         self.pool_values = torch.cat([self.pool_values, lv], 1).gather(1, keep[..., None].expand(-1, -1, lv.shape[-1]))
         self.pool_lb, self.pool_pos, self.pool_f = cand_lb.gather(1, keep), cand_pos.gather(1, keep), cand_f.gather(1, keep)
