@@ -47,7 +47,7 @@ __all__ = [
     "document_spans",
     "eviction_times",
     "global_decaying_eviction_times",
-    "pool_eviction_order",
+    "pool_leavers",
     "recency_priority",
 ]
 
@@ -337,7 +337,7 @@ def global_decaying_eviction_times(
     first), so the pool never holds more than ``P``. Ties: among equal retentions the older token
     goes, and among entries of one token the pair of higher index ``f = layer * Hk + head``. With
     ``F = 1`` this is exactly :func:`decaying_eviction_times_reference`. A simulation, vectorized
-    over rows, sequential over queries (two sorts of ``P + F`` entries per query).
+    over rows, sequential over queries (a selection among ``P + F`` entries per query, :func:`pool_leavers`).
 
     Args:
         log_beta: ``(L, B, Hk, S)`` float, ``<= 0``.
@@ -356,29 +356,41 @@ def global_decaying_eviction_times(
     rows = torch.arange(B, device=dev)[:, None]
     pool_pos = torch.full((B, P), -1, dtype=torch.int64, device=dev)  # token of each entry, -1: empty
     pool_f = torch.zeros((B, P), dtype=torch.int64, device=dev)  # its (layer, head) pair
+    spare = torch.full((B, 1), -1, dtype=torch.int64, device=dev)  # entry P: where leavers that do not stay are written
     for q in range(window, S):
         pool_pos = torch.where((pos[:, q] == 0)[:, None], -1, pool_pos)  # a new document: its pool starts empty
         j = q - window  # the token leaving the window at query q
         leaves = (doc_ids[:, j] == doc_ids[:, q]) & (doc_ids[:, q] >= 0) & (pos[:, j] >= sinks)  # (B,)
         cand_pos = torch.cat([pool_pos, torch.where(leaves[:, None], j, -1).expand(B, F)], 1)  # (B, P + F)
         cand_f = torch.cat([pool_f, flat], 1)
-        order = pool_eviction_order(cand_pos, cand_f, lb[rows, cand_f, cand_pos.clamp(min=0)], q, F)
-        out, keep = order[:, :F], order[:, F:]
-        out_pos, out_f = cand_pos.gather(1, out), cand_f.gather(1, out)
-        e[rows, out_f, torch.where(out_pos >= 0, out_pos, S)] = q
-        pool_pos, pool_f = cand_pos.gather(1, keep), cand_f.gather(1, keep)
+        out = pool_leavers(cand_pos, cand_f, lb[rows, cand_f, cand_pos.clamp(min=0)], q, F, F)  # (B, P + F)
+        e[rows, cand_f, torch.where(out & (cand_pos >= 0), cand_pos, S)] = q  # the rest write to column S
+        # the k-th pool entry to go makes room for the k-th leaver to stay (as many of each: F go in all)
+        gone, stays = out[:, :P], ~out[:, P:]  # (B, P), (B, F)
+        by_rank = torch.full((B, F + 1), P, dtype=torch.int64, device=dev)  # rank -> emptied entry; column F, index P: discarded
+        by_rank.scatter_(1, torch.where(gone, gone.cumsum(1) - 1, F), torch.arange(P, device=dev).expand(B, P))
+        by_rank[:, F] = P  # the entries that stay wrote there
+        dst = by_rank.gather(1, torch.where(stays, stays.cumsum(1) - 1, F))  # (B, F) the entry each leaver takes, P: none
+        pool_pos = torch.cat([pool_pos, spare], 1).scatter_(1, dst, cand_pos[:, P:])[:, :P]
+        pool_f = torch.cat([pool_f, spare], 1).scatter_(1, dst, flat)[:, :P]
     e = e[:, :, :S].reshape(B, L, Hk, S).permute(1, 0, 2, 3)  # (L, B, Hk, S)
     return torch.stack([_only_eligible(e[i], doc_ids, pos, sinks) for i in range(L)])
 
 
-def pool_eviction_order(pos: torch.Tensor, pair: torch.Tensor, log_beta: torch.Tensor, q: int, pairs: int) -> torch.Tensor:
-    """The candidates of a shared pool at query ``q`` in the order they go, first to go first: their
-    token positions ``pos`` (B, N) (``-1``: an empty entry, which goes first), pairs ``pair`` (B, N)
-    (``layer * Hk + head`` of ``pairs``) and ``log_beta`` (B, N) float64 -> indices (B, N). Ascending
-    retention ``(q - pos) * log_beta``; among equal retentions the older token, then the higher pair.
-    The rule of :func:`global_decaying_eviction_times` and of :class:`kvpop.decode.pool.SharedPoolCache`."""
+def pool_leavers(pos: torch.Tensor, pair: torch.Tensor, log_beta: torch.Tensor, q: int, pairs: int, n: int) -> torch.Tensor:
+    """Which ``n`` candidates of a shared pool go at query ``q``: their token positions ``pos`` (B, N)
+    (``-1``: an empty entry, which goes first), pairs ``pair`` (B, N) (``layer * Hk + head`` of
+    ``pairs``) and ``log_beta`` (B, N) float64 -> (B, N) bool, ``n`` True per row. The lowest retention
+    ``(q - pos) * log_beta`` goes; among equal retentions the older token, then the higher pair. The
+    rule of :func:`global_decaying_eviction_times` and of :class:`kvpop.decode.pool.SharedPoolCache`.
+
+    A selection, not a sort: the ``n``-th lowest retention ``v``; every candidate below it goes, and
+    of those at ``v`` the ones first by the tie order make up the ``n``."""
     valid = pos >= 0
     score = torch.where(valid, (q - pos).double() * log_beta, float("-inf"))
-    tie = torch.where(valid, pos * pairs + (pairs - 1 - pair), -1)  # larger stays: newer, then the lower pair
-    order = tie.sort(dim=1, stable=True).indices
-    return order.gather(1, score.gather(1, order).sort(dim=1, stable=True).indices)  # ascending (score, tie)
+    tie = torch.where(valid, pos * pairs + (pairs - 1 - pair), -1)  # lower goes first: older, then the higher pair
+    v = score.kthvalue(n, dim=1, keepdim=True).values  # (B, 1)
+    out = score < v
+    at_v = torch.where(score == v, tie, torch.iinfo(torch.int64).max).topk(n, dim=1, largest=False, sorted=True).indices  # (B, n)
+    take = torch.arange(n, device=pos.device)[None] < n - out.sum(1, keepdim=True)  # the first n - |below| of them
+    return out.scatter_(1, at_v, take | out.gather(1, at_v))

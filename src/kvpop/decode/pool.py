@@ -35,7 +35,7 @@ from kvpop.decode.cache import BoundedCache
 from kvpop.decode.layout import NEG_INF, CacheLayout
 from kvpop.modeling import head_dim_of
 from kvpop.policies import Policy
-from kvpop.selection import pool_eviction_order
+from kvpop.selection import pool_leavers
 
 
 class PoolLayer(CacheLayerMixin):
@@ -202,7 +202,8 @@ class SharedPoolCache(BoundedCache):
         cand_pos = torch.cat([self.pool_pos, torch.full((B, Fp), j, dtype=torch.int64, device=lk.device)], 1)  # (B, P + F)
         cand_f = torch.cat([self.pool_f, torch.arange(Fp, device=lk.device).expand(B, Fp)], 1)
         cand_lb = torch.cat([self.pool_lb, llb], 1)
-        keep = pool_eviction_order(cand_pos, cand_f, cand_lb, p, Fp)[:, Fp:]  # (B, P): all but the Fp first to go
+        out = pool_leavers(cand_pos, cand_f, cand_lb, p, Fp, Fp)  # (B, P + F)
+        keep = out.to(torch.uint8).sort(dim=1, stable=True).indices[:, : self.pool_size]  # (B, P) the entries that stay
         self.pool_keys = torch.cat([self.pool_keys, lk], 1).gather(1, keep[..., None].expand(-1, -1, lk.shape[-1]))
         self.pool_values = torch.cat([self.pool_values, lv], 1).gather(1, keep[..., None].expand(-1, -1, lv.shape[-1]))
         self.pool_lb, self.pool_pos, self.pool_f = cand_lb.gather(1, keep), cand_pos.gather(1, keep), cand_f.gather(1, keep)
