@@ -183,8 +183,10 @@ def test_no_import_cycle_in_the_library():
 
 
 @pytest.mark.parametrize(("shape", "counts"), [
-    ((30, 3, 64), {"kvpop_mlp": 748_980, "kvpop": 589_320, "dms": 11_610, "trimkv": 748_890, "trimkv_joint": 748_890}),
-    ((36, 8, 128), {"kvpop_mlp": 4_756_032, "kvpop": 3_765_888, "dms": 74_016, "trimkv": 4_755_744, "trimkv_joint": 4_755_744}),
+    ((30, 3, 64), {"kvpop_mlp": 748_980, "kvpop": 589_320, "dms": 11_610, "trimkv": 748_890, "trimkv_joint": 748_890,
+                    "dbtrimkv": 743_105}),
+    ((36, 8, 128), {"kvpop_mlp": 4_756_032, "kvpop": 3_765_888, "dms": 74_016, "trimkv": 4_755_744, "trimkv_joint": 4_755_744,
+                      "dbtrimkv": 4_737_089}),
 ])
 def test_parameter_counts_in_the_readme(shape, counts):
     """The README's table of scorer and gate sizes (SmolLM2-135M, Qwen3-4B) is what make_policy builds."""
