@@ -343,7 +343,7 @@ def policy_row(name: str, model, *, budget: int, ctx: int, steps: int, warmup: i
     # a shared pool (dbtrimkv) takes at most `budget` prompt tokens at once (the rest would go one at a time); its
     # buffers are allocated whole at the first token and never change with the context, so the memory after
     # `budget` tokens is the memory at any longer context
-    fed = min(ctx, budget) if pol.global_budget else ctx
+    fed = min(ctx, cache.max_prefill or ctx)
     ids = random_ids(1, fed + warmup + steps, cfg.vocab_size, fed, dev)
     sync(dev)
     t0 = time.perf_counter()

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from kvpop.attention import GateTraining, SparseContext
+from kvpop.attention import SparseContext
 from kvpop.decode import BoundedCache, enable, engine_refusal, generate, new_cache, teacher_forced_logits
 from kvpop.decode.pool import SharedPoolCache
 from kvpop.evaluate import captured_forward
@@ -368,20 +368,3 @@ def test_training_updates_the_gate_only_and_exports(tmp_path, tiny_tokenizer):
         for layer in range(2):
             assert torch.equal(loaded.scorer.logits(layer, k, v), policy.scorer.logits(layer, k, v))
 
-
-def test_beta_one_is_standard_attention():
-    """The untrained gate (beta = 0.99995) and, in the limit, beta = 1: the training forward (the
-    retention bias, no eviction) is dense attention."""
-    _, student = tiny_pair()
-    ids, doc, pos = packed_toy(2, 64)
-    policy = make_policy("dbtrimkv", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
-    plain = SparseContext.for_rows(make_policy("dense"), doc, pos, sinks=SINKS, window=WINDOW, long_range=K)
-    with torch.no_grad():
-        dense = student(input_ids=ids, position_ids=pos, kvpop_ctx=plain).logits
-    diffs = []
-    for b2 in (INIT_LOGIT, 40.0):
-        policy.scorer.b2.data.fill_(b2)
-        ctx = SparseContext.for_rows(policy, doc, pos, sinks=SINKS, window=WINDOW, long_range=K, gate_training=GateTraining())
-        with torch.no_grad():
-            diffs.append((student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits - dense).abs().max().item())
-    assert diffs[1] < 1e-6 and diffs[0] < 1e-2

@@ -98,22 +98,27 @@ def random_gate(name="trimkv", seed=0):
     return policy
 
 
-def test_beta_one_is_standard_attention():
-    """The untrained gate (beta = 0.99995) and, in the limit, beta = 1: the training forward is dense."""
+@pytest.mark.parametrize("name", ["trimkv", "dbtrimkv"])
+def test_beta_one_is_standard_attention(name):
+    """The untrained gate (beta = 0.99995) and, in the limit, beta = 1: the training forward is dense
+    (for the one pool of dbtrimkv too: its training has the same retention bias and no eviction)."""
+    from test_dbtrimkv import random_gate as pooled_gate
+
     _, student = tiny_pair()
     ids, doc, pos = packed_toy(2, 64)
-    policy = make_policy("trimkv", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
+    policy = make_policy(name, num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
     plain = SparseContext.for_rows(make_policy("dense"), doc, pos, sinks=SINKS, window=WINDOW, long_range=K)
     with torch.no_grad():
         dense = student(input_ids=ids, position_ids=pos, kvpop_ctx=plain).logits
     diffs = []
     for b2 in (10.0, 40.0):
-        for mlp in policy.scorer.layers:
-            mlp.b2.data.fill_(b2)
+        for key, param in policy.scorer.named_parameters():  # the output bias: one per head (trimkv) or one tied (dbtrimkv)
+            if key.endswith("b2"):
+                param.data.fill_(b2)
         ctx = SparseContext.for_rows(policy, doc, pos, sinks=SINKS, window=WINDOW, long_range=K, gate_training=GateTraining())
         diffs.append((student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits - dense).abs().max().item())
     assert diffs[1] < 1e-6 and diffs[0] < 1e-2
-    gated = random_gate()
+    gated = random_gate() if name == "trimkv" else pooled_gate()
     ctx = SparseContext.for_rows(gated, doc, pos, sinks=SINKS, window=WINDOW, long_range=K, gate_training=GateTraining())
     out = student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits
     assert (out - dense).abs().max() > 1e-2  # a real decay changes the output

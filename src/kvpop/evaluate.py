@@ -167,7 +167,7 @@ def captured_forward(model, policy: Policy, input_ids: Tensor, *, sinks: int, wi
         return logits, torch.stack([ctx.evict[i][0] for i in sorted(ctx.evict)])
     evict = None  # (L, 1, Hk, S)
     for _ in range(max(0, -(-(S - (sinks + window + long_range)) // window)) + 2):
-        ctx = EvictionCapture.for_rows(policy, doc, pos, global_evict=evict, **kw)
+        ctx = SparseContext.for_rows(policy, doc, pos, global_evict=evict, **kw)  # records each layer's scores
         logits = model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx).logits[0].float()
         prio = torch.stack([ctx.global_prio[i] for i in sorted(ctx.global_prio)])  # (L, 1, Hk, S) log beta
         new = global_decaying_eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=long_range)

@@ -25,18 +25,24 @@ def shared_lines(series: Mapping[str, Sequence[tuple[float, float]]]) -> list[tu
     return list(groups.items())
 
 
-def _line_plot(
-    series: Mapping[str, Sequence[tuple[float, float]]], path: str | Path, *, xlabel: str, ylabel: str, title: str,
-    zero_based: bool = False,
-) -> Path:
-    # the Agg canvas directly, no pyplot: no global backend switch, safe in threads and loops
+def _figure(path: str | Path, figsize: tuple[float, float]):
+    """(the output path, its folder made; a Figure on the Agg canvas): no pyplot, so no global backend
+    switch, safe in threads and loops."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig = Figure(figsize=_FIGSIZE, dpi=_DPI)
+    fig = Figure(figsize=figsize, dpi=_DPI)
     FigureCanvasAgg(fig)
+    return path, fig
+
+
+def _line_plot(
+    series: Mapping[str, Sequence[tuple[float, float]]], path: str | Path, *, xlabel: str, ylabel: str, title: str,
+    zero_based: bool = False,
+) -> Path:
+    path, fig = _figure(path, _FIGSIZE)
     ax = fig.add_subplot()
     for i, (pts, names) in enumerate(shared_lines(series)):
         xs, ys = zip(*pts, strict=True)
@@ -75,14 +81,8 @@ def plot_keep_map(maps: Mapping[str, Any], path: str | Path, *, marks: Mapping[s
     share of its remaining trace a token stayed in that head's cache (:func:`kvpop.evaluate.keep_map`;
     1 = kept to the end). ``marks``: positions to tick above the panels, e.g. ``definitions`` (the
     sources the quotes copy) and ``quotes``."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     names = list(maps)
-    fig = Figure(figsize=(9.0, 1.1 + 1.6 * max(1, len(names))), dpi=_DPI)
-    FigureCanvasAgg(fig)
+    path, fig = _figure(path, (9.0, 1.1 + 1.6 * max(1, len(names))))
     axes = fig.subplots(max(1, len(names)), 1, sharex=True, squeeze=False)[:, 0]
     colours = ("tab:red", "tab:orange", "tab:green")
     image = None
@@ -112,15 +112,10 @@ def plot_occupancy(maps: Mapping[str, Any], path: str | Path, *, title: str = ""
     per-head budget (``occupancy_map`` of :func:`kvpop.evaluate.evaluate_fidelity`, ``[layer][head]``):
     how a ``global_budget`` policy split its one pool (1 everywhere: the per-head split of every other
     policy)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import TwoSlopeNorm
-    from matplotlib.figure import Figure
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     names = list(maps)
-    fig = Figure(figsize=(1.6 + 2.0 * max(1, len(names)), 4.2), dpi=_DPI)
-    FigureCanvasAgg(fig)
+    path, fig = _figure(path, (1.6 + 2.0 * max(1, len(names)), 4.2))
     axes = fig.subplots(1, max(1, len(names)), squeeze=False)[0]
     top = max([2.0] + [float(max(max(row) for row in maps[n])) for n in names])
     norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=top)

@@ -255,6 +255,13 @@ def decaying_eviction_times(
     return decaying_eviction_times_reference(log_beta, doc_ids, pos, sinks=sinks, window=window, long_range=long_range)
 
 
+def _leaves_window(doc_ids: torch.Tensor, pos: torch.Tensor, q: int, window: int, sinks: int) -> torch.Tensor:
+    """(B,) bool: whether token ``q - window`` leaves the window at query ``q`` into the long-range
+    competition (same document as ``q``, ``q`` no padding, no sink). The simulations' rule."""
+    j = q - window
+    return (doc_ids[:, j] == doc_ids[:, q]) & (doc_ids[:, q] >= 0) & (pos[:, j] >= sinks)
+
+
 def _only_eligible(e: torch.Tensor, doc_ids: torch.Tensor, pos: torch.Tensor, sinks: int) -> torch.Tensor:
     """Eviction times (B, Hk, S) int64 -> int32, ``NEVER`` for the tokens never eligible (sinks, padding)."""
     eligible = eligible_tokens(doc_ids, pos, sinks)[:, None, :]
@@ -301,8 +308,7 @@ def decaying_eviction_times_reference(
         start = (pos[:, q] == 0)[:, None, None]  # a new document: its cache starts empty
         slot_pos = torch.where(start, -1, slot_pos)
         j = q - window  # the token leaving the window at query q
-        leaves = (doc_ids[:, j] == doc_ids[:, q]) & (doc_ids[:, q] >= 0) & (pos[:, j] >= sinks)  # (B,)
-        leaves = leaves[:, None].expand(B, Hk)
+        leaves = _leaves_window(doc_ids, pos, q, window, sinks)[:, None].expand(B, Hk)
         if k == 0:
             e[:, :, j] = torch.where(leaves, q, e[:, :, j])
             continue
@@ -360,7 +366,7 @@ def global_decaying_eviction_times(
     for q in range(window, S):
         pool_pos = torch.where((pos[:, q] == 0)[:, None], -1, pool_pos)  # a new document: its pool starts empty
         j = q - window  # the token leaving the window at query q
-        leaves = (doc_ids[:, j] == doc_ids[:, q]) & (doc_ids[:, q] >= 0) & (pos[:, j] >= sinks)  # (B,)
+        leaves = _leaves_window(doc_ids, pos, q, window, sinks)  # (B,)
         cand_pos = torch.cat([pool_pos, torch.where(leaves[:, None], j, -1).expand(B, F)], 1)  # (B, P + F)
         cand_f = torch.cat([pool_f, flat], 1)
         out = pool_leavers(cand_pos, cand_f, lb[rows, cand_f, cand_pos.clamp(min=0)], q, F, F)  # (B, P + F)
@@ -373,8 +379,7 @@ def global_decaying_eviction_times(
         dst = by_rank.gather(1, torch.where(stays, stays.cumsum(1) - 1, F))  # (B, F) the entry each leaver takes, P: none
         pool_pos = torch.cat([pool_pos, spare], 1).scatter_(1, dst, cand_pos[:, P:])[:, :P]
         pool_f = torch.cat([pool_f, spare], 1).scatter_(1, dst, flat)[:, :P]
-    e = e[:, :, :S].reshape(B, L, Hk, S).permute(1, 0, 2, 3)  # (L, B, Hk, S)
-    return torch.stack([_only_eligible(e[i], doc_ids, pos, sinks) for i in range(L)])
+    return _only_eligible(e[:, :, :S], doc_ids, pos, sinks).reshape(B, L, Hk, S).permute(1, 0, 2, 3).contiguous()  # (L, B, Hk, S)
 
 
 def pool_leavers(pos: torch.Tensor, pair: torch.Tensor, log_beta: torch.Tensor, q: int, pairs: int, n: int) -> torch.Tensor:

@@ -233,8 +233,7 @@ class BoundedLayer(CacheLayerMixin):
         self.reset()
         self.seen = S
         dev = k.device
-        sinks, window = torch.arange(min(self.sinks, S), device=dev), torch.arange(min(S, max(self.sinks, S - self.window)), S, device=dev)
-        fixed = torch.cat([sinks, window])  # token indices, head-independent
+        fixed = self.layout.fixed_tokens(S, dev)  # token indices, head-independent
         slots = self.layout.home_slot(fixed)
         self.keys[:, :, slots] = k[:, :, fixed]
         self.values[:, :, slots] = v[:, :, fixed]
@@ -357,22 +356,32 @@ class BoundedCache(Cache):
     ``layout.slots`` entries per KV head (:class:`kvpop.decode.layout.CacheLayout`).
     """
 
+    #: the prompt tokens one forward on an empty cache may take (None: any number)
+    max_prefill: int | None = None
+
     def __init__(self, config, policy: Policy, *, budget: int, sinks: int, window: int):
         cfg = config.get_text_config(decoder=True)
         if not policy.evicts:
             raise ValueError(f"policy {policy.name!r} never evicts: decode it with a DynamicCache")
         if policy.oracle:
             raise ValueError(f"policy {policy.name!r} is an oracle (it reads the trace's future): teacher-forced evaluation only")
-        if policy.global_budget:
+        if policy.global_budget and not self.pooled:
             raise ValueError(f"policy {policy.name!r} shares one pool between all layers: decode it with kvpop.decode.SharedPoolCache")
+        if self.pooled and not policy.global_budget:
+            raise ValueError(f"policy {policy.name!r} has a per-head budget: decode it with kvpop.decode.BoundedCache")
         if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
-            raise NotImplementedError("BoundedCache does not support sliding-window attention layers")
+            raise NotImplementedError(f"{type(self).__name__} does not support sliding-window attention layers")
         self.policy = policy
         self.layout = CacheLayout.for_policy(policy, budget=budget, sinks=sinks, window=window, head_dim=head_dim_of(cfg))
         self.budget, self.sinks, self.window = budget, sinks, window
         self.long_range, self.slots = self.layout.long_range, self.layout.slots
-        layers = [BoundedLayer(i, policy, self.layout) for i in range(cfg.num_hidden_layers)]
-        super().__init__(layers=layers)
+        super().__init__(layers=self._make_layers(cfg))
+
+    #: one pool of long-range entries for every layer (:class:`kvpop.decode.pool.SharedPoolCache`)
+    pooled = False
+
+    def _make_layers(self, cfg) -> list[CacheLayerMixin]:
+        return [BoundedLayer(i, self.policy, self.layout) for i in range(cfg.num_hidden_layers)]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """The :class:`kvpop.attention.SparseContext` protocol: -> attention output (B, S, H, D)."""

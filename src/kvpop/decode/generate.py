@@ -49,10 +49,9 @@ def new_cache(model, policy: Policy, *, budget: int, sinks: int, window: int):
 
 def feed(model, cache, input_ids: Tensor, *, prefill: int) -> Tensor:
     """Feed ``input_ids`` (B, S) into an empty reference cache: the first ``prefill`` tokens at once,
-    then one at a time -> logits (B, S, V). A global budget's cache takes at most ``budget`` at once
-    (:class:`kvpop.decode.pool.SharedPoolCache`): ``prefill`` is capped there."""
-    if getattr(cache, "policy", None) is not None and cache.policy.global_budget:
-        prefill = min(prefill, cache.budget)
+    then one at a time -> logits (B, S, V). ``prefill`` is capped at the cache's ``max_prefill``
+    (:class:`kvpop.decode.pool.SharedPoolCache`: its budget)."""
+    prefill = min(prefill, getattr(cache, "max_prefill", None) or prefill)
     B, S = input_ids.shape
     first = model(input_ids=input_ids[:, :prefill], past_key_values=cache).logits
     logits = first.new_empty(B, S, first.shape[-1])
@@ -204,8 +203,9 @@ def generate(
     else:
         enable(model)
         cache = new_cache(model, policy, budget=budget, sinks=sinks, window=window)
-        if policy.global_budget and ids.shape[1] > budget:  # its cache takes the prompt's rest one token at a time
-            feed(model, cache, ids[:, :-1], prefill=budget)  # generate then feeds the last prompt token
+        limit = getattr(cache, "max_prefill", None)  # a DynamicCache (dense) has none
+        if limit is not None and ids.shape[1] > limit:  # the cache takes the prompt's rest one token at a time
+            feed(model, cache, ids[:, :-1], prefill=limit)  # generate then feeds the last prompt token
         torch.manual_seed(seed)
         out = model.generate(
             input_ids=ids,

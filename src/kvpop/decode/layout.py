@@ -59,3 +59,8 @@ class CacheLayout:
         if isinstance(pos, Tensor):
             return torch.where(pos < self.sinks, pos, self.sinks + (pos - self.sinks).remainder(self.window))
         return pos if pos < self.sinks else self.sinks + (pos - self.sinks) % self.window
+
+    def fixed_tokens(self, S: int, device=None) -> Tensor:
+        """The sink and window tokens after an ``S``-token prompt, the ones in their home slots: (n,) int64."""
+        return torch.cat([torch.arange(min(self.sinks, S), device=device),
+                          torch.arange(min(S, max(self.sinks, S - self.window)), S, device=device)])

@@ -29,12 +29,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torch.nn import functional as F
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin
 
 from kvpop.decode.cache import BoundedCache
-from kvpop.decode.layout import NEG_INF, CacheLayout
-from kvpop.modeling import head_dim_of
-from kvpop.policies import Policy
+from kvpop.decode.layout import NEG_INF
 from kvpop.selection import pool_leavers
 
 
@@ -72,10 +70,10 @@ class PoolLayer(CacheLayerMixin):
         c = self.cache
         lb = c.policy.token_scores(self.layer_idx, key_states, value_states, torch.arange(self.seen, self.seen + S, device=self.device)[None])
         if self.seen == 0:
-            if S > c.budget:
+            if S > c.max_prefill:
                 raise NotImplementedError(
-                    f"SharedPoolCache: a {S}-token prompt is longer than the budget ({c.budget}); feed the first {c.budget} "
-                    "at once and the rest one at a time (kvpop.decode.generate and teacher_forced_logits do)"
+                    f"SharedPoolCache: a {S}-token prompt is longer than the budget ({c.budget}); feed the first {c.max_prefill} "
+                    "at once and the rest one at a time (kvpop.decode.feed, generate and teacher_forced_logits do)"
                 )
             self._prefill_store(key_states, value_states, lb)
             self._pending = ("prefill", key_states, value_states)
@@ -99,10 +97,10 @@ class PoolLayer(CacheLayerMixin):
         """A prompt k, v (B, Hk, S, D) of at most ``budget`` tokens: sinks and the last ``window`` tokens
         into the ring, the tokens between into the pool (all fit: nothing is evicted)."""
         c, S = self.cache, k.shape[2]
-        ring = [t for t in range(S) if t < c.sinks or t >= S - c.window]
-        for t in ring:
-            slot = c.layout.home_slot(t)
-            self.keys[:, :, slot], self.values[:, :, slot], self.lb[:, :, slot], self.pos[:, :, slot] = k[:, :, t], v[:, :, t], lb[:, :, t], t
+        fixed = c.layout.fixed_tokens(S, k.device)  # (m,) sinks and window
+        slots = c.layout.home_slot(fixed)
+        self.keys[:, :, slots], self.values[:, :, slots], self.lb[:, :, slots] = k[:, :, fixed], v[:, :, fixed], lb[:, :, fixed]
+        self.pos[:, :, slots] = fixed
         past = torch.arange(c.sinks, max(c.sinks, S - c.window), device=k.device)  # (n,) tokens that left the window
         n, Hk = past.numel(), k.shape[1]
         if n:
@@ -161,19 +159,13 @@ class SharedPoolCache(BoundedCache):
     """The cache of a ``global_budget`` policy: per layer its sinks and ring (:class:`PoolLayer`), and one
     pool of ``L x Hk x k`` long-range entries shared by every layer and KV head (see the module docstring)."""
 
-    def __init__(self, config, policy: Policy, *, budget: int, sinks: int, window: int):
-        cfg = config.get_text_config(decoder=True)
-        if not policy.global_budget:
-            raise ValueError(f"policy {policy.name!r} has a per-head budget: decode it with BoundedCache")
-        if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
-            raise NotImplementedError("SharedPoolCache does not support sliding-window attention layers")
-        self.policy = policy
-        self.layout = CacheLayout.for_policy(policy, budget=budget, sinks=sinks, window=window, head_dim=head_dim_of(cfg))
-        self.budget, self.sinks, self.window = budget, sinks, window
-        self.long_range, self.slots = self.layout.long_range, self.layout.slots
+    pooled = True
+
+    def _make_layers(self, cfg) -> list[PoolLayer]:
         self.num_layers, self.num_kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
         self.pool_size = self.num_layers * self.num_kv_heads * self.long_range
-        Cache.__init__(self, layers=[PoolLayer(i, self) for i in range(self.num_layers)])
+        self.max_prefill = self.budget  # a longer prompt: a layer's evictions would depend on every later layer
+        return [PoolLayer(i, self) for i in range(self.num_layers)]
 
     def _allocate_pool(self, k: Tensor, v: Tensor) -> None:
         if getattr(self, "pool_keys", None) is not None and self.pool_keys.shape[0] == k.shape[0]:
