@@ -31,6 +31,7 @@ from kvpop.evaluate import Candidate, evaluate_fidelity
 from kvpop.export import load_export, read_meta
 from kvpop.modeling import load_model
 from kvpop.policies import make_policy
+from kvpop.scorer import with_recency
 
 
 def default_files() -> dict[str, list[Path]]:
@@ -58,6 +59,22 @@ def pieces(tok, files: list[Path], max_tokens: int, n: int, min_tokens: int) -> 
     return out
 
 
+def recency_list(text: str) -> list[float]:
+    """``--recency``: comma-separated fixed age decays per token (:mod:`kvpop.scorer`), each >= 0."""
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--recency {text!r}: comma-separated numbers expected") from None
+    if any(not v >= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"--recency {text!r}: every value must be >= 0")
+    return vals
+
+
+def recency_label(label: str, recency: float) -> str:
+    """The evaluated name of ``label``'s scorer with a fixed age decay added (``--recency``)."""
+    return f"{label}, recency {recency:g}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="models/base")
@@ -69,6 +86,8 @@ def main() -> None:
     ap.add_argument("--docs-per-kind", type=int, default=4)
     ap.add_argument("--code", nargs="*", type=Path, default=None)
     ap.add_argument("--prose", nargs="*", type=Path, default=None)
+    ap.add_argument("--recency", type=recency_list, default=[], help="also score every export whose scorer has an age decay "
+                    "with these fixed extra decays (comma-separated, per token; kvpop.scorer), as '<name>, recency <r>'")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -87,9 +106,12 @@ def main() -> None:
         model, _, pol, m = load_export(Path(args.exports) / n)
         if (m["sinks"], m["window"]) != (geo["sinks"], geo["window"]):
             raise SystemExit(f"{n}: exported for sinks/window {m['sinks']}/{m['window']}, others use {geo['sinks']}/{geo['window']}")
-        cands.append(Candidate(n, model.to(dev).eval(), pol.to(dev)))
+        model = model.to(dev).eval()
+        cands.append(Candidate(n, model, pol.to(dev)))
+        if args.recency and hasattr(getattr(pol, "scorer", None), "decay"):
+            cands += [Candidate(recency_label(n, r), model, with_recency(pol, r)) for r in args.recency]
         # the same fine-tuned weights with dense attention: what fine-tuning alone changes
-        cands.append(Candidate(f"{n} weights, dense", cands[-1].model, make_policy("dense")))
+        cands.append(Candidate(f"{n} weights, dense", model, make_policy("dense")))
     res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__, **geo,
            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "kinds": {}}
     for kind, fs in files.items():

@@ -14,8 +14,11 @@ against the power mean with beta 16 (:func:`kvpop.target.future_attention_target
 the target pools it over more heads (``kvpop_mlp@max.model``: over every layer and KV head,
 ``train.target_pool``, :func:`kvpop.target.pool_targets`; ``.blend:0.75`` weighs the model's target
 0.75 against the head's own, ``train.target_blend``, plain ``.blend`` 0.5); a ``+regret`` (``+uniform``) suffix
-trains with the regret-weighted (unweighted) boundary loss (``train.boundary_weight``, :func:`kvpop.boundary.boundary_loss`). All labels get the
-same rows in the same order and the same step count (``--steps``, also the scorers' cosine length).
+trains with the regret-weighted (unweighted) boundary loss (``train.boundary_weight``, :func:`kvpop.boundary.boundary_loss`); a
+``~recency:R`` suffix, last, trains and runs the scorer with a fixed age decay R per token on top of the learned one
+(``train.scorer_recency``, :mod:`kvpop.scorer`; ``eval --recency`` instead adds one to finished exports without
+retraining). All labels get the same rows in the same order and the same step count (``--steps``, also the
+scorers' cosine length).
 
 ``--mix N`` adds up to N pieces each of code and prose (:mod:`kvpop.data.other_text`) to every label's
 training rows; its results are the configuration ``<config>+mix<N>`` (e.g. ``4k+mix64``).
@@ -54,6 +57,7 @@ from pathlib import Path
 
 import torch
 
+from bench_no_harm import recency_label, recency_list
 from gpu_embedded_run import StopAfter, convert_gguf, length_stats, make_records, step_timer
 from kvpop.boundary import BOUNDARY_WEIGHTS
 from kvpop.config import TrainConfig
@@ -63,6 +67,7 @@ from kvpop.export import export, load_export
 from kvpop.modeling import load_model, model_shape
 from kvpop.pack import pack_records
 from kvpop.policies import make_policy
+from kvpop.scorer import with_recency
 from kvpop.target import TARGET_KINDS, check_pool
 from kvpop.train import build_training, resolve_precision
 
@@ -74,11 +79,24 @@ CONFIGS = {
 }
 
 
+def split_recency(label: str) -> tuple[str, float]:
+    """``<label>[~recency:R]`` -> (label, R): the scorer trains and runs with a fixed age decay R per token
+    (``train.scorer_recency``, :mod:`kvpop.scorer`; 0 without the suffix)."""
+    base, sep, r = label.partition("~recency:")
+    try:
+        recency = float(r) if sep else 0.0
+    except ValueError:
+        raise SystemExit(f"label {label!r}: ~recency: needs a number") from None
+    if not recency >= 0:
+        raise SystemExit(f"label {label!r}: recency must be >= 0")
+    return base, recency
+
+
 def parse_label(label: str) -> tuple[str, str, float, str, str]:
-    """``name[@kind[:beta][.pool]][+regret|+uniform]`` -> (policy name, target kind, beta, target pool, boundary
-    weighting); no target = the paper's mean, no pool = the paper's (each KV head's query group), no
-    ``+regret`` = the paper's tie/class-balance weights."""
-    label, plus, weighting = label.partition("+")
+    """``name[@kind[:beta][.pool]][+regret|+uniform][~recency:R]`` -> (policy name, target kind, beta, target
+    pool, boundary weighting); no target = the paper's mean, no pool = the paper's (each KV head's query
+    group), no ``+regret`` = the paper's tie/class-balance weights; R: :func:`split_recency`."""
+    label, plus, weighting = split_recency(label)[0].partition("+")
     suffixes = [w for w in BOUNDARY_WEIGHTS if w != "tie"]  # tie: the default, no suffix
     if plus and weighting not in suffixes:
         raise SystemExit(f"label {label!r}: unknown suffix +{weighting} ({', '.join('+' + w for w in suffixes)})")
@@ -182,7 +200,7 @@ def train_phase(args) -> None:
         cfg = TrainConfig(steps=args.steps, seq_len=c["seq_len"], batch_size=1, model_lr=args.model_lr, scorer_lr=args.scorer_lr,
                           scorer_hidden=args.scorer_hidden, top_logits=256, precision=resolve_precision("auto", accelerator),
                           accelerator=accelerator, target=kind, target_beta=beta, target_pool=pool_name,
-                          target_blend=blend, boundary_weight=weighting)
+                          target_blend=blend, boundary_weight=weighting, scorer_recency=split_recency(label)[1])
         training = build_training(teacher, name, packed, cfg=cfg, budget=c["budget"], sinks=c["sinks"], window=c["window"], seed=args.seed)
         ckpt = run_dir / "resume.ckpt"
         timer = step_timer()
@@ -235,13 +253,17 @@ def eval_phase(args) -> None:
             continue
         model, _, pol, meta = load_export(run_dir / "export")
         cands.append(Candidate(run_dir.name, model.to(dev).eval(), pol.to(dev)))
+        if args.recency and hasattr(getattr(pol, "scorer", None), "decay"):
+            cands += [Candidate(recency_label(run_dir.name, r), cands[-1].model, with_recency(pol, r)) for r in args.recency]
         steps[run_dir.name] = meta.get("steps")
         logs[run_dir.name] = json.loads((run_dir / "log.json").read_text())
-    targets = [parse_label(f"x@{t}")[1:4] for t in args.oracle_targets.split(",")]
-    for i, (kind, beta, pool) in enumerate(targets):
-        label = "oracle_target" if i == 0 else f"oracle_target@{target_name(kind, beta, pool)}"
+    oracles = args.oracle_targets.split(",")  # kind[:beta][.pool][~recency:R]
+    targets = [parse_label(f"x@{t}")[1:4] for t in oracles]
+    for i, ((kind, beta, pool), recency) in enumerate(zip(targets, [split_recency(t)[1] for t in oracles], strict=True)):
+        label = "oracle_target" if i == 0 else f"oracle_target@{target_name(kind, beta, pool)}" + ("" if recency == 0 else f"~recency:{recency:g}")
         pool_name, blend = split_pool(pool)
-        cands.append(Candidate(label, teacher, make_policy("oracle_target").configure(target=kind, target_beta=beta, pool=pool_name, blend=blend)))
+        cands.append(Candidate(label, teacher, make_policy("oracle_target").configure(target=kind, target_beta=beta, pool=pool_name, blend=blend,
+                                                                                    recency=recency)))
     cands.append(Candidate("oracle_sources", teacher, make_policy("oracle_sources")))  # definitions: name and digits
     cands.append(Candidate("oracle_sources@digits", teacher, make_policy("oracle_sources").configure(lead=0)))  # the digits alone
     cands = [cd for cd in cands if cd.name not in done or cd.name == "dense"]  # dense: the reference of every KL
@@ -286,7 +308,8 @@ def main() -> None:
     ap.add_argument("phase", choices=["train", "eval", "all"])
     ap.add_argument("--config", choices=sorted(CONFIGS), default="4k")
     ap.add_argument("--labels", default="streaming_llm_plus,kvpop_mlp,kvpop", help="trained labels name[@target], in order")
-    ap.add_argument("--oracle-targets", default="max,mean,max.model", help="targets of oracle_target (kind[:beta][.pool]); the first is the headline")
+    ap.add_argument("--oracle-targets", default="max,mean,max.model", help="targets of oracle_target (kind[:beta][.pool][~recency:R]); "
+                    "the first is the headline")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--time-limit", type=float, default=540.0, help="seconds for this call's training (then a resume checkpoint)")
     ap.add_argument("--train-traces", type=int, default=None, help="default 320 (tiny: 4)")
@@ -305,6 +328,8 @@ def main() -> None:
     ap.add_argument("--model-dir", default="/tmp/smol-hf")
     ap.add_argument("--work", default=".quality", help="exports and resume checkpoints, per configuration and label")
     ap.add_argument("--out", default="results/quality_h200.json")
+    ap.add_argument("--recency", type=recency_list, default=[], help="eval: also score every export whose scorer has an age decay "
+                    "with these fixed extra decays (comma-separated, per token; kvpop.scorer), as '<label>, recency <r>'")
     ap.add_argument("--incremental", action="store_true", help="keep the policies --out already holds for this config; evaluate the rest")
     args = ap.parse_args()
     if args.seed == args.eval_seed:

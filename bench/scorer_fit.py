@@ -17,7 +17,7 @@ the fit's?), the ranking's own harm on text it never saw. ``--mix N`` adds N pie
 earlier choice of pieces, standard-library modules and installed packages' descriptions; its
 ``mix_pieces`` lists them).
 
-Labels are ``gpu_quality.py``'s: ``name[@kind[:beta][.pool]][+regret]``, e.g. ``kvpop_mlp@max``,
+Labels are ``gpu_quality.py``'s: ``name[@kind[:beta][.pool]][+regret][~recency:R]``, e.g. ``kvpop_mlp@max``,
 ``kvpop_mlp@max.model+regret``, ``kvpop@mean``. Each label's ceiling is reported once per target.
 
     PYTHONPATH=src:bench .venv/bin/python bench/scorer_fit.py --config 4k --model-dir models/base \\
@@ -37,15 +37,16 @@ from pathlib import Path
 
 import torch
 
-from bench_no_harm import default_files, pieces
+from bench_no_harm import default_files, pieces, recency_label, recency_list
 from gpu_embedded_run import make_records
-from gpu_quality import CONFIGS, data_args, parse_label, split_pool, target_name
+from gpu_quality import CONFIGS, data_args, parse_label, split_pool, split_recency, target_name
 from kvpop.attention import ScorerTraining
 from kvpop.boundary import boundary_loss
 from kvpop.data.other_text import KINDS, other_text_records, token_ids
 from kvpop.evaluate import Candidate, TargetCapture, evaluate_fidelity
 from kvpop.modeling import load_model, model_shape
 from kvpop.policies import Dense, make_policy
+from kvpop.scorer import with_recency
 from kvpop.target import pool_targets
 from kvpop.train import scorer_schedule
 
@@ -126,7 +127,8 @@ def fit(label: str, cache: dict, shape: dict, args) -> tuple:
     pool_name, blend = split_pool(pool)
     c = args.cfg
     torch.manual_seed(args.seed)
-    policy = make_policy(name, **{x: shape[x] for x in ("num_layers", "num_kv_heads", "head_dim")}, scorer_hidden=args.scorer_hidden)
+    policy = make_policy(name, **{x: shape[x] for x in ("num_layers", "num_kv_heads", "head_dim")}, scorer_hidden=args.scorer_hidden,
+                         scorer_recency=split_recency(label)[1])
     if not policy.learned:
         raise SystemExit(f"label {label!r}: {name} has no scorer to fit")
     k_slots = policy.long_range_slots(budget=c["budget"], sinks=c["sinks"], window=c["window"], head_dim=shape["head_dim"])
@@ -178,6 +180,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
     ap.add_argument("--no-harm", type=int, default=0, help="also score N pieces each of code and prose (0: skip)")
     ap.add_argument("--mix", type=int, default=0, help="also train on N pieces each of code and prose (kvpop.data.other_text: never what --no-harm reads)")
+    ap.add_argument("--recency", type=recency_list, default=[], help="also score every fit with these fixed age decays "
+                    "(comma-separated, per token; kvpop.scorer), as '<label>, recency <r>'")
     ap.add_argument("--cache", default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -199,15 +203,19 @@ def main() -> None:
     if args.mix:
         cache = {**cache, "mix": mix_cache(args, teacher, tok, kinds)}
     cands = [Candidate("dense", teacher, make_policy("dense")), Candidate("streaming_llm", teacher, make_policy("streaming_llm"))]
+    # each target's ceiling, also with every fixed age decay a label trains with or --recency adds
+    recencies = sorted({0.0, *args.recency, *(split_recency(lb)[1] for lb in labels)})
     for kind, beta, pool in sorted({p[1:4] for p in parsed.values()}):
         pool_name, blend = split_pool(pool)
-        cands.append(Candidate(f"oracle_target@{target_name(kind, beta, pool)}", teacher,
-                               make_policy("oracle_target").configure(target=kind, target_beta=beta, pool=pool_name, blend=blend)))
+        for r in recencies:
+            cands.append(Candidate(f"oracle_target@{target_name(kind, beta, pool)}" + ("" if r == 0 else f"~recency:{r:g}"), teacher,
+                                   make_policy("oracle_target").configure(target=kind, target_beta=beta, pool=pool_name, blend=blend, recency=r)))
     cands.append(Candidate("oracle_sources", teacher, make_policy("oracle_sources")))
     logs = {}
     for lb in labels:
         pol, logs[lb] = fit(lb, cache, shape, args)
         cands.append(Candidate(lb, teacher, pol))
+        cands += [Candidate(recency_label(lb, r), teacher, with_recency(pol, r)) for r in args.recency]
     recs = [row["record"] for row in cache["eval"]]
     t0 = time.time()
     res = evaluate_fidelity(recs, teacher, cands, budget=c["budget"], sinks=c["sinks"], window=c["window"],

@@ -133,6 +133,10 @@ class TrainConfig(_Section):
     weight_decay: float = Field(0.0, ge=0)
     top_logits: int = Field(256, gt=0, description="teacher logits kept for the KL (top-k)")
     scorer_hidden: int = Field(64, gt=0, description="hidden width of the MLP scorer")
+    scorer_recency: float = Field(
+        0.0, ge=0, description="kvpop_mlp, kvpop: fixed extra age decay per token, added to the learned one "
+        "(kvpop.scorer; large: the recency rule)",
+    )
     tau: float = Field(1.0, gt=0, description="temperature of the boundary loss")
     tie_margin: float = Field(
         0.5, ge=0, description="near-tie discount: weight 1 - exp(-|Delta_target| / tie_margin)"

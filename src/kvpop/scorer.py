@@ -5,11 +5,19 @@ during a forward pass, ranking by it at every q equals ranking by one *static pr
 ``r_hat_t - t * log(gamma_h)`` (the ``q * log(gamma_h)`` term is common to all candidates), which is
 what the selection consumes.
 
+``recency`` (a setting, not learned; 0 by default) adds a fixed age decay to the learned one:
+``log(gamma_h) - recency``. A token's rank then falls by ``recency`` per token of age, so it
+outlives a newer token only while its raw score is higher by ``recency`` times their distance: a
+scorer whose scores barely differ (on text unlike its training rows) falls back to the recency rule,
+and a large ``recency`` *is* the recency rule (``streaming_llm_plus``'s pattern), with the raw score
+breaking ties only.
+
 Shapes: B batch, Hk KV heads, S sequence, D head dim, L layers.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -44,31 +52,47 @@ class HeadwiseMLP(nn.Module):
 class LearnedDecay(nn.Module):
     """gamma per (layer, KV head), constrained to [GAMMA_MIN, GAMMA_MAX] by a sigmoid."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, init: float = 0.9999):
+    def __init__(self, num_layers: int, num_kv_heads: int, init: float = 0.9999, recency: float = 0.0):
         super().__init__()
+        if not recency >= 0:
+            raise ValueError(f"recency must be >= 0 (a decay per token of age), got {recency}")
+        self.recency = float(recency)  # fixed extra decay per token of age (module docstring)
         frac = (init - GAMMA_MIN) / (GAMMA_MAX - GAMMA_MIN)
         self.logit = nn.Parameter(torch.full((num_layers, num_kv_heads), math.log(frac / (1 - frac))))
 
     def log_gamma(self, layer: int) -> Tensor:
-        """(Hk,) log(gamma_h) < 0, in float64 for a precise age term at long positions."""
+        """(Hk,) log(gamma_h) - recency < 0, in float64 for a precise age term at long positions."""
         gamma = GAMMA_MIN + (GAMMA_MAX - GAMMA_MIN) * torch.sigmoid(self.logit[layer].double())
-        return torch.log(gamma)
+        return torch.log(gamma) - self.recency
 
 
 class MLPScorer(nn.Module):
     """KVpop_mlp: the scorer networks of every layer and the decay."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, hidden: int = 64):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, hidden: int = 64, recency: float = 0.0):
         super().__init__()
         self.config = dict(
-            kind="mlp", num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, hidden=hidden
+            kind="mlp", num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, hidden=hidden, recency=recency
         )
         self.layers = nn.ModuleList(HeadwiseMLP(num_kv_heads, head_dim, hidden) for _ in range(num_layers))
-        self.decay = LearnedDecay(num_layers, num_kv_heads)
+        self.decay = LearnedDecay(num_layers, num_kv_heads, recency=recency)
 
     def raw_scores(self, layer: int, k: Tensor, v: Tensor) -> Tensor:
         """(B, Hk, S, D) keys and values -> r_hat (B, Hk, S)."""
         return self.layers[layer](k, v)
+
+
+def with_recency(policy: nn.Module, recency: float) -> nn.Module:
+    """A copy of a learned policy (``kvpop_mlp``, ``kvpop``) whose scorer's fixed age decay (module
+    docstring) is ``recency``, in its config too (exports); the original is left as it is."""
+    decay = getattr(getattr(policy, "scorer", None), "decay", None)
+    if not isinstance(decay, LearnedDecay):
+        raise ValueError(f"policy {getattr(policy, 'name', policy)!r} has no learned age decay to add recency to")
+    if not recency >= 0:
+        raise ValueError(f"recency must be >= 0 (a decay per token of age), got {recency}")
+    out = copy.deepcopy(policy)
+    out.scorer.decay.recency = out.scorer.config["recency"] = float(recency)
+    return out
 
 
 def static_priority(r_hat: Tensor, pos: Tensor, log_gamma: Tensor) -> Tensor:

@@ -444,7 +444,7 @@ def build_training(
     """Everything a training run needs, from one config.
 
     ``teacher`` is the frozen dense model; ``student`` defaults to a trainable copy of it.
-    ``policy`` is a name for :func:`kvpop.policies.make_policy` (with ``cfg.scorer_hidden`` and
+    ``policy`` is a name for :func:`kvpop.policies.make_policy` (with ``cfg.scorer_hidden``, ``cfg.scorer_recency`` and
     ``policy_kw``, e.g. ``scorer_dk``) or a built policy. ``data`` is a :class:`PackedDataset` or
     packed rows (``input_ids``, ``doc_ids``, ``position_ids``, ``loss_mask``, as the pack stage
     writes them). ``seed`` seeds the global RNGs (the scorer's initialization), the data order and
@@ -457,7 +457,7 @@ def build_training(
     shape = model_shape(teacher)
     if isinstance(policy, str):
         dims = {k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}
-        policy = make_policy(policy, **dims, scorer_hidden=cfg.scorer_hidden, **(policy_kw or {}))
+        policy = make_policy(policy, **dims, scorer_hidden=cfg.scorer_hidden, scorer_recency=cfg.scorer_recency, **(policy_kw or {}))
     long_range = policy.long_range_slots(budget=budget, sinks=sinks, window=window, head_dim=shape["head_dim"])
     if student is None:  # the teacher may be frozen already (an earlier run on it)
         student = copy.deepcopy(teacher).requires_grad_(True)

@@ -86,6 +86,7 @@ class ScorerSpec:
     d_k: int = 16  # kvpop: the mLSTM memory's key dim
     d_v: int = 16  # kvpop: the mLSTM memory's value dim
     forget_gate: str = "sigmoid"  # kvpop: "sigmoid" or "exp"
+    recency: float = 0.0  # kvpop_mlp, kvpop: fixed extra age decay per token (kvpop.scorer)
 
 
 class Policy(nn.Module):

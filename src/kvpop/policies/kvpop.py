@@ -40,7 +40,8 @@ class Kvpop(Policy):
 
     @classmethod
     def build(cls, spec: ScorerSpec) -> Kvpop:
-        return cls(MLSTMScorer(spec.num_layers, spec.num_kv_heads, spec.head_dim, d_k=spec.d_k, d_v=spec.d_v, forget_gate=spec.forget_gate))
+        return cls(MLSTMScorer(spec.num_layers, spec.num_kv_heads, spec.head_dim, d_k=spec.d_k, d_v=spec.d_v, forget_gate=spec.forget_gate,
+                               recency=spec.recency))
 
     def long_range_slots(self, *, budget, sinks, window, head_dim):
         return kvpop_k(budget, sinks, window, head_dim, d_k=self.scorer.config["d_k"], d_v=self.scorer.config["d_v"])

@@ -18,7 +18,7 @@ class KvpopMLP(Policy):
 
     @classmethod
     def build(cls, spec: ScorerSpec) -> KvpopMLP:
-        return cls(MLPScorer(spec.num_layers, spec.num_kv_heads, spec.head_dim, hidden=spec.hidden))
+        return cls(MLPScorer(spec.num_layers, spec.num_kv_heads, spec.head_dim, hidden=spec.hidden, recency=spec.recency))
 
     def scores(self, layer, keys, values, pos, **_):
         r_hat = self.scorer.raw_scores(layer, keys, values)  # (B, Hk, S)
