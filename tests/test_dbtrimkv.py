@@ -86,6 +86,29 @@ def test_global_eviction_times_match_the_literal_rule(shape, k, levels):
     assert (want < NEVER).any() and (want == NEVER).any()
 
 
+@pytest.mark.parametrize("j0", [0, 7, 21, 40, 69, 70])
+@pytest.mark.parametrize("levels", [None, 3])
+def test_a_run_continued_where_the_scores_change_equals_a_fresh_run(j0, levels):
+    """``previous=``: scores equal before token j0 (70: none changed), changed from there (ties included)."""
+    L, Hk, S, k = 2, 2, 70, 3
+    g = torch.Generator().manual_seed(j0 + (levels or 0))
+    doc_ids, pos = random_packing(2, S, [9, 25, S], 6, g)
+    first = tied_log_beta(L, 2, Hk, S, g, levels)
+    second = torch.cat([first[..., :j0], tied_log_beta(L, 2, Hk, S, g, levels)[..., j0:]], -1)
+    kw = dict(sinks=SINKS, window=WINDOW, long_range=k)
+    _, run = global_decaying_eviction_times(first, doc_ids, pos, **kw, keep_run=True)
+    assert len(run.pools) > 2  # the run kept pools to continue from
+    got, run2 = global_decaying_eviction_times(second, doc_ids, pos, **kw, previous=run, keep_run=True)
+    fresh, fresh_run = global_decaying_eviction_times(second, doc_ids, pos, **kw, keep_run=True)
+    assert torch.equal(got, fresh)
+    assert torch.equal(got.long(), literal_global_eviction_times(second, doc_ids, pos, SINKS, WINDOW, k))
+    assert sorted(run2.pools) == sorted(fresh_run.pools)  # and it can be continued again
+    for q in run2.pools:
+        assert all(torch.equal(a, b) for a, b in zip(run2.pools[q], fresh_run.pools[q], strict=True))
+    with pytest.raises(ValueError, match="previous run has scores of shape"):
+        global_decaying_eviction_times(second[:, :1], doc_ids[:1], pos[:1], **kw, previous=run)
+
+
 def test_one_pair_is_the_per_head_rule():
     """L = Hk = 1: the pool of k entries is one head's k slots; so each head of the per-head rule is a pool of its own."""
     g = torch.Generator().manual_seed(7)

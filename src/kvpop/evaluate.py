@@ -165,12 +165,12 @@ def captured_forward(model, policy: Policy, input_ids: Tensor, *, sinks: int, wi
         ctx = EvictionCapture.for_rows(policy, doc, pos, **kw)
         logits = model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx).logits[0].float()
         return logits, torch.stack([ctx.evict[i][0] for i in sorted(ctx.evict)])
-    evict = None  # (L, 1, Hk, S)
+    evict, run = None, None  # (L, 1, Hk, S); the last simulation, which the next one continues where the scores changed
     for _ in range(max(0, -(-(S - (sinks + window + long_range)) // window)) + 2):
         ctx = SparseContext.for_rows(policy, doc, pos, global_evict=evict, **kw)  # records each layer's scores
         logits = model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx).logits[0].float()
         prio = torch.stack([ctx.global_prio[i] for i in sorted(ctx.global_prio)])  # (L, 1, Hk, S) log beta
-        new = global_decaying_eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=long_range)
+        new, run = global_decaying_eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=long_range, previous=run, keep_run=True)
         unchanged = bool((new >= S).all()) if evict is None else torch.equal(new, evict)  # first pass: nothing was evicted
         if unchanged:
             return logits, new[:, 0]

@@ -34,6 +34,8 @@ Shapes: ``B`` batch, ``Hk`` KV heads, ``S`` sequence length.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from kvpop.kernels import triton_available
@@ -325,6 +327,17 @@ def decaying_eviction_times_reference(
 
 
 @torch.no_grad()
+@dataclass
+class PoolRun:
+    """One run of :func:`global_decaying_eviction_times`, kept so that a later run whose scores differ
+    only from some token on can start there (``previous=``): its scores, its raw eviction times and the
+    pool at every ``window``-th query."""
+
+    log_beta: torch.Tensor  # (B, F, S) float64, the run's scores
+    e: torch.Tensor  # (B, F, S + 1) int64, raw eviction times (column S: discarded writes)
+    pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # query -> (pool_pos, pool_f) before it
+
+
 def global_decaying_eviction_times(
     log_beta: torch.Tensor,
     doc_ids: torch.Tensor,
@@ -333,7 +346,9 @@ def global_decaying_eviction_times(
     sinks: int,
     window: int,
     long_range: int,
-) -> torch.Tensor:
+    previous: PoolRun | None = None,
+    keep_run: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, PoolRun]:
     """Eviction times of one pool of long-range slots shared by every layer and KV head (``dbtrimkv``).
 
     The rule of :func:`decaying_eviction_times_reference`, with the ``k`` slots of each of the ``F = L
@@ -345,25 +360,45 @@ def global_decaying_eviction_times(
     ``F = 1`` this is exactly :func:`decaying_eviction_times_reference`. A simulation, vectorized
     over rows, sequential over queries (a selection among ``P + F`` entries per query, :func:`pool_leavers`).
 
+    Queries before ``j0 + window`` read only scores of tokens before ``j0``; so with ``previous`` (a
+    :class:`PoolRun` of the same rows, from ``keep_run=True``) whose scores equal these before token
+    ``j0``, the run starts from the previous pool at the last kept query at or before ``j0 + window``
+    (the fixed point of :func:`kvpop.evaluate.captured_forward` re-simulates only what changed).
+
     Args:
         log_beta: ``(L, B, Hk, S)`` float, ``<= 0``.
         doc_ids, pos: ``(B, S)`` as for :func:`eviction_times` (a new document empties the row's pool).
 
     Returns:
-        ``(L, B, Hk, S)`` int32 eviction times (``NEVER`` if never evicted).
+        ``(L, B, Hk, S)`` int32 eviction times (``NEVER`` if never evicted); with ``keep_run``, also the
+        :class:`PoolRun`.
     """
     L, B, Hk, S = log_beta.shape
     F = L * Hk
     P = F * long_range
     dev = log_beta.device
     lb = log_beta.double().permute(1, 0, 2, 3).reshape(B, F, S)  # (B, F, S), pair f = layer * Hk + head
-    e = torch.full((B, F, S + 1), NEVER, dtype=torch.int64, device=dev)  # column S: where empty entries write
     flat = torch.arange(F, device=dev).expand(B, F)
     rows = torch.arange(B, device=dev)[:, None]
+    spare = torch.full((B, 1), -1, dtype=torch.int64, device=dev)  # entry P: where leavers that do not stay are written
+    run = PoolRun(lb, torch.full((B, F, S + 1), NEVER, dtype=torch.int64, device=dev))  # e's column S: where empty entries write
+    start = window
     pool_pos = torch.full((B, P), -1, dtype=torch.int64, device=dev)  # token of each entry, -1: empty
     pool_f = torch.zeros((B, P), dtype=torch.int64, device=dev)  # its (layer, head) pair
-    spare = torch.full((B, 1), -1, dtype=torch.int64, device=dev)  # entry P: where leavers that do not stay are written
-    for q in range(window, S):
+    if previous is not None:
+        if previous.log_beta.shape != lb.shape:
+            raise ValueError(f"previous run has scores of shape {tuple(previous.log_beta.shape)}, these are {tuple(lb.shape)}")
+        changed = (previous.log_beta != lb).flatten(0, 1).any(0).nonzero()  # tokens whose score changed in some row or pair
+        j0 = int(changed[0]) if len(changed) else S
+        start = max([q for q in previous.pools if q <= j0 + window], default=window)
+        if start > window:
+            pool_pos, pool_f = (t.clone() for t in previous.pools[start])
+            run.e = torch.where(previous.e < start, previous.e, NEVER)  # evictions before start stand
+        run.pools = {q: p for q, p in previous.pools.items() if q <= start}
+    e = run.e
+    for q in range(start, S):
+        if keep_run and (q - window) % window == 0:
+            run.pools[q] = (pool_pos.clone(), pool_f.clone())
         pool_pos = torch.where((pos[:, q] == 0)[:, None], -1, pool_pos)  # a new document: its pool starts empty
         j = q - window  # the token leaving the window at query q
         leaves = _leaves_window(doc_ids, pos, q, window, sinks)  # (B,)
@@ -379,7 +414,8 @@ def global_decaying_eviction_times(
         dst = by_rank.gather(1, torch.where(stays, stays.cumsum(1) - 1, F))  # (B, F) the entry each leaver takes, P: none
         pool_pos = torch.cat([pool_pos, spare], 1).scatter_(1, dst, cand_pos[:, P:])[:, :P]
         pool_f = torch.cat([pool_f, spare], 1).scatter_(1, dst, flat)[:, :P]
-    return _only_eligible(e[:, :, :S], doc_ids, pos, sinks).reshape(B, L, Hk, S).permute(1, 0, 2, 3).contiguous()  # (L, B, Hk, S)
+    times = _only_eligible(e[:, :, :S], doc_ids, pos, sinks).reshape(B, L, Hk, S).permute(1, 0, 2, 3).contiguous()  # (L, B, Hk, S)
+    return (times, run) if keep_run else times
 
 
 def pool_leavers(pos: torch.Tensor, pair: torch.Tensor, log_beta: torch.Tensor, q: int, pairs: int, n: int) -> torch.Tensor:
