@@ -326,7 +326,6 @@ def decaying_eviction_times_reference(
     return _only_eligible(e, doc_ids, pos, sinks)
 
 
-@torch.no_grad()
 @dataclass
 class PoolRun:
     """One run of :func:`global_decaying_eviction_times`, kept so that a later run whose scores differ
@@ -338,6 +337,7 @@ class PoolRun:
     pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # query -> (pool_pos, pool_f) before it
 
 
+@torch.no_grad()
 def global_decaying_eviction_times(
     log_beta: torch.Tensor,
     doc_ids: torch.Tensor,
