@@ -182,6 +182,8 @@ def main() -> None:
     ap.add_argument("--mix", type=int, default=0, help="also train on N pieces each of code and prose (kvpop.data.other_text: never what --no-harm reads)")
     ap.add_argument("--recency", type=recency_list, default=[], help="also score every fit with these fixed age decays "
                     "(comma-separated, per token; kvpop.scorer), as '<label>, recency <r>'")
+    ap.add_argument("--share-recency", type=recency_list, default=[], help="also rank by each target's exp (the attention share) "
+                    "plus these age decays per token, as 'oracle_target@<target>~share_recency:<r>'")
     ap.add_argument("--cache", default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -210,6 +212,10 @@ def main() -> None:
         for r in recencies:
             cands.append(Candidate(f"oracle_target@{target_name(kind, beta, pool)}" + ("" if r == 0 else f"~recency:{r:g}"), teacher,
                                    make_policy("oracle_target").configure(target=kind, target_beta=beta, pool=pool_name, blend=blend, recency=r)))
+        for r in args.share_recency:  # the decay against the attention share, exp(target): a ceiling probe
+            cands.append(Candidate(f"oracle_target@{target_name(kind, beta, pool)}~share_recency:{r:g}", teacher,
+                                   make_policy("oracle_target").configure(target=kind, target_beta=beta, pool=pool_name, blend=blend,
+                                                                          recency=r, space="share")))
     cands.append(Candidate("oracle_sources", teacher, make_policy("oracle_sources")))
     logs = {}
     for lb in labels:

@@ -9,7 +9,9 @@ would give if the scorer fitted it perfectly, and what the budget allows at all.
   :func:`kvpop.target.future_attention_target`, pooled by ``train.target_pool``,
   :func:`kvpop.target.pool_targets`), computed on the evaluated trace itself. Per layer and KV
   head, priority = the target ``r_tgt`` (no decay; with ``recency``, ``r_tgt + recency * pos``, the
-  fixed age decay of :mod:`kvpop.scorer`): the best a perfectly fitted scorer of that target could do.
+  fixed age decay of :mod:`kvpop.scorer`, or with ``space="share"`` ``exp(r_tgt) + recency * pos``,
+  the decay against the attention share itself): the best a perfectly fitted scorer of that target
+  could do.
 * ``oracle_sources``: on synthetic traces, keeps the recorded source tokens of every long-range
   quote (the definition digits, ``quote_source_positions`` of the filter's records; with ``lead``,
   also that many tokens before each, e.g. the name) ahead of every other token, the others by
@@ -45,19 +47,24 @@ class OracleTarget(_Oracle):
     name = "oracle_target"
     layer_independent = False
 
-    def __init__(self, target: str = "mean", target_beta: float = 8.0, pool: str = "group", blend: float = 0.5, recency: float = 0.0):
+    def __init__(self, target: str = "mean", target_beta: float = 8.0, pool: str = "group", blend: float = 0.5, recency: float = 0.0,
+                 space: str = "log"):
         super().__init__()
-        self.configure(target=target, target_beta=target_beta, pool=pool, blend=blend, recency=recency)
+        self.configure(target=target, target_beta=target_beta, pool=pool, blend=blend, recency=recency, space=space)
         self.r_tgt: list[Tensor] = []  # per layer (1, Hk, S)
 
-    def configure(self, *, target: str, target_beta: float, pool: str = "group", blend: float = 0.5, recency: float = 0.0) -> OracleTarget:
+    def configure(self, *, target: str, target_beta: float, pool: str = "group", blend: float = 0.5, recency: float = 0.0,
+                  space: str = "log") -> OracleTarget:
         """The training target to rank by (``train.target``, ``train.target_beta``, ``train.target_pool``,
-        ``train.target_blend``) and the fixed age decay per token on top (``train.scorer_recency``);
-        returns self."""
+        ``train.target_blend``), the fixed age decay per token on top (``train.scorer_recency``) and what
+        it is added to: ``"log"``, the target (a log attention share), or ``"share"``, its exp; returns self."""
         check_pool(pool, blend)  # at configure time, not at the first trace
         if not recency >= 0:
             raise ValueError(f"recency must be >= 0 (a decay per token of age), got {recency}")
-        self.target, self.target_beta, self.pool, self.blend, self.recency = target, target_beta, pool, blend, float(recency)
+        if space not in ("log", "share"):
+            raise ValueError(f"space must be 'log' or 'share', got {space!r}")
+        self.target, self.target_beta, self.pool, self.blend = target, target_beta, pool, blend
+        self.recency, self.space = float(recency), space
         return self
 
     def teacher_target(self) -> tuple[str, float]:
@@ -72,7 +79,8 @@ class OracleTarget(_Oracle):
             raise RuntimeError("oracle_target: no trace fitted (call fit_trace first)")
         r = self.r_tgt[layer]  # (1, Hk, S)
         self._check(pos, r.shape[-1])
-        prio = r.to(torch.float64) + self.recency * pos[:, None, :].to(torch.float64)  # (B, Hk, S)
+        r = r.to(torch.float64)
+        prio = (r if self.space == "log" else r.exp()) + self.recency * pos[:, None, :].to(torch.float64)  # (B, Hk, S)
         return Scores(prio=prio.expand(keys.shape[0], -1, -1))
 
 
