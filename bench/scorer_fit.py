@@ -45,7 +45,7 @@ from kvpop.boundary import boundary_loss
 from kvpop.data.other_text import KINDS, other_text_records, token_ids
 from kvpop.evaluate import Candidate, TargetCapture, evaluate_fidelity
 from kvpop.modeling import load_model, model_shape
-from kvpop.policies import Dense, make_policy
+from kvpop.policies import Dense, Policy, Scores, make_policy
 from kvpop.scorer import with_recency
 from kvpop.target import pool_targets
 from kvpop.train import scorer_schedule
@@ -165,6 +165,22 @@ def fit(label: str, cache: dict, shape: dict, args) -> tuple:
     return policy, log
 
 
+class ShareRanked(Policy):
+    """A probe, not a policy: a fitted scorer ranked on the share's scale, ``exp(r_hat) + recency * pos``
+    (``--fit-share-recency``; the scorer's own decay left out). ``r_hat``'s offset only rescales
+    ``recency``; its slope against the log target is whatever the boundary loss left it."""
+
+    layer_independent = False
+
+    def __init__(self, fitted: Policy, recency: float):
+        super().__init__()
+        self.fitted, self.recency, self.name = fitted, recency, f"{fitted.name}~share"
+
+    def scores(self, layer, keys, values, pos, **kw):
+        r_hat = self.fitted.scores(layer, keys, values, pos, **kw).r_hat.detach().double()  # (B, Hk, S)
+        return Scores(prio=r_hat.exp() + self.recency * pos[:, None, :].double())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", choices=sorted(CONFIGS), default="4k")
@@ -184,6 +200,8 @@ def main() -> None:
                     "(comma-separated, per token; kvpop.scorer), as '<label>, recency <r>'")
     ap.add_argument("--share-recency", type=recency_list, default=[], help="also rank by each target's exp (the attention share) "
                     "plus these age decays per token, as 'oracle_target@<target>~share_recency:<r>'")
+    ap.add_argument("--fit-share-recency", type=recency_list, default=[], help="also rank every fit by exp(r_hat) plus these age "
+                    "decays per token (a probe of the share-space fallback), as '<label>, share recency <r>'")
     ap.add_argument("--cache", default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -222,6 +240,7 @@ def main() -> None:
         pol, logs[lb] = fit(lb, cache, shape, args)
         cands.append(Candidate(lb, teacher, pol))
         cands += [Candidate(recency_label(lb, r), teacher, with_recency(pol, r)) for r in args.recency]
+        cands += [Candidate(f"{lb}, share recency {r:g}", teacher, ShareRanked(pol, r)) for r in args.fit_share_recency]
     recs = [row["record"] for row in cache["eval"]]
     t0 = time.time()
     res = evaluate_fidelity(recs, teacher, cands, budget=c["budget"], sinks=c["sinks"], window=c["window"],
