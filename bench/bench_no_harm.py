@@ -31,7 +31,7 @@ from kvpop.evaluate import Candidate, evaluate_fidelity
 from kvpop.export import load_export, read_meta
 from kvpop.modeling import load_model
 from kvpop.policies import make_policy
-from kvpop.scorer import with_recency
+from kvpop.scorer import has_recency, with_recency
 
 
 def default_files() -> dict[str, list[Path]]:
@@ -108,7 +108,7 @@ def main() -> None:
             raise SystemExit(f"{n}: exported for sinks/window {m['sinks']}/{m['window']}, others use {geo['sinks']}/{geo['window']}")
         model = model.to(dev).eval()
         cands.append(Candidate(n, model, pol.to(dev)))
-        if args.recency and hasattr(getattr(pol, "scorer", None), "decay"):
+        if args.recency and has_recency(pol):
             cands += [Candidate(recency_label(n, r), model, with_recency(pol, r)) for r in args.recency]
         # the same fine-tuned weights with dense attention: what fine-tuning alone changes
         cands.append(Candidate(f"{n} weights, dense", model, make_policy("dense")))

@@ -67,7 +67,7 @@ from kvpop.export import export, load_export
 from kvpop.modeling import load_model, model_shape
 from kvpop.pack import pack_records
 from kvpop.policies import make_policy
-from kvpop.scorer import with_recency
+from kvpop.scorer import has_recency, with_recency
 from kvpop.target import TARGET_KINDS, check_pool
 from kvpop.train import build_training, resolve_precision
 
@@ -253,7 +253,7 @@ def eval_phase(args) -> None:
             continue
         model, _, pol, meta = load_export(run_dir / "export")
         cands.append(Candidate(run_dir.name, model.to(dev).eval(), pol.to(dev)))
-        if args.recency and hasattr(getattr(pol, "scorer", None), "decay"):
+        if args.recency and has_recency(pol):
             cands += [Candidate(recency_label(run_dir.name, r), cands[-1].model, with_recency(pol, r)) for r in args.recency]
         steps[run_dir.name] = meta.get("steps")
         logs[run_dir.name] = json.loads((run_dir / "log.json").read_text())

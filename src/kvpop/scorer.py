@@ -49,14 +49,24 @@ class HeadwiseMLP(nn.Module):
         return torch.einsum("bhsf,hf->bhs", h, self.w2) + self.b2[:, None]  # (B, Hk, S)
 
 
+def check_recency(recency: float) -> float:
+    """A fixed age decay (module docstring) as a float; a ValueError unless it is a number >= 0."""
+    if not recency >= 0:
+        raise ValueError(f"recency must be >= 0 (a decay per token of age), got {recency}")
+    return float(recency)
+
+
+def has_recency(policy: nn.Module) -> bool:
+    """Whether a policy's scorer has the learned age decay that ``recency`` adds to (``kvpop_mlp``, ``kvpop``)."""
+    return isinstance(getattr(getattr(policy, "scorer", None), "decay", None), LearnedDecay)
+
+
 class LearnedDecay(nn.Module):
     """gamma per (layer, KV head), constrained to [GAMMA_MIN, GAMMA_MAX] by a sigmoid."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, init: float = 0.9999, recency: float = 0.0):
         super().__init__()
-        if not recency >= 0:
-            raise ValueError(f"recency must be >= 0 (a decay per token of age), got {recency}")
-        self.recency = float(recency)  # fixed extra decay per token of age (module docstring)
+        self.recency = check_recency(recency)  # fixed extra decay per token of age (module docstring)
         frac = (init - GAMMA_MIN) / (GAMMA_MAX - GAMMA_MIN)
         self.logit = nn.Parameter(torch.full((num_layers, num_kv_heads), math.log(frac / (1 - frac))))
 
@@ -85,13 +95,11 @@ class MLPScorer(nn.Module):
 def with_recency(policy: nn.Module, recency: float) -> nn.Module:
     """A copy of a learned policy (``kvpop_mlp``, ``kvpop``) whose scorer's fixed age decay (module
     docstring) is ``recency``, in its config too (exports); the original is left as it is."""
-    decay = getattr(getattr(policy, "scorer", None), "decay", None)
-    if not isinstance(decay, LearnedDecay):
+    if not has_recency(policy):
         raise ValueError(f"policy {getattr(policy, 'name', policy)!r} has no learned age decay to add recency to")
-    if not recency >= 0:
-        raise ValueError(f"recency must be >= 0 (a decay per token of age), got {recency}")
+    recency = check_recency(recency)
     out = copy.deepcopy(policy)
-    out.scorer.decay.recency = out.scorer.config["recency"] = float(recency)
+    out.scorer.decay.recency = out.scorer.config["recency"] = recency
     return out
 
 

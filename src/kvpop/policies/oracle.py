@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from kvpop.policies.base import Policy, Scores
+from kvpop.scorer import check_recency
 from kvpop.target import check_pool, pool_targets
 
 
@@ -59,12 +60,10 @@ class OracleTarget(_Oracle):
         ``train.target_blend``), the fixed age decay per token on top (``train.scorer_recency``) and what
         it is added to: ``"log"``, the target (a log attention share), or ``"share"``, its exp; returns self."""
         check_pool(pool, blend)  # at configure time, not at the first trace
-        if not recency >= 0:
-            raise ValueError(f"recency must be >= 0 (a decay per token of age), got {recency}")
         if space not in ("log", "share"):
             raise ValueError(f"space must be 'log' or 'share', got {space!r}")
         self.target, self.target_beta, self.pool, self.blend = target, target_beta, pool, blend
-        self.recency, self.space = float(recency), space
+        self.recency, self.space = check_recency(recency), space
         return self
 
     def teacher_target(self) -> tuple[str, float]:
