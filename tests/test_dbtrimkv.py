@@ -19,7 +19,7 @@ import torch
 from kvpop.attention import SparseContext
 from kvpop.decode import BoundedCache, enable, engine_refusal, generate, new_cache, teacher_forced_logits
 from kvpop.decode.pool import SharedPoolCache
-from kvpop.evaluate import captured_forward
+from kvpop.evaluate import Candidate, captured_forward, evaluate_fidelity, pool_fixed_point
 from kvpop.policies import make_policy
 from kvpop.policies.dbtrimkv import global_capacity_loss
 from kvpop.policies.trimkv import INIT_LOGIT, capacity_loss
@@ -189,11 +189,11 @@ def test_decoding_equals_the_fixed_point(llama, tied):
 
 
 def counted_fixed_point(model, policy, ids):
-    """(captured_forward's (logits, eviction times), one entry per forward it ran)."""
+    """(pool_fixed_point's eviction times (L, Hk, S) of the one trace, one entry per forward it ran)."""
     calls = []
     hook = model.register_forward_pre_hook(lambda *_: calls.append(1))
     try:
-        return captured_forward(model, policy, ids, sinks=SINKS, window=WINDOW, long_range=K), calls
+        return pool_fixed_point(model, policy, ids, sinks=SINKS, window=WINDOW, long_range=K)[:, 0], calls
     finally:
         hook.remove()
 
@@ -202,7 +202,9 @@ def test_the_fixed_point_is_reached_in_few_forwards_and_is_one(llama):
     policy = random_gate(seed=1)
     S = 80
     ids = torch.randint(0, 96, (1, S), generator=torch.Generator().manual_seed(2))
-    (logits, evict), calls = counted_fixed_point(llama, policy, ids)
+    evict, calls = counted_fixed_point(llama, policy, ids)
+    logits, captured = captured_forward(llama, policy, ids, sinks=SINKS, window=WINDOW, long_range=K)
+    assert torch.equal(captured, evict)
     assert 2 <= len(calls) <= math.ceil((S - BUDGET) / WINDOW) + 1
     pos = torch.arange(S)[None]
     doc = torch.zeros_like(pos)
@@ -232,9 +234,33 @@ def test_a_trace_within_the_budget_takes_one_forward(llama):
     and the bound ``ceil((S - budget) / window) + 1`` of the docstrings is 1."""
     policy = random_gate(seed=1)
     ids = torch.randint(0, 96, (1, BUDGET), generator=torch.Generator().manual_seed(2))
-    (_, evict), calls = counted_fixed_point(llama, policy, ids)
+    evict, calls = counted_fixed_point(llama, policy, ids)
     assert (evict == NEVER).all()
     assert len(calls) <= max(0, math.ceil((BUDGET - BUDGET) / WINDOW)) + 1
+
+
+def test_the_batched_fixed_point_equals_one_trace_at_a_time(llama):
+    """pool_fixed_point on B traces at once (one pool per row, the simulation vectorized over rows), and
+    evaluate_fidelity's batched patterns, equal each trace's own fixed point."""
+    policy = random_gate(seed=3, tied=True)
+    ids = torch.randint(0, 96, (3, 72), generator=torch.Generator().manual_seed(7))
+    batched = pool_fixed_point(llama, policy, ids, sinks=SINKS, window=WINDOW, long_range=K)  # (L, 3, Hk, S)
+    singles = [captured_forward(llama, policy, ids[r : r + 1], sinks=SINKS, window=WINDOW, long_range=K) for r in range(3)]
+    for r, (_, evict) in enumerate(singles):
+        assert torch.equal(batched[:, r], evict), r
+    assert not torch.equal(batched[:, 0], batched[:, 1])  # the rows' patterns are their own
+    recs = [{"input_ids": row.tolist(), "loss_mask": [0] + [1] * (ids.shape[1] - 1)} for row in ids]
+    recs.append({"input_ids": ids[0, :50].tolist(), "loss_mask": [0] + [1] * 49})  # another length: its own batch
+    cand = [Candidate("dbtrimkv", llama, policy)]
+    got = {b: evaluate_fidelity(recs, llama, cand, budget=BUDGET, sinks=SINKS, window=WINDOW, pool_batch=b)["dbtrimkv"] for b in (1, 2, 8)}
+    for b in (2, 8):
+        for key in ("kl", "quote_accuracy", "top1_agreement", "occupancy"):
+            assert got[b][key] == pytest.approx(got[1][key], rel=1e-5, abs=1e-7), (b, key)
+    kl = 0.0
+    for rec, (logits, _) in zip(recs, singles + [captured_forward(llama, policy, ids[:1, :50], sinks=SINKS, window=WINDOW, long_range=K)]):
+        ref = torch.log_softmax(llama(input_ids=torch.tensor([rec["input_ids"]])).logits[0].float(), -1)
+        kl += (ref.exp() * (ref - torch.log_softmax(logits, -1))).sum(-1)[:-1].sum().item()
+    assert got[8]["kl"] == pytest.approx(kl / sum(len(r["input_ids"]) - 1 for r in recs), rel=1e-4)
 
 
 def test_generate_equals_a_greedy_loop_over_the_fixed_point(llama, tiny_tokenizer):

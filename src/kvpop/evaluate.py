@@ -158,24 +158,47 @@ def captured_forward(model, policy: Policy, input_ids: Tensor, *, sinks: int, wi
     ``ceil((S - budget) / window) + 1``-th forward at the latest finds the times unchanged (a trace of
     at most ``budget`` tokens: the first)."""
     S = input_ids.shape[1]
-    pos = torch.arange(S, device=input_ids.device)[None]
-    doc = torch.zeros_like(pos)
-    kw = dict(sinks=sinks, window=window, long_range=long_range, executor="flex" if input_ids.is_cuda else "sdpa")
     if not policy.global_budget:
-        ctx = EvictionCapture.for_rows(policy, doc, pos, **kw)
+        pos = torch.arange(S, device=input_ids.device)[None]
+        kw = dict(sinks=sinks, window=window, long_range=long_range, executor="flex" if input_ids.is_cuda else "sdpa")
+        ctx = EvictionCapture.for_rows(policy, torch.zeros_like(pos), pos, **kw)
         logits = model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx).logits[0].float()
         return logits, torch.stack([ctx.evict[i][0] for i in sorted(ctx.evict)])
-    evict, run = None, None  # (L, 1, Hk, S); the last simulation, which the next one continues where the scores changed
+    evict = pool_fixed_point(model, policy, input_ids, sinks=sinks, window=window, long_range=long_range)
+    return forward_under(model, policy, input_ids, evict, sinks=sinks, window=window, long_range=long_range)[0], evict[:, 0]
+
+
+@torch.no_grad()
+def pool_fixed_point(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: int, long_range: int) -> Tensor:
+    """Eviction times (L, B, Hk, S) of a ``global_budget`` policy on B traces of one length (B, S) at
+    once, one trace per row: the fixed point of :func:`captured_forward` (see there), with the pool's
+    simulation vectorized over the rows. The simulation is sequential over queries and costs about as
+    much for 16 rows as for one, so batching the traces divides the fixed point's cost by about B."""
+    B, S = input_ids.shape
+    pos = torch.arange(S, device=input_ids.device).expand(B, S)
+    doc = torch.zeros_like(pos)
+    kw = dict(sinks=sinks, window=window, long_range=long_range, executor="flex" if input_ids.is_cuda else "sdpa")
+    evict, run = None, None  # (L, B, Hk, S); the last simulation, which the next one continues where the scores changed
     for _ in range(max(0, -(-(S - (sinks + window + long_range)) // window)) + 2):
         ctx = SparseContext.for_rows(policy, doc, pos, global_evict=evict, **kw)  # records each layer's scores
-        logits = model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx).logits[0].float()
-        prio = torch.stack([ctx.global_prio[i] for i in sorted(ctx.global_prio)])  # (L, 1, Hk, S) log beta
+        model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx, logits_to_keep=1)  # the scores alone
+        prio = torch.stack([ctx.global_prio[i] for i in sorted(ctx.global_prio)])  # (L, B, Hk, S) log beta
         new, run = global_decaying_eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=long_range, previous=run, keep_run=True)
         unchanged = bool((new >= S).all()) if evict is None else torch.equal(new, evict)  # first pass: nothing was evicted
         if unchanged:
-            return logits, new[:, 0]
+            return new
         evict = new
     raise RuntimeError(f"the pool's pattern of {policy.name!r} did not reach its fixed point; its scores are not causal")
+
+
+@torch.no_grad()
+def forward_under(model, policy: Policy, input_ids: Tensor, evict: Tensor, *, sinks: int, window: int, long_range: int) -> Tensor:
+    """Logits (B, S, V) float32 of B traces (B, S) under a ``global_budget`` policy's eviction times (L, B, Hk, S)."""
+    B, S = input_ids.shape
+    pos = torch.arange(S, device=input_ids.device).expand(B, S)
+    ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, global_evict=evict, sinks=sinks, window=window,
+                                 long_range=long_range, executor="flex" if input_ids.is_cuda else "sdpa")
+    return model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx).logits.float()
 
 
 @torch.no_grad()
@@ -201,6 +224,26 @@ def teacher_targets(model, input_ids: Tensor, *, window: int, target: str = "mea
     return t[key]
 
 
+def _pool_patterns(records, candidates, slots, *, sinks: int, window: int, device, pool_batch: int | None) -> dict[tuple[str, int], Tensor]:
+    """(candidate name, record index) -> eviction times (L, Hk, S) of every ``global_budget`` candidate,
+    from batched fixed points over records of equal length."""
+    out = {}
+    for c in candidates:
+        if c.policy.needs_attention or not c.policy.global_budget:
+            continue
+        by_len: dict[int, list[int]] = {}
+        for n, rec in enumerate(records[: c.max_traces]):
+            by_len.setdefault(len(rec["input_ids"]), []).append(n)
+        for S, idx in by_len.items():
+            batch = pool_batch or (16 if torch.device(device).type == "cuda" else max(1, 2**27 // (S * S)))
+            for i in range(0, len(idx), batch):
+                chunk = idx[i : i + batch]
+                ids = torch.tensor([records[n]["input_ids"] for n in chunk], device=device)
+                evict = pool_fixed_point(c.model, c.policy, ids, sinks=sinks, window=window, long_range=slots[c.name])  # (L, B, Hk, S)
+                out.update({(c.name, n): evict[:, b] for b, n in enumerate(chunk)})
+    return out
+
+
 def score_positions(record: dict) -> tuple[Tensor, Tensor]:
     """Prediction positions i (predicting token i + 1) of assistant tokens, and of quote tokens."""
     lm = torch.tensor(record["loss_mask"])
@@ -220,8 +263,13 @@ def evaluate_fidelity(
     window: int,
     device: str | torch.device = "cpu",
     progress: Callable[[int, int], None] | None = None,
+    pool_batch: int | None = None,
 ) -> dict[str, dict[str, float]]:
     """Per-policy fidelity metrics over the records at one nominal budget (see module docstring).
+
+    A ``global_budget`` policy's eviction times come first, from :func:`pool_fixed_point` on up to
+    ``pool_batch`` traces of one length at a time (default: 16 on CUDA; on the CPU, whose attention
+    mask is dense, as many as keep ``B x S x S`` under 2**27); its logits then from one forward per trace.
 
     A policy that scored no trace (an oracle whose input no record has) is left out of the result."""
     candidates = list(candidates)
@@ -232,6 +280,7 @@ def evaluate_fidelity(
     }
     acc = {c.name: _Acc() for c in candidates}
     dense = Dense()
+    pooled = _pool_patterns(records, candidates, slots, sinks=sinks, window=window, device=device, pool_batch=pool_batch)
     # the oracles' teacher targets come with the reference forward
     kinds = tuple(sorted({k for c in candidates if (k := c.policy.teacher_target()) is not None}))
     for n, rec in enumerate(records):
@@ -262,7 +311,11 @@ def evaluate_fidelity(
             elif c.policy.name == "dense" and c.model is teacher:
                 logits, occupancy = ref, ids.shape[1] / budget
             else:
-                logits, evict = captured_forward(c.model, c.policy, ids, sinks=sinks, window=window, long_range=slots[c.name])
+                if c.policy.global_budget:
+                    evict = pooled[c.name, n]  # (L, Hk, S)
+                    logits = forward_under(c.model, c.policy, ids, evict[:, None], sinks=sinks, window=window, long_range=slots[c.name])[0]
+                else:
+                    logits, evict = captured_forward(c.model, c.policy, ids, sinks=sinks, window=window, long_range=slots[c.name])
                 m = held_map(evict, sinks + window + slots[c.name])  # (L, Hk)
                 occupancy = m.mean().item()
                 acc[c.name].occupancy_map = m if acc[c.name].occupancy_map is None else acc[c.name].occupancy_map + m
