@@ -27,7 +27,11 @@ def policies():
     tilted = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8, scorer_recency=0.05)
     for p in tilted.scorer.layers.parameters():  # a scorer that ranks, and an age decay that competes with it
         torch.nn.init.normal_(p, std=0.5)
-    return {"recency": StreamingLLM(), "mlp": mlp, "dms": dms, "mlp+recency": tilted}
+    share = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8, scorer_recency=0.5,
+                        scorer_recency_space="share")
+    for p in share.scorer.layers.parameters():  # the decay on the share's scale, against shares exp(r_hat) of about 0.1-100
+        torch.nn.init.normal_(p, std=0.5)
+    return {"recency": StreamingLLM(), "mlp": mlp, "dms": dms, "mlp+recency": tilted, "mlp+share": share}
 
 
 def training_logits(model, policy, ids, *, sinks=SINKS, window=WINDOW, k=K):
@@ -39,7 +43,7 @@ def training_logits(model, policy, ids, *, sinks=SINKS, window=WINDOW, k=K):
         return model(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits
 
 
-@pytest.mark.parametrize("policy_name", ["recency", "mlp", "dms", "mlp+recency"])
+@pytest.mark.parametrize("policy_name", ["recency", "mlp", "dms", "mlp+recency", "mlp+share"])
 @pytest.mark.parametrize("prefill", [1, 30])
 def test_decoding_equals_training_pattern(model, policy_name, prefill):
     policy = policies()[policy_name]

@@ -11,9 +11,9 @@ from kvpop.policies import make_policy
 from kvpop.selection import eviction_times
 
 
-def kvpop_policy(head_dim, *, gate_std, dtype=torch.float32, d=4, seed=0):
+def kvpop_policy(head_dim, *, gate_std, dtype=torch.float32, d=4, seed=0, **kw):
     torch.manual_seed(seed)
-    policy = make_policy("kvpop", num_layers=2, num_kv_heads=2, head_dim=head_dim, scorer_dk=d, scorer_dv=d)
+    policy = make_policy("kvpop", num_layers=2, num_kv_heads=2, head_dim=head_dim, scorer_dk=d, scorer_dv=d, **kw)
     with torch.no_grad():
         for cell in policy.scorer.layers:
             cell.w_gate.normal_(0.0, gate_std)
@@ -52,13 +52,15 @@ def test_prompt_state_equals_stepping():
 
 
 @pytest.mark.parametrize("prefill", [1, 13, 40])
-@pytest.mark.parametrize("sinks,window,k", [(2, 4, 3), (0, 1, 2), (3, 5, 0), (1, 6, 4)])
-def test_stored_tokens_follow_eviction_times(prefill, sinks, window, k):
+@pytest.mark.parametrize("sinks,window,k,space", [(2, 4, 3, None), (0, 1, 2, None), (3, 5, 0, None), (1, 6, 4, None), (2, 4, 3, "share")])
+def test_stored_tokens_follow_eviction_times(prefill, sinks, window, k, space):
     """After every step each (row, KV head) stores exactly the tokens that the training pattern (the
     parallel-form priorities over the whole sequence) keeps at that query; long-range slots carry
-    those priorities, sinks and window tokens none (NaN)."""
+    those priorities, sinks and window tokens none (NaN). ``space="share"``: with an age decay on the
+    share's scale (kvpop.scorer)."""
     B, Hk, S, D = 2, 2, 40, 8
-    policy = kvpop_policy(D, gate_std=1.0, dtype=torch.float64)  # float64: exact ranking comparisons
+    kw = {} if space is None else dict(scorer_recency=0.02, scorer_recency_space=space)
+    policy = kvpop_policy(D, gate_std=1.0, dtype=torch.float64, **kw)  # float64: exact ranking comparisons
     g = torch.Generator().manual_seed(4)
     keys = torch.randn(B, Hk, S, D, generator=g, dtype=torch.float64)
     values = torch.randn(B, Hk, S, D, generator=g, dtype=torch.float64)

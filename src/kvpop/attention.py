@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from kvpop.boundary import BoundaryWeight, boundary_loss
+from kvpop.boundary import BoundaryWeight, boundary_loss, calibration_loss
 from kvpop.masks import block_mask_from_eviction_times, dense_mask, make_eviction_mask_mod
 from kvpop.policies import Policy
 from kvpop.policies.base import GateRelaxation
@@ -137,6 +137,7 @@ class ScorerTraining:
     weighting: BoundaryWeight = "tie"  # boundary-loss weights (kvpop.boundary.boundary_loss)
     pool: TargetPool = "group"  # over which heads the target is maximized (kvpop.target.pool_targets)
     blend: float = 0.5  # pool "blend": the weight of the model-wide maximum
+    calibration: float = 0.0  # weight of kvpop.boundary.calibration_loss beside the boundary loss
     generator: torch.Generator | None = None
 
 
@@ -322,8 +323,12 @@ class SparseContext:
             loss, stats = boundary_loss(
                 r_hat, r_tgt, log_gamma, self.doc_ids, self.pos,
                 sinks=self.sinks, window=self.window, long_range=self.long_range, tau=st.tau, tie_margin=st.tie_margin,
-                query_samples=st.query_samples, generator=st.generator, weighting=st.weighting,
+                query_samples=st.query_samples, generator=st.generator, weighting=st.weighting, share=self.policy.scorer.decay.share,
             )
+            if st.calibration > 0:
+                calib = calibration_loss(r_hat, r_tgt, self.doc_ids, self.pos, sinks=self.sinks)
+                loss = loss + st.calibration * calib
+                stats = {**stats, "calibration": calib.detach()}
         self.losses.append(loss)
         self.stats.append(stats)
 

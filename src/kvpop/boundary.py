@@ -62,13 +62,14 @@ def boundary_labels(
     sinks: int,
     window: int,
     long_range: int,
+    share: float = 0.0,
 ) -> BoundaryLabels:
     """The teacher's keep/drop decision for t_new at every decided query, and its competitor."""
     k = long_range
     B, Hk, S = r_tgt.shape
     dev = r_tgt.device
     ok = eligible_tokens(doc_ids, pos, sinks)  # (B, S)
-    prio = static_priority(r_tgt, pos, log_gamma.detach())
+    prio = static_priority(r_tgt, pos, log_gamma.detach(), share)
     ranks = teacher_ranks(prio, doc_ids, pos, sinks)  # (B, Hk, S)
     t = torch.arange(S, device=dev)
     q = t + window
@@ -106,6 +107,7 @@ def boundary_loss(
     query_samples: int = 0,
     generator: torch.Generator | None = None,
     weighting: BoundaryWeight = "tie",
+    share: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Weighted logistic loss at the eviction boundary; returns (loss, detached stats).
 
@@ -123,9 +125,13 @@ def boundary_loss(
     ``weighting="uniform"``: omega = 1, every decision counts the same (no tie discount, no class
     balance). Under the model-pooled target it fitted the long-range sources best on the CPU scorer
     fit (BENCHMARKS.md, scorer fit).
+
+    ``share > 0``: teacher and student rank on the attention share's scale with that age decay
+    (:func:`kvpop.scorer.static_priority`; the learned decay unused), and the margins are differences
+    of those priorities: the decisions then depend on ``r_hat``'s level, which the loss calibrates.
     """
     B, Hk, S = r_hat.shape
-    lab = boundary_labels(r_tgt, log_gamma, doc_ids, pos, sinks=sinks, window=window, long_range=long_range)
+    lab = boundary_labels(r_tgt, log_gamma, doc_ids, pos, sinks=sinks, window=window, long_range=long_range, share=share)
     if query_samples > 0 and lab.row.numel() > query_samples * B * Hk:
         keep = torch.randperm(lab.row.numel(), generator=generator, device="cpu")[: query_samples * B * Hk]
         keep = keep.to(lab.row.device)
@@ -137,6 +143,10 @@ def boundary_loss(
     gap = (lab.t_bnd - lab.t_new).to(torch.float64)  # < 0: t_bnd is older
     flat_hat = r_hat.reshape(B * Hk, S)
     flat_tgt = r_tgt.reshape(B * Hk, S)
+    if share > 0:  # differences of the share-space priorities (log_gamma unused)
+        flat_hat = static_priority(r_hat, pos, log_gamma, share).reshape(B * Hk, S)
+        flat_tgt = static_priority(r_tgt, pos, log_gamma, share).reshape(B * Hk, S)
+        gap = torch.zeros_like(gap)
     delta = (flat_hat[lab.row, lab.t_new] - flat_hat[lab.row, lab.t_bnd]).double() + gap * log_gamma[h]
     with torch.no_grad():
         delta_tgt = (flat_tgt[lab.row, lab.t_new] - flat_tgt[lab.row, lab.t_bnd]).double() + gap * log_gamma[h].detach()
@@ -164,3 +174,22 @@ def boundary_loss(
         "agreement": ((delta.detach() > 0) == (lab.y > 0)).float().mean(),
     }
     return loss, stats
+
+
+def calibration_loss(
+    r_hat: Tensor,  # (B, Hk, S) student raw scores (carries the scorer's graph)
+    r_tgt: Tensor,  # (B, Hk, S) targets (detached), -inf where a token has none
+    doc_ids: Tensor,
+    pos: Tensor,
+    *,
+    sinks: int,
+) -> Tensor:
+    """Mean squared error of ``r_hat`` against the target, over the eligible tokens that have one.
+
+    The boundary loss sees only differences of scores, so on the log scale ``r_hat``'s level is free;
+    a ranking on the share's scale (``share > 0``, :func:`kvpop.scorer.static_priority`) reads its level,
+    and this term ties the level (and the slope) to the target's."""
+    ok = eligible_tokens(doc_ids, pos, sinks)[:, None, :] & torch.isfinite(r_tgt)  # (B, Hk, S)
+    if not bool(ok.any()):
+        return r_hat.sum() * 0.0
+    return (r_hat.float()[ok] - r_tgt.float()[ok]).square().mean()

@@ -137,6 +137,14 @@ class TrainConfig(_Section):
         0.0, ge=0, description="kvpop_mlp, kvpop: fixed extra age decay per token, added to the learned one "
         "(kvpop.scorer; large: the recency rule)",
     )
+    scorer_recency_space: Literal["log", "share"] = Field(
+        "log", description="what scorer_recency is subtracted from: log (r_hat, with the learned decay) or share "
+        "(exp(r_hat), the attention share; the learned decay unused; kvpop.scorer)",
+    )
+    scorer_calibration: float = Field(
+        0.0, ge=0, description="weight of the scorer's calibration term, the squared error of r_hat against the target "
+        "beside the boundary loss (kvpop.boundary.calibration_loss; space share reads r_hat's level)",
+    )
     tau: float = Field(1.0, gt=0, description="temperature of the boundary loss")
     tie_margin: float = Field(
         0.5, ge=0, description="near-tie discount: weight 1 - exp(-|Delta_target| / tie_margin)"

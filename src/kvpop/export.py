@@ -145,9 +145,9 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
-def load_export(path: Path, dtype: str = "float32", *, recency: float | None = None):
-    """(model, tokenizer, policy, meta) of an export folder; ``recency`` overrides a learned scorer's
-    fixed age decay (:mod:`kvpop.scorer`; None: the exported one)."""
+def load_export(path: Path, dtype: str = "float32", *, recency: float | None = None, recency_space: str | None = None):
+    """(model, tokenizer, policy, meta) of an export folder; ``recency`` and ``recency_space`` override a
+    learned scorer's fixed age decay and its scale (:mod:`kvpop.scorer`; None: the exported ones)."""
     from transformers import AutoTokenizer
 
     from kvpop.modeling import load_model, model_shape
@@ -162,6 +162,7 @@ def load_export(path: Path, dtype: str = "float32", *, recency: float | None = N
         meta["policy"], num_layers=shape["num_layers"], num_kv_heads=shape["num_kv_heads"], head_dim=shape["head_dim"],
         scorer_hidden=sc.get("hidden", 64), scorer_dk=sc.get("d_k", 16), scorer_dv=sc.get("d_v", 16),
         scorer_forget_gate=sc.get("forget_gate", "sigmoid"), scorer_recency=sc.get("recency", 0.0) if recency is None else recency,
+        scorer_recency_space=sc.get("recency_space", "log") if recency_space is None else recency_space,
     )
     if policy.learned:
         f = path / SCORER

@@ -399,13 +399,13 @@ class MLSTMScorer(nn.Module):
     """KVpop: the delayed mLSTM scorers of every layer and the decay (interface of ``MLPScorer``)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, d_k: int = 16, d_v: int = 16, forget_gate: ForgetGate = "sigmoid",
-                 chunk: int | None = None, form: TrainingForm = "chunkwise", recency: float = 0.0):
+                 chunk: int | None = None, form: TrainingForm = "chunkwise", recency: float = 0.0, recency_space: str = "log"):
         super().__init__()
         if form not in ("chunkwise", "parallel"):
             raise ValueError(f"form must be 'chunkwise' or 'parallel', got {form!r}")
         self.config = dict(
             kind="mlstm", num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            d_k=d_k, d_v=d_v, forget_gate=forget_gate, recency=recency,
+            d_k=d_k, d_v=d_v, forget_gate=forget_gate, recency=recency, recency_space=recency_space,
         )
         # how raw_scores computes (speed/memory, not model settings; both forms give the same scores):
         # form "chunkwise" (linear in S): chunk = tokens of the time axis per chunk (Lc); None: by device,
@@ -415,7 +415,7 @@ class MLSTMScorer(nn.Module):
         # form "parallel" (the quadratic reference twin): chunk = read-out tokens per chunk
         self.form, self.chunk = form, chunk
         self.layers = nn.ModuleList(HeadwiseMLSTM(num_kv_heads, head_dim, d_k, d_v, forget_gate) for _ in range(num_layers))
-        self.decay = LearnedDecay(num_layers, num_kv_heads, recency=recency)
+        self.decay = LearnedDecay(num_layers, num_kv_heads, recency=recency, space=recency_space)
 
     def state_numbers(self) -> int:
         """Numbers of recurrent state per (layer, KV head): C + n + m."""

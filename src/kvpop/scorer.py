@@ -12,6 +12,15 @@ scorer whose scores barely differ (on text unlike its training rows) falls back 
 and a large ``recency`` *is* the recency rule (``streaming_llm_plus``'s pattern), with the raw score
 breaking ties only.
 
+``recency_space`` says what the fixed decay is subtracted from. ``"log"`` (the default) is the
+above, on the log scale of ``r_hat``. ``"share"`` subtracts it from the attention share ``exp(r_hat)``
+instead, and the learned decay is then unused: ``exp(r_hat_t) - recency * (q - t)``, static priority
+``exp(r_hat_t) + recency * t`` (:func:`static_priority`). On the log scale a decay costs every token
+the same factor per token of age, so a decay strong enough to rank near-ties by recency also
+pushes out the rare token the target ranks far above the rest. On the share's scale the same
+decay hardly moves such a token, but it reads ``r_hat``'s level, which the boundary loss alone
+leaves free; ``train.scorer_calibration`` ties it to the target's (:func:`kvpop.boundary.calibration_loss`).
+
 Shapes: B batch, Hk KV heads, S sequence, D head dim, L layers.
 """
 
@@ -19,9 +28,13 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor, nn
+
+RecencySpace = Literal["log", "share"]  # what the fixed age decay is subtracted from (module docstring)
+RECENCY_SPACES: tuple[str, ...] = get_args(RecencySpace)
 
 GAMMA_MIN = 0.999
 GAMMA_MAX = 0.999999
@@ -56,6 +69,13 @@ def check_recency(recency: float) -> float:
     return float(recency)
 
 
+def check_space(space: str) -> str:
+    """A recency space (module docstring); a ValueError unless it is one of RECENCY_SPACES."""
+    if space not in RECENCY_SPACES:
+        raise ValueError(f"recency space must be one of {', '.join(RECENCY_SPACES)}, got {space!r}")
+    return space
+
+
 def has_recency(policy: nn.Module) -> bool:
     """Whether a policy's scorer has the learned age decay that ``recency`` adds to (``kvpop_mlp``, ``kvpop``)."""
     return isinstance(getattr(getattr(policy, "scorer", None), "decay", None), LearnedDecay)
@@ -64,48 +84,75 @@ def has_recency(policy: nn.Module) -> bool:
 class LearnedDecay(nn.Module):
     """gamma per (layer, KV head), constrained to [GAMMA_MIN, GAMMA_MAX] by a sigmoid."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, init: float = 0.9999, recency: float = 0.0):
+    def __init__(self, num_layers: int, num_kv_heads: int, init: float = 0.9999, recency: float = 0.0, space: RecencySpace = "log"):
         super().__init__()
         self.recency = check_recency(recency)  # fixed extra decay per token of age (module docstring)
+        self.space = check_space(space)
         frac = (init - GAMMA_MIN) / (GAMMA_MAX - GAMMA_MIN)
         self.logit = nn.Parameter(torch.full((num_layers, num_kv_heads), math.log(frac / (1 - frac))))
 
+    @property
+    def share(self) -> float:
+        """The decay on the share's scale (``static_priority``'s ``share``): ``recency`` in space "share", else 0."""
+        return self.recency if self.space == "share" else 0.0
+
     def log_gamma(self, layer: int) -> Tensor:
-        """(Hk,) log(gamma_h) - recency < 0, in float64 for a precise age term at long positions."""
+        """(Hk,) log(gamma_h) - recency < 0 (space "log"; in space "share" the decay is not on this scale
+        and ``priority`` does not read it), in float64 for a precise age term at long positions."""
         gamma = GAMMA_MIN + (GAMMA_MAX - GAMMA_MIN) * torch.sigmoid(self.logit[layer].double())
-        return torch.log(gamma) - self.recency
+        return torch.log(gamma) - (self.recency if self.space == "log" else 0.0)
+
+    def priority(self, layer: int, r_hat: Tensor, pos: Tensor) -> Tensor:
+        """The static priority (B, Hk, S) float64 of raw scores r_hat (B, Hk, S) at positions pos (B, S),
+        detached: what the selection, the masks and the caches rank by."""
+        return static_priority(r_hat.detach(), pos, self.log_gamma(layer).detach(), self.share)
 
 
 class MLPScorer(nn.Module):
     """KVpop_mlp: the scorer networks of every layer and the decay."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, hidden: int = 64, recency: float = 0.0):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, hidden: int = 64, recency: float = 0.0,
+                 recency_space: RecencySpace = "log"):
         super().__init__()
         self.config = dict(
-            kind="mlp", num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, hidden=hidden, recency=recency
+            kind="mlp", num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, hidden=hidden, recency=recency,
+            recency_space=recency_space,
         )
         self.layers = nn.ModuleList(HeadwiseMLP(num_kv_heads, head_dim, hidden) for _ in range(num_layers))
-        self.decay = LearnedDecay(num_layers, num_kv_heads, recency=recency)
+        self.decay = LearnedDecay(num_layers, num_kv_heads, recency=recency, space=recency_space)
 
     def raw_scores(self, layer: int, k: Tensor, v: Tensor) -> Tensor:
         """(B, Hk, S, D) keys and values -> r_hat (B, Hk, S)."""
         return self.layers[layer](k, v)
 
 
-def with_recency(policy: nn.Module, recency: float) -> nn.Module:
+def with_recency(policy: nn.Module, recency: float, space: RecencySpace | None = None) -> nn.Module:
     """A copy of a learned policy (``kvpop_mlp``, ``kvpop``) whose scorer's fixed age decay (module
-    docstring) is ``recency``, in its config too (exports); the original is left as it is."""
+    docstring) is ``recency``, in ``space`` (None: the scorer's own), in its config too (exports); the
+    original is left as it is."""
     if not has_recency(policy):
         raise ValueError(f"policy {getattr(policy, 'name', policy)!r} has no learned age decay to add recency to")
     recency = check_recency(recency)
     out = copy.deepcopy(policy)
     out.scorer.decay.recency = out.scorer.config["recency"] = recency
+    if space is not None:
+        out.scorer.decay.space = out.scorer.config["recency_space"] = check_space(space)
     return out
 
 
-def static_priority(r_hat: Tensor, pos: Tensor, log_gamma: Tensor) -> Tensor:
+def static_priority(r_hat: Tensor, pos: Tensor, log_gamma: Tensor, share: float = 0.0) -> Tensor:
     """r_hat (B, Hk, S), pos (B, S), log_gamma (Hk,) -> priority (B, Hk, S) float64.
 
     ``r_hat_t - pos_t * log(gamma_h)``: ranking by it at query q equals ranking by the effective score.
+
+    ``share > 0``: the age decay on the attention share's scale instead, ``exp(r_hat_t) - share * (q -
+    t)`` at query q (``log_gamma`` unused): its static priority is ``exp(r_hat_t) + share * pos_t``,
+    returned as its log, ``logaddexp(r_hat_t, log(share * pos_t))`` (same order, no overflow). A token
+    whose share is far above ``share`` times its age keeps its rank against a newer one; among tokens
+    whose shares are all small the older goes first. Unlike the log-space decay it does not discount
+    a large share, so it cannot push out a token the target ranks high (BENCHMARKS.md, "Falling back
+    to recency"); and unlike there, ``r_hat``'s level matters: the scorer must be calibrated to the target.
     """
+    if share > 0:
+        return torch.logaddexp(r_hat.double(), math.log(share) + pos[:, None, :].double().log())
     return r_hat.double() - pos[:, None, :].double() * log_gamma.view(1, -1, 1)

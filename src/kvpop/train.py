@@ -138,7 +138,7 @@ class TrainSettings:
             scorer_training=ScorerTraining(
                 tau=cfg.tau, tie_margin=cfg.tie_margin, query_samples=cfg.query_samples,
                 target_normalizer=cfg.target_normalizer, target=cfg.target, target_beta=cfg.target_beta,
-                weighting=cfg.boundary_weight, pool=cfg.target_pool, blend=cfg.target_blend,
+                weighting=cfg.boundary_weight, pool=cfg.target_pool, blend=cfg.target_blend, calibration=cfg.scorer_calibration,
                 generator=torch.Generator().manual_seed(seed),
             ),
             activation_checkpointing=cfg.activation_checkpointing,
@@ -235,6 +235,8 @@ class DistillModule(L.LightningModule):
             logs["train/score_loss"] = score_loss.detach()
             for key in ("agreement", "keep_rate"):
                 logs[f"train/boundary_{key}"] = torch.stack([s[key].float().to(self.device) for s in ctx.stats]).mean()
+            if all("calibration" in s for s in ctx.stats):  # train.scorer_calibration: r_hat's squared error to the target
+                logs["train/calibration"] = torch.stack([s["calibration"].float().to(self.device) for s in ctx.stats]).mean()
             decisions = torch.stack([s["decisions"].float().to(self.device) for s in ctx.stats]).sum()
             log_g = torch.stack([self.policy.scorer.decay.log_gamma(i) for i in range(len(ctx.losses))])
             logs["train/gamma_mean"] = log_g.exp().mean().float()
@@ -444,7 +446,7 @@ def build_training(
     """Everything a training run needs, from one config.
 
     ``teacher`` is the frozen dense model; ``student`` defaults to a trainable copy of it.
-    ``policy`` is a name for :func:`kvpop.policies.make_policy` (with ``cfg.scorer_hidden``, ``cfg.scorer_recency`` and
+    ``policy`` is a name for :func:`kvpop.policies.make_policy` (with ``cfg.scorer_hidden``, ``cfg.scorer_recency``, ``cfg.scorer_recency_space`` and
     ``policy_kw``, e.g. ``scorer_dk``) or a built policy. ``data`` is a :class:`PackedDataset` or
     packed rows (``input_ids``, ``doc_ids``, ``position_ids``, ``loss_mask``, as the pack stage
     writes them). ``seed`` seeds the global RNGs (the scorer's initialization), the data order and
@@ -457,7 +459,8 @@ def build_training(
     shape = model_shape(teacher)
     if isinstance(policy, str):
         dims = {k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}
-        policy = make_policy(policy, **dims, scorer_hidden=cfg.scorer_hidden, scorer_recency=cfg.scorer_recency, **(policy_kw or {}))
+        policy = make_policy(policy, **dims, scorer_hidden=cfg.scorer_hidden, scorer_recency=cfg.scorer_recency,
+                             scorer_recency_space=cfg.scorer_recency_space, **(policy_kw or {}))
     long_range = policy.long_range_slots(budget=budget, sinks=sinks, window=window, head_dim=shape["head_dim"])
     if student is None:  # the teacher may be frozen already (an earlier run on it)
         student = copy.deepcopy(teacher).requires_grad_(True)

@@ -50,14 +50,14 @@ def policy_class(name: str) -> type[Policy]:
 
 def make_policy(
     name: str, *, num_layers: int = 0, num_kv_heads: int = 0, head_dim: int = 0, scorer_hidden: int = 64, scorer_dk: int = 16,
-    scorer_dv: int = 16, scorer_forget_gate: str = "sigmoid", scorer_recency: float = 0.0,
+    scorer_dv: int = 16, scorer_forget_gate: str = "sigmoid", scorer_recency: float = 0.0, scorer_recency_space: str = "log",
 ) -> Policy:
     """A fresh policy by name; learned ones start from an untrained scorer for a model of this shape."""
     cls = policy_class(name)
     if cls.learned and min(num_layers, num_kv_heads, head_dim) < 1:
         raise ValueError(f"policy {name!r} is learned: make_policy needs num_layers, num_kv_heads and head_dim")
     spec = ScorerSpec(num_layers, num_kv_heads, head_dim, hidden=scorer_hidden, d_k=scorer_dk, d_v=scorer_dv, forget_gate=scorer_forget_gate,
-                      recency=scorer_recency)
+                      recency=scorer_recency, recency_space=scorer_recency_space)
     return cls.build(spec)
 
 

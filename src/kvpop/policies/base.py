@@ -87,6 +87,7 @@ class ScorerSpec:
     d_v: int = 16  # kvpop: the mLSTM memory's value dim
     forget_gate: str = "sigmoid"  # kvpop: "sigmoid" or "exp"
     recency: float = 0.0  # kvpop_mlp, kvpop: fixed extra age decay per token (kvpop.scorer)
+    recency_space: str = "log"  # what it is subtracted from: "log" (r_hat) or "share" (exp(r_hat); kvpop.scorer)
 
 
 class Policy(nn.Module):

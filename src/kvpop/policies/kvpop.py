@@ -17,7 +17,6 @@ from torch import Tensor
 
 from kvpop.mlstm import MLSTMScorer, kvpop_k
 from kvpop.policies.base import Policy, ScorerSpec, Scores
-from kvpop.scorer import static_priority
 
 
 class Kvpop(Policy):
@@ -41,7 +40,7 @@ class Kvpop(Policy):
     @classmethod
     def build(cls, spec: ScorerSpec) -> Kvpop:
         return cls(MLSTMScorer(spec.num_layers, spec.num_kv_heads, spec.head_dim, d_k=spec.d_k, d_v=spec.d_v, forget_gate=spec.forget_gate,
-                               recency=spec.recency))
+                               recency=spec.recency, recency_space=spec.recency_space))
 
     def long_range_slots(self, *, budget, sinks, window, head_dim):
         return kvpop_k(budget, sinks, window, head_dim, d_k=self.scorer.config["d_k"], d_v=self.scorer.config["d_v"])
@@ -62,7 +61,7 @@ class Kvpop(Policy):
             raise RuntimeError(f"bound doc_ids {tuple(doc_ids.shape)} do not match pos {tuple(pos.shape)}")
         r_hat = self.scorer.raw_scores(layer, keys, values, doc_ids=doc_ids, pos=pos, window=window)  # (B, Hk, S)
         log_gamma = self.scorer.decay.log_gamma(layer)  # (Hk,)
-        return Scores(prio=static_priority(r_hat.detach(), pos, log_gamma.detach()), r_hat=r_hat, log_gamma=log_gamma)
+        return Scores(prio=self.scorer.decay.priority(layer, r_hat, pos), r_hat=r_hat, log_gamma=log_gamma)
 
     # --- decode: the recurrent form ------------------------------------------------------------
     def init_state(self, layer, B, device):
@@ -74,12 +73,12 @@ class Kvpop(Policy):
     def exit_scores(self, layer, state, k_t, v_t, pos):
         r_hat = self.scorer.readout(layer, state, k_t, v_t)  # (B, Hk)
         p = torch.as_tensor(pos, dtype=torch.int64, device=r_hat.device).reshape(1, 1).expand(r_hat.shape[0], 1)
-        return static_priority(r_hat[..., None], p, self.scorer.decay.log_gamma(layer))[..., 0]
+        return self.scorer.decay.priority(layer, r_hat[..., None], p)[..., 0]
 
     def prefill_chunk(self, layer, state, keys, values, rk, rv, rpos, tau):
         r_hat, new = self.scorer.layers[layer].chunk(state, keys, values, rk, rv, tau)  # (B, Hk, R)
         p = rpos.view(1, -1).expand(r_hat.shape[0], -1)
-        return static_priority(r_hat, p, self.scorer.decay.log_gamma(layer)), new
+        return self.scorer.decay.priority(layer, r_hat, p), new
 
     def prefill(self, layer, keys, values, pos, *, window):
         """The prompt's priorities by the parallel (training) form over one document, and the state
