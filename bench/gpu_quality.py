@@ -17,7 +17,9 @@ the target pools it over more heads (``kvpop_mlp@max.model``: over every layer a
 trains with the regret-weighted (unweighted) boundary loss (``train.boundary_weight``, :func:`kvpop.boundary.boundary_loss`); a
 ``~recency:R`` suffix, last, trains and runs the scorer with a fixed age decay R per token on top of the learned one
 (``train.scorer_recency``, :mod:`kvpop.scorer`; ``eval --recency`` instead adds one to finished exports without
-retraining). All labels get the same rows in the same order and the same step count (``--steps``, also the
+retraining), ``~share:R`` with the decay on the attention share's scale instead (``train.scorer_recency_space``),
+and ``~calib:W`` adds the scorer's calibration term with weight W (``train.scorer_calibration``), e.g.
+``kvpop_mlp@max.blend:0.75+uniform~share:1e-4~calib:0.1``. All labels get the same rows in the same order and the same step count (``--steps``, also the
 scorers' cosine length).
 
 ``--mix N`` adds up to N pieces each of code and prose (:mod:`kvpop.data.other_text`) to every label's
@@ -79,24 +81,47 @@ CONFIGS = {
 }
 
 
-def split_recency(label: str) -> tuple[str, float]:
-    """``<label>[~recency:R]`` -> (label, R): the scorer trains and runs with a fixed age decay R per token
-    (``train.scorer_recency``, :mod:`kvpop.scorer`; 0 without the suffix)."""
-    base, sep, r = label.partition("~recency:")
-    try:
-        recency = float(r) if sep else 0.0
-    except ValueError:
-        raise SystemExit(f"label {label!r}: ~recency: needs a number") from None
-    if not recency >= 0:
-        raise SystemExit(f"label {label!r}: recency must be >= 0")
-    return base, recency
+SCORER_SUFFIXES = {"recency": ("scorer_recency", "log"), "share": ("scorer_recency", "share"), "calib": ("scorer_calibration", None)}
+
+
+def split_scorer(label: str) -> tuple[str, dict]:
+    """``<label>[~recency:R | ~share:R][~calib:W]`` -> (label, TrainConfig settings of the scorer): a fixed
+    age decay R per token on the log scale (``~recency``) or on the attention share's (``~share``;
+    ``train.scorer_recency`` and ``train.scorer_recency_space``, :mod:`kvpop.scorer`), and the weight W
+    of the calibration term (``train.scorer_calibration``); 0 and "log" without them."""
+    base, *parts = label.split("~")
+    out = {"scorer_recency": 0.0, "scorer_recency_space": "log", "scorer_calibration": 0.0}
+    seen = set()
+    for part in parts:
+        key, sep, value = part.partition(":")
+        if key not in SCORER_SUFFIXES or not sep:
+            raise SystemExit(f"label {label!r}: unknown suffix ~{part} (~recency:R, ~share:R, ~calib:W)")
+        field, space = SCORER_SUFFIXES[key]
+        if field in seen:
+            raise SystemExit(f"label {label!r}: ~recency and ~share exclude each other, and each suffix comes once")
+        seen.add(field)
+        try:
+            out[field] = float(value)
+        except ValueError:
+            raise SystemExit(f"label {label!r}: ~{key}: needs a number") from None
+        if not out[field] >= 0:
+            raise SystemExit(f"label {label!r}: ~{key} must be >= 0")
+        if space is not None:
+            out["scorer_recency_space"] = space
+    return base, out
+
+
+def split_recency(label: str) -> tuple[str, float, str]:
+    """``<label>[~recency:R | ~share:R]`` -> (label, R, its space): :func:`split_scorer`'s age decay alone."""
+    base, opts = split_scorer(label)
+    return base, opts["scorer_recency"], opts["scorer_recency_space"]
 
 
 def parse_label(label: str) -> tuple[str, str, float, str, str]:
-    """``name[@kind[:beta][.pool]][+regret|+uniform][~recency:R]`` -> (policy name, target kind, beta, target
+    """``name[@kind[:beta][.pool]][+regret|+uniform][~recency:R|~share:R][~calib:W]`` -> (policy name, target kind, beta, target
     pool, boundary weighting); no target = the paper's mean, no pool = the paper's (each KV head's query
-    group), no ``+regret`` = the paper's tie/class-balance weights; R: :func:`split_recency`."""
-    label, plus, weighting = split_recency(label)[0].partition("+")
+    group), no ``+regret`` = the paper's tie/class-balance weights; the ``~`` suffixes: :func:`split_scorer`."""
+    label, plus, weighting = split_scorer(label)[0].partition("+")
     suffixes = [w for w in BOUNDARY_WEIGHTS if w != "tie"]  # tie: the default, no suffix
     if plus and weighting not in suffixes:
         raise SystemExit(f"label {label!r}: unknown suffix +{weighting} ({', '.join('+' + w for w in suffixes)})")
@@ -200,7 +225,7 @@ def train_phase(args) -> None:
         cfg = TrainConfig(steps=args.steps, seq_len=c["seq_len"], batch_size=1, model_lr=args.model_lr, scorer_lr=args.scorer_lr,
                           scorer_hidden=args.scorer_hidden, top_logits=256, precision=resolve_precision("auto", accelerator),
                           accelerator=accelerator, target=kind, target_beta=beta, target_pool=pool_name,
-                          target_blend=blend, boundary_weight=weighting, scorer_recency=split_recency(label)[1])
+                          target_blend=blend, boundary_weight=weighting, **split_scorer(label)[1])
         training = build_training(teacher, name, packed, cfg=cfg, budget=c["budget"], sinks=c["sinks"], window=c["window"], seed=args.seed)
         ckpt = run_dir / "resume.ckpt"
         timer = step_timer()
@@ -227,6 +252,12 @@ def train_phase(args) -> None:
         del training, trainer
         if dev == "cuda":
             torch.cuda.empty_cache()
+
+
+def uneven(metrics: dict) -> bool:
+    """Whether a policy's per-(layer, head) occupancy differs from 1 somewhere (a gate that evicts more than
+    it must, a pool that moves slots between layers): then its ``occupancy_map`` is worth keeping."""
+    return any(abs(x - 1) > 1e-9 for row in metrics.get("occupancy_map", []) for x in row)
 
 
 def eval_phase(args) -> None:
@@ -257,13 +288,14 @@ def eval_phase(args) -> None:
             cands += [Candidate(recency_label(run_dir.name, r), cands[-1].model, with_recency(pol, r)) for r in args.recency]
         steps[run_dir.name] = meta.get("steps")
         logs[run_dir.name] = json.loads((run_dir / "log.json").read_text())
-    oracles = args.oracle_targets.split(",")  # kind[:beta][.pool][~recency:R]
+    oracles = args.oracle_targets.split(",")  # kind[:beta][.pool][~recency:R | ~share:R]
     targets = [parse_label(f"x@{t}")[1:4] for t in oracles]
-    for i, ((kind, beta, pool), recency) in enumerate(zip(targets, [split_recency(t)[1] for t in oracles], strict=True)):
-        label = "oracle_target" if i == 0 else f"oracle_target@{target_name(kind, beta, pool)}" + ("" if recency == 0 else f"~recency:{recency:g}")
+    for i, ((kind, beta, pool), (_, recency, space)) in enumerate(zip(targets, map(split_recency, oracles), strict=True)):
+        suffix = "" if recency == 0 else f"~{'recency' if space == 'log' else 'share'}:{recency:g}"
+        label = "oracle_target" if i == 0 else f"oracle_target@{target_name(kind, beta, pool)}{suffix}"
         pool_name, blend = split_pool(pool)
         cands.append(Candidate(label, teacher, make_policy("oracle_target").configure(target=kind, target_beta=beta, pool=pool_name, blend=blend,
-                                                                                    recency=recency)))
+                                                                                    recency=recency, space=space)))
     cands.append(Candidate("oracle_sources", teacher, make_policy("oracle_sources")))  # definitions: name and digits
     cands.append(Candidate("oracle_sources@digits", teacher, make_policy("oracle_sources").configure(lead=0)))  # the digits alone
     cands = [cd for cd in cands if cd.name not in done or cd.name == "dense"]  # dense: the reference of every KL
@@ -280,7 +312,8 @@ def eval_phase(args) -> None:
         "steps": distinct[0] if len(distinct) == 1 else None,  # every trained policy's, when they agree
         "steps_per_policy": steps,
         "target": target_name(*targets[0]),
-        "policies": {n: {k: m[k] for k in ("quote_accuracy", "kl", "top1_agreement", "occupancy", "traces") if k in m} for n, m in res.items()},
+        "policies": {n: {k: m[k] for k in ("quote_accuracy", "kl", "top1_agreement", "occupancy", "traces") if k in m}
+                     | ({"occupancy_map": m["occupancy_map"]} if uneven(m) else {}) for n, m in res.items()},
         "k": {**(prev.get("k", {}) if done else {}),
               **{cd.name: cd.policy.long_range_slots(budget=c["budget"], sinks=c["sinks"], window=c["window"], head_dim=shape["head_dim"])
                  for cd in cands}},

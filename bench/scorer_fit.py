@@ -17,7 +17,7 @@ the fit's?), the ranking's own harm on text it never saw. ``--mix N`` adds N pie
 earlier choice of pieces, standard-library modules and installed packages' descriptions; its
 ``mix_pieces`` lists them).
 
-Labels are ``gpu_quality.py``'s: ``name[@kind[:beta][.pool]][+regret][~recency:R]``, e.g. ``kvpop_mlp@max``,
+Labels are ``gpu_quality.py``'s: ``name[@kind[:beta][.pool]][+regret][~recency:R | ~share:R][~calib:W]``, e.g. ``kvpop_mlp@max``,
 ``kvpop_mlp@max.model+regret``, ``kvpop@mean``. Each label's ceiling is reported once per target.
 
     PYTHONPATH=src:bench .venv/bin/python bench/scorer_fit.py --config 4k --model-dir models/base \\
@@ -39,7 +39,7 @@ import torch
 
 from bench_no_harm import default_files, pieces, recency_label, recency_list
 from gpu_embedded_run import make_records
-from gpu_quality import CONFIGS, data_args, parse_label, split_pool, split_recency, target_name
+from gpu_quality import CONFIGS, data_args, parse_label, split_pool, split_scorer, target_name
 from kvpop.attention import ScorerTraining
 from kvpop.boundary import boundary_loss, calibration_loss
 from kvpop.data.other_text import KINDS, other_text_records, token_ids
@@ -121,17 +121,17 @@ def mix_cache(args, teacher, tok, kinds: tuple) -> list[dict]:
     return rows
 
 
-def fit(label: str, cache: dict, shape: dict, args, *, calibrate: float = 0.0, share: float = 0.0) -> tuple:
-    """A fresh scorer of ``label``'s policy trained on the cached train traces; (policy, log).
-
-    ``calibrate``: weight of :func:`kvpop.boundary.calibration_loss` beside the boundary loss;
-    ``share``: the boundary loss on the share's scale with that age decay (``boundary_loss(share=)``)."""
+def fit(label: str, cache: dict, shape: dict, args) -> tuple:
+    """A fresh scorer of ``label``'s policy trained on the cached train traces; (policy, log). The label's
+    ``~`` suffixes (:func:`gpu_quality.split_scorer`) set its age decay, the decay's scale (the boundary
+    loss then ranks on it) and the weight of :func:`kvpop.boundary.calibration_loss`."""
     name, kind, beta, pool, weighting = parse_label(label)
     pool_name, blend = split_pool(pool)
     c = args.cfg
     torch.manual_seed(args.seed)
-    policy = make_policy(name, **{x: shape[x] for x in ("num_layers", "num_kv_heads", "head_dim")}, scorer_hidden=args.scorer_hidden,
-                         scorer_recency=split_recency(label)[1])
+    opts = split_scorer(label)[1]
+    calibrate = opts.pop("scorer_calibration")
+    policy = make_policy(name, **{x: shape[x] for x in ("num_layers", "num_kv_heads", "head_dim")}, scorer_hidden=args.scorer_hidden, **opts)
     if not policy.learned:
         raise SystemExit(f"label {label!r}: {name} has no scorer to fit")
     k_slots = policy.long_range_slots(budget=c["budget"], sinks=c["sinks"], window=c["window"], head_dim=shape["head_dim"])
@@ -152,7 +152,8 @@ def fit(label: str, cache: dict, shape: dict, args, *, calibrate: float = 0.0, s
             for layer in range(L):
                 sc = policy.scores(layer, row["k"][layer][None].float(), row["v"][layer][None].float(), pos, doc_ids=doc, window=c["window"])
                 part, _ = boundary_loss(sc.r_hat, targets[layer], sc.log_gamma, doc, pos, sinks=c["sinks"], window=c["window"],
-                                        long_range=k_slots, tau=st.tau, tie_margin=st.tie_margin, weighting=weighting, share=share)
+                                        long_range=k_slots, tau=st.tau, tie_margin=st.tie_margin, weighting=weighting,
+                                        share=policy.scorer.decay.share)
                 if calibrate > 0:
                     part = part.float() + calibrate * calibration_loss(sc.r_hat, targets[layer], doc, pos, sinks=c["sinks"])
                 loss = loss + part.float() / L
@@ -163,7 +164,8 @@ def fit(label: str, cache: dict, shape: dict, args, *, calibrate: float = 0.0, s
             sched.step()
             losses.append(float(loss.detach()))
     policy.eval()
-    log = {"label": label, "target": target_name(kind, beta, pool), "boundary_weight": weighting, "calibrate": calibrate, "share": share,
+    log = {"label": label, "target": target_name(kind, beta, pool), "boundary_weight": weighting, "calibrate": calibrate,
+           "share": policy.scorer.decay.share,
            "epochs": args.epochs,
            "steps": total, "score_loss_first": round(losses[0], 5), "score_loss_last": round(sum(losses[-len(rows):]) / len(rows), 5),
            "seconds": round(time.time() - t0, 1), "k": k_slots}
@@ -208,10 +210,6 @@ def main() -> None:
                     "plus these age decays per token, as 'oracle_target@<target>~share_recency:<r>'")
     ap.add_argument("--fit-share-recency", type=recency_list, default=[], help="also rank every fit by exp(r_hat) plus these age "
                     "decays per token (a probe of the share-space fallback), as '<label>, share recency <r>'")
-    ap.add_argument("--calibrate", type=recency_list, default=[], help="also fit every label with this weight of the calibration "
-                    "term (kvpop.boundary.calibration_loss), as '<label>, calibrated <w>'; ranked as --fit-share-recency says (if given)")
-    ap.add_argument("--share-train", default="", help="also fit every label with the boundary loss on the share's scale: "
-                    "'<decay>[:<calibration weight>]', comma-separated, as '<label>, share <decay>[, calibrated <w>]', ranked on that scale")
     ap.add_argument("--cache", default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -234,7 +232,8 @@ def main() -> None:
         cache = {**cache, "mix": mix_cache(args, teacher, tok, kinds)}
     cands = [Candidate("dense", teacher, make_policy("dense")), Candidate("streaming_llm", teacher, make_policy("streaming_llm"))]
     # each target's ceiling, also with every fixed age decay a label trains with or --recency adds
-    recencies = sorted({0.0, *args.recency, *(split_recency(lb)[1] for lb in labels)})
+    recencies = sorted({0.0, *args.recency, *(o["scorer_recency"] for o in map(lambda lb: split_scorer(lb)[1], labels)
+                                               if o["scorer_recency_space"] == "log")})
     for kind, beta, pool in sorted({p[1:4] for p in parsed.values()}):
         pool_name, blend = split_pool(pool)
         for r in recencies:
@@ -251,18 +250,6 @@ def main() -> None:
         cands.append(Candidate(lb, teacher, pol))
         cands += [Candidate(recency_label(lb, r), teacher, with_recency(pol, r)) for r in args.recency]
         cands += [Candidate(f"{lb}, share recency {r:g}", teacher, ShareRanked(pol, r)) for r in args.fit_share_recency]
-        for w in args.calibrate:
-            name = f"{lb}, calibrated {w:g}"
-            pol_c, logs[name] = fit(lb, cache, shape, args, calibrate=w)
-            if not args.fit_share_recency:
-                cands.append(Candidate(name, teacher, pol_c))
-            cands += [Candidate(f"{name}, share recency {r:g}", teacher, ShareRanked(pol_c, r)) for r in args.fit_share_recency]
-        for spec in filter(None, args.share_train.split(",")):
-            r, _, w = spec.partition(":")
-            r, w = float(r), float(w or 0)
-            name = f"{lb}, share {r:g}" + (f", calibrated {w:g}" if w else "")
-            pol_s, logs[name] = fit(lb, cache, shape, args, calibrate=w, share=r)
-            cands.append(Candidate(name, teacher, ShareRanked(pol_s, r)))
     recs = [row["record"] for row in cache["eval"]]
     t0 = time.time()
     res = evaluate_fidelity(recs, teacher, cands, budget=c["budget"], sinks=c["sinks"], window=c["window"],
