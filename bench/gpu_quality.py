@@ -294,8 +294,9 @@ def eval_phase(args) -> None:
         suffix = "" if recency == 0 else f"~{'recency' if space == 'log' else 'share'}:{recency:g}"
         label = "oracle_target" if i == 0 else f"oracle_target@{target_name(kind, beta, pool)}{suffix}"
         pool_name, blend = split_pool(pool)
-        cands.append(Candidate(label, teacher, make_policy("oracle_target").configure(target=kind, target_beta=beta, pool=pool_name, blend=blend,
-                                                                                    recency=recency, space=space)))
+        for shared in (False, True) if args.shared_pool else (False,):
+            cands.append(Candidate(label + (", one pool" if shared else ""), teacher, make_policy("oracle_target").configure(
+                target=kind, target_beta=beta, pool=pool_name, blend=blend, recency=recency, space=space, shared=shared)))
     cands.append(Candidate("oracle_sources", teacher, make_policy("oracle_sources")))  # definitions: name and digits
     cands.append(Candidate("oracle_sources@digits", teacher, make_policy("oracle_sources").configure(lead=0)))  # the digits alone
     cands = [cd for cd in cands if cd.name not in done or cd.name == "dense"]  # dense: the reference of every KL
@@ -361,6 +362,8 @@ def main() -> None:
     ap.add_argument("--model-dir", default="/tmp/smol-hf")
     ap.add_argument("--work", default=".quality", help="exports and resume checkpoints, per configuration and label")
     ap.add_argument("--out", default="results/quality_h200.json")
+    ap.add_argument("--shared-pool", action="store_true", help="eval: also rank by each --oracle-targets target with one pool of "
+                    "slots for the whole model (oracle_target's shared, dbtrimkv's budget), as '<oracle label>, one pool'")
     ap.add_argument("--recency", type=recency_list, default=[], help="eval: also score every export whose scorer has an age decay "
                     "with these fixed extra decays (comma-separated, per token; kvpop.scorer), as '<label>, recency <r>'")
     ap.add_argument("--incremental", action="store_true", help="keep the policies --out already holds for this config; evaluate the rest")

@@ -210,6 +210,9 @@ def main() -> None:
                     "plus these age decays per token, as 'oracle_target@<target>~share_recency:<r>'")
     ap.add_argument("--fit-share-recency", type=recency_list, default=[], help="also rank every fit by exp(r_hat) plus these age "
                     "decays per token (a probe of the share-space fallback), as '<label>, share recency <r>'")
+    ap.add_argument("--shared-pool", action="store_true", help="also rank by each target with one pool of slots for the whole "
+                    "model (oracle_target's shared: as dbtrimkv's budget), as 'oracle_target@<target>, one pool'")
+    ap.add_argument("--ceilings-only", action="store_true", help="fit nothing: the labels only name the targets whose ceilings to score")
     ap.add_argument("--cache", default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -239,13 +242,16 @@ def main() -> None:
         for r in recencies:
             cands.append(Candidate(f"oracle_target@{target_name(kind, beta, pool)}" + ("" if r == 0 else f"~recency:{r:g}"), teacher,
                                    make_policy("oracle_target").configure(target=kind, target_beta=beta, pool=pool_name, blend=blend, recency=r)))
+        if args.shared_pool:  # the same ranking under one budget for the whole model
+            cands.append(Candidate(f"oracle_target@{target_name(kind, beta, pool)}, one pool", teacher,
+                                   make_policy("oracle_target").configure(target=kind, target_beta=beta, pool=pool_name, blend=blend, shared=True)))
         for r in args.share_recency:  # the decay against the attention share, exp(target): a ceiling probe
             cands.append(Candidate(f"oracle_target@{target_name(kind, beta, pool)}~share_recency:{r:g}", teacher,
                                    make_policy("oracle_target").configure(target=kind, target_beta=beta, pool=pool_name, blend=blend,
                                                                           recency=r, space="share")))
     cands.append(Candidate("oracle_sources", teacher, make_policy("oracle_sources")))
     logs = {}
-    for lb in labels:
+    for lb in [] if args.ceilings_only else labels:
         pol, logs[lb] = fit(lb, cache, shape, args)
         cands.append(Candidate(lb, teacher, pol))
         cands += [Candidate(recency_label(lb, r), teacher, with_recency(pol, r)) for r in args.recency]

@@ -23,7 +23,7 @@ from kvpop.evaluate import Candidate, captured_forward, evaluate_fidelity, pool_
 from kvpop.policies import make_policy
 from kvpop.policies.dbtrimkv import global_capacity_loss
 from kvpop.policies.trimkv import INIT_LOGIT, capacity_loss
-from kvpop.selection import NEVER, decaying_eviction_times_reference, global_decaying_eviction_times
+from kvpop.selection import NEVER, decaying_eviction_times_reference, eviction_times, global_decaying_eviction_times
 from test_selection import random_packing
 from test_train import tiny_pair
 
@@ -33,8 +33,9 @@ SINKS, WINDOW, K = 2, 6, 5
 BUDGET = SINKS + WINDOW + K
 
 
-def literal_global_eviction_times(log_beta, doc_ids, pos, sinks, window, k):
-    """The pool's rule run literally, one row at a time, with a Python list of (token, pair) entries."""
+def literal_global_eviction_times(log_beta, doc_ids, pos, sinks, window, k, decays=True):
+    """The pool's rule run literally, one row at a time, with a Python list of (token, pair) entries
+    (``decays=False``: ``log_beta`` holds static priorities, compared as they are)."""
     L, B, Hk, S = log_beta.shape
     F = L * Hk
     e = torch.full((L, B, Hk, S), NEVER, dtype=torch.int64)
@@ -49,7 +50,8 @@ def literal_global_eviction_times(log_beta, doc_ids, pos, sinks, window, k):
                 continue
             pool += [(j, f) for f in range(F)]
             while len(pool) > F * k:  # the lowest retention goes; ties: the older token, then the higher pair
-                i, f = min(pool, key=lambda entry: ((q - entry[0]) * rate[entry[1]][entry[0]], entry[0], -entry[1]))
+                i, f = min(pool, key=lambda entry: ((q - entry[0]) * rate[entry[1]][entry[0]] if decays else rate[entry[1]][entry[0]],
+                                                    entry[0], -entry[1]))
                 pool.remove((i, f))
                 e[f // Hk, b, f % Hk, i] = q
     return e
@@ -107,6 +109,65 @@ def test_a_run_continued_where_the_scores_change_equals_a_fresh_run(j0, levels):
         assert all(torch.equal(a, b) for a, b in zip(run2.pools[q], fresh_run.pools[q], strict=True))
     with pytest.raises(ValueError, match="previous run has scores of shape"):
         global_decaying_eviction_times(second[:, :1], doc_ids[:1], pos[:1], **kw, previous=run)
+
+
+@pytest.mark.parametrize("k", [0, 2, 5])
+@pytest.mark.parametrize("levels", [None, 3])
+def test_a_pool_of_static_priorities_matches_the_literal_rule(k, levels):
+    """``decays=False`` (a shared pool ranked by static priorities: oracle_target's ``shared``), ties
+    included, against the literal rule; with one pair it is :func:`eviction_times`'s per-head rule."""
+    L, Hk, S = 2, 2, 70
+    g = torch.Generator().manual_seed(200 + k + (levels or 0))
+    doc_ids, pos = random_packing(2, S, [9, 25, S], 6, g)
+    prio = tied_log_beta(L, 2, Hk, S, g, levels) * 40 + 3  # any real: static priorities
+    got = global_decaying_eviction_times(prio, doc_ids, pos, sinks=SINKS, window=WINDOW, long_range=k, decays=False)
+    want = literal_global_eviction_times(prio, doc_ids, pos, SINKS, WINDOW, k, decays=False)
+    assert torch.equal(got.long(), want)
+    assert not torch.equal(got, global_decaying_eviction_times(prio, doc_ids, pos, sinks=SINKS, window=WINDOW, long_range=k)) or k == 0
+    doc, p1 = torch.zeros(2, S, dtype=torch.long), torch.arange(S).expand(2, S)  # one document per row (eviction_times
+    for h in range(Hk):  # dates evictions past a document's end, the pool does not): one pair is the per-head rule
+        one = global_decaying_eviction_times(prio[:1, :, h : h + 1], doc, p1, sinks=SINKS, window=WINDOW, long_range=k, decays=False)
+        ref = eviction_times(prio[0, :, h : h + 1], doc, p1, sinks=SINKS, window=WINDOW, long_range=k)
+        assert torch.equal(one[0].long().clamp(max=S), ref.long().clamp(max=S)), h  # a time >= S: never evicted in the row
+
+
+def test_the_target_ceiling_with_one_pool(llama):
+    """oracle_target with ``shared``: the pool's pattern by the teacher's targets (no fixed point needed
+    beyond the first: its scores do not depend on the pattern), the pool full and split unevenly, and
+    evaluate_fidelity scores it one trace at a time (its targets are the trace's own)."""
+    from kvpop.evaluate import teacher_targets
+
+    ids = torch.randint(0, 96, (2, 80), generator=torch.Generator().manual_seed(8))
+    per_head = make_policy("oracle_target").configure(target="max", target_beta=8.0)
+    shared = make_policy("oracle_target").configure(target="max", target_beta=8.0, shared=True)
+    assert shared.global_budget and not per_head.global_budget and not type(shared).global_budget
+    for row in range(2):
+        one = ids[row : row + 1]
+        t = teacher_targets(llama, one, window=WINDOW, target="max")  # a random model's: alike in every head
+        t[0] = t[0] + torch.tensor([0.0, 3.0]).view(1, 2, 1)  # so one head's tokens rank higher, by design
+        targets = {("max", 8.0): t}
+        for o in (per_head, shared):
+            o.fit_trace(input_ids=one, record={}, targets=targets)
+        _, evict = captured_forward(llama, shared, one, sinks=SINKS, window=WINDOW, long_range=K)
+        prio = torch.stack([shared.scores(layer, torch.zeros(1, 2, 80, 16), None, torch.arange(80)[None]).prio
+                            for layer in range(2)])  # (L, 1, Hk, S)
+        want = literal_global_eviction_times(prio, torch.zeros(1, 80, dtype=torch.long), torch.arange(80)[None], SINKS, WINDOW, K,
+                                             decays=False)
+        assert torch.equal(evict.long(), want[:, 0])
+        held = (evict > 79).sum(-1)
+        assert held.sum() == 2 * 2 * BUDGET and held.max() > BUDGET
+    recs = [{"input_ids": r.tolist(), "loss_mask": [0] + [1] * 79} for r in ids]
+    res = evaluate_fidelity(recs, llama, [Candidate("per_head", llama, per_head), Candidate("shared", llama, shared)],
+                            budget=BUDGET, sinks=SINKS, window=WINDOW)
+    kl, n = 0.0, 0  # the same by hand: each trace's own targets, its pool's pattern, KL over the scored positions
+    for rec in recs:
+        one = torch.tensor([rec["input_ids"]])
+        shared.fit_trace(input_ids=one, record={}, targets={("max", 8.0): teacher_targets(llama, one, window=WINDOW, target="max")})
+        logits, _ = captured_forward(llama, shared, one, sinks=SINKS, window=WINDOW, long_range=K)
+        ref = torch.log_softmax(llama(input_ids=one).logits[0].float(), -1)
+        kl += (ref.exp() * (ref - torch.log_softmax(logits, -1))).sum(-1)[:-1].sum().item()
+        n += 79
+    assert res["shared"]["traces"] == 2 and res["shared"]["kl"] == pytest.approx(kl / n, rel=1e-4)
 
 
 def test_one_pair_is_the_per_head_rule():

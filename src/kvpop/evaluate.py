@@ -183,7 +183,8 @@ def pool_fixed_point(model, policy: Policy, input_ids: Tensor, *, sinks: int, wi
         ctx = SparseContext.for_rows(policy, doc, pos, global_evict=evict, **kw)  # records each layer's scores
         model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx, logits_to_keep=1)  # the scores alone
         prio = torch.stack([ctx.global_prio[i] for i in sorted(ctx.global_prio)])  # (L, B, Hk, S) log beta
-        new, run = global_decaying_eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=long_range, previous=run, keep_run=True)
+        new, run = global_decaying_eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=long_range, previous=run,
+                                                  keep_run=True, decays=policy.decays)
         unchanged = bool((new >= S).all()) if evict is None else torch.equal(new, evict)  # first pass: nothing was evicted
         if unchanged:
             return new
@@ -229,7 +230,7 @@ def _pool_patterns(records, candidates, slots, *, sinks: int, window: int, devic
     from batched fixed points over records of equal length."""
     out = {}
     for c in candidates:
-        if c.policy.needs_attention or not c.policy.global_budget:
+        if c.policy.needs_attention or not c.policy.global_budget or c.policy.oracle:  # an oracle reads one trace at a time
             continue
         by_len: dict[int, list[int]] = {}
         for n, rec in enumerate(records[: c.max_traces]):
@@ -311,7 +312,7 @@ def evaluate_fidelity(
             elif c.policy.name == "dense" and c.model is teacher:
                 logits, occupancy = ref, ids.shape[1] / budget
             else:
-                if c.policy.global_budget:
+                if (c.name, n) in pooled:
                     evict = pooled[c.name, n]  # (L, Hk, S)
                     logits = forward_under(c.model, c.policy, ids, evict[:, None], sinks=sinks, window=window, long_range=slots[c.name])[0]
                 else:

@@ -348,6 +348,7 @@ def global_decaying_eviction_times(
     long_range: int,
     previous: PoolRun | None = None,
     keep_run: bool = False,
+    decays: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, PoolRun]:
     """Eviction times of one pool of long-range slots shared by every layer and KV head (``dbtrimkv``).
 
@@ -364,6 +365,10 @@ def global_decaying_eviction_times(
     :class:`PoolRun` of the same rows, from ``keep_run=True``) whose scores equal these before token
     ``j0``, the run starts from the previous pool at the last kept query at or before ``j0 + window``
     (the fixed point of :func:`kvpop.evaluate.captured_forward` re-simulates only what changed).
+
+    ``decays=False``: ``log_beta`` holds static priorities (any real; higher is kept), compared as they
+    are instead of as retentions; with ``F = 1`` this is :func:`eviction_times`'s rule (a pool of one
+    head's ``k`` slots; among equal priorities the older token goes).
 
     Args:
         log_beta: ``(L, B, Hk, S)`` float, ``<= 0``.
@@ -404,7 +409,7 @@ def global_decaying_eviction_times(
         leaves = _leaves_window(doc_ids, pos, q, window, sinks)  # (B,)
         cand_pos = torch.cat([pool_pos, torch.where(leaves[:, None], j, -1).expand(B, F)], 1)  # (B, P + F)
         cand_f = torch.cat([pool_f, flat], 1)
-        out = pool_leavers(cand_pos, cand_f, lb[rows, cand_f, cand_pos.clamp(min=0)], q, F, F)  # (B, P + F)
+        out = pool_leavers(cand_pos, cand_f, lb[rows, cand_f, cand_pos.clamp(min=0)], q, F, F, decays=decays)  # (B, P + F)
         e[rows, cand_f, torch.where(out & (cand_pos >= 0), cand_pos, S)] = q  # the rest write to column S
         # the k-th pool entry to go makes room for the k-th leaver to stay (as many of each: F go in all)
         gone, stays = out[:, :P], ~out[:, P:]  # (B, P), (B, F)
@@ -418,7 +423,8 @@ def global_decaying_eviction_times(
     return (times, run) if keep_run else times
 
 
-def pool_leavers(pos: torch.Tensor, pair: torch.Tensor, log_beta: torch.Tensor, q: int, pairs: int, n: int) -> torch.Tensor:
+def pool_leavers(pos: torch.Tensor, pair: torch.Tensor, log_beta: torch.Tensor, q: int, pairs: int, n: int, *,
+                 decays: bool = True) -> torch.Tensor:
     """Which ``n`` candidates of a shared pool go at query ``q``: their token positions ``pos`` (B, N)
     (``-1``: an empty entry, which goes first), pairs ``pair`` (B, N) (``layer * Hk + head`` of
     ``pairs``) and ``log_beta`` (B, N) float64 -> (B, N) bool, ``n`` True per row. The lowest retention
@@ -428,7 +434,7 @@ def pool_leavers(pos: torch.Tensor, pair: torch.Tensor, log_beta: torch.Tensor, 
     A selection, not a sort: the ``n``-th lowest retention ``v``; every candidate below it goes, and
     of those at ``v`` the ones first by the tie order make up the ``n``."""
     valid = pos >= 0
-    score = torch.where(valid, (q - pos).double() * log_beta, float("-inf"))
+    score = torch.where(valid, (q - pos).double() * log_beta if decays else log_beta.double(), float("-inf"))  # decays=False: static
     tie = torch.where(valid, pos * pairs + (pairs - 1 - pair), -1)  # lower goes first: older, then the higher pair
     v = score.kthvalue(n, dim=1, keepdim=True).values  # (B, 1)
     out = score < v
