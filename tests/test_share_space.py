@@ -64,7 +64,7 @@ def test_a_large_share_is_kept_where_the_log_decay_drops_it():
 def test_the_oracle_and_a_scorer_that_fits_it_rank_alike():
     """A share-space scorer whose r_hat equals the target makes the eviction times of oracle_target with
     space="share" at the same decay (the ceiling that the calibration aims at)."""
-    L, Hk, S = 2, 2, 48
+    L, S = 2, 48
     policy = share_policy(recency=0.05)
     k, v, pos = kv(S, B=1)
     oracle = make_policy("oracle_target").configure(target="max", target_beta=8.0, recency=0.05, space="share")
