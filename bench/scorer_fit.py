@@ -189,6 +189,26 @@ class ShareRanked(Policy):
         return Scores(prio=r_hat.exp() + self.recency * pos[:, None, :].double())
 
 
+class PoolRanked(Policy):
+    """A probe, not a policy: a fitted scorer's own static priorities with one pool of slots for the whole
+    model (``global_budget``, as ``oracle_target``'s ``shared``): every layer's and head's priorities on
+    one scale, which the boundary loss alone does not give (its per-head offsets are free) and the
+    calibration term (``~calib:W``) does. ``--fit-shared-pool``."""
+
+    layer_independent = False
+    global_budget = True
+
+    def __init__(self, fitted: Policy):
+        super().__init__()
+        self.fitted, self.name = fitted, f"{fitted.name}~pool"
+
+    def long_range_slots(self, **kw):
+        return self.fitted.long_range_slots(**kw)
+
+    def scores(self, layer, keys, values, pos, **kw):
+        return Scores(prio=self.fitted.scores(layer, keys, values, pos, **kw).prio.detach())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", choices=sorted(CONFIGS), default="4k")
@@ -212,6 +232,8 @@ def main() -> None:
                     "decays per token (a probe of the share-space fallback), as '<label>, share recency <r>'")
     ap.add_argument("--shared-pool", action="store_true", help="also rank by each target with one pool of slots for the whole "
                     "model (oracle_target's shared: as dbtrimkv's budget), as 'oracle_target@<target>, one pool'")
+    ap.add_argument("--fit-shared-pool", action="store_true", help="also rank every fit with one pool of slots for the whole "
+                    "model (probe PoolRanked), as '<label>, one pool'")
     ap.add_argument("--ceilings-only", action="store_true", help="fit nothing: the labels only name the targets whose ceilings to score")
     ap.add_argument("--cache", default=None)
     ap.add_argument("--out", type=Path, default=None)
@@ -256,6 +278,8 @@ def main() -> None:
         cands.append(Candidate(lb, teacher, pol))
         cands += [Candidate(recency_label(lb, r), teacher, with_recency(pol, r)) for r in args.recency]
         cands += [Candidate(f"{lb}, share recency {r:g}", teacher, ShareRanked(pol, r)) for r in args.fit_share_recency]
+        if args.fit_shared_pool:
+            cands.append(Candidate(f"{lb}, one pool", teacher, PoolRanked(pol)))
     recs = [row["record"] for row in cache["eval"]]
     t0 = time.time()
     res = evaluate_fidelity(recs, teacher, cands, budget=c["budget"], sinks=c["sinks"], window=c["window"],
