@@ -254,7 +254,7 @@ def counted_fixed_point(model, policy, ids):
     calls = []
     hook = model.register_forward_pre_hook(lambda *_: calls.append(1))
     try:
-        return pool_fixed_point(model, policy, ids, sinks=SINKS, window=WINDOW, long_range=K)[:, 0], calls
+        return pool_fixed_point(model, policy, ids, sinks=SINKS, window=WINDOW, long_range=K)[0][:, 0], calls
     finally:
         hook.remove()
 
@@ -305,7 +305,7 @@ def test_the_batched_fixed_point_equals_one_trace_at_a_time(llama):
     evaluate_fidelity's batched patterns, equal each trace's own fixed point."""
     policy = random_gate(seed=3, tied=True)
     ids = torch.randint(0, 96, (3, 72), generator=torch.Generator().manual_seed(7))
-    batched = pool_fixed_point(llama, policy, ids, sinks=SINKS, window=WINDOW, long_range=K)  # (L, 3, Hk, S)
+    batched, _ = pool_fixed_point(llama, policy, ids, sinks=SINKS, window=WINDOW, long_range=K)  # (L, 3, Hk, S)
     singles = [captured_forward(llama, policy, ids[r : r + 1], sinks=SINKS, window=WINDOW, long_range=K) for r in range(3)]
     for r, (_, evict) in enumerate(singles):
         assert torch.equal(batched[:, r], evict), r

@@ -164,30 +164,44 @@ def captured_forward(model, policy: Policy, input_ids: Tensor, *, sinks: int, wi
         ctx = EvictionCapture.for_rows(policy, torch.zeros_like(pos), pos, **kw)
         logits = model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx).logits[0].float()
         return logits, torch.stack([ctx.evict[i][0] for i in sorted(ctx.evict)])
-    evict = pool_fixed_point(model, policy, input_ids, sinks=sinks, window=window, long_range=long_range)
-    return forward_under(model, policy, input_ids, evict, sinks=sinks, window=window, long_range=long_range)[0], evict[:, 0]
+    evict, logits = pool_fixed_point(model, policy, input_ids, sinks=sinks, window=window, long_range=long_range, keep_logits=True)
+    return logits[0], evict[:, 0]
+
+
+def _pool_forward(model, policy: Policy, input_ids: Tensor, evict: Tensor | None, *, sinks: int, window: int, long_range: int,
+                  logits: bool) -> tuple[SparseContext, Tensor | None]:
+    """One forward of B traces (B, S), one document per row, under a ``global_budget`` policy's eviction
+    times (L, B, Hk, S) (None: no eviction); (its context, which recorded every layer's scores, and the
+    logits (B, S, V) float32, or None: ``logits=False`` computes the last position's only)."""
+    B, S = input_ids.shape
+    pos = torch.arange(S, device=input_ids.device).expand(B, S)
+    ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, global_evict=evict, sinks=sinks, window=window,
+                                 long_range=long_range, executor="flex" if input_ids.is_cuda else "sdpa")
+    out = model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx, **({} if logits else {"logits_to_keep": 1}))
+    return ctx, out.logits.float() if logits else None
 
 
 @torch.no_grad()
-def pool_fixed_point(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: int, long_range: int) -> Tensor:
-    """Eviction times (L, B, Hk, S) of a ``global_budget`` policy on B traces of one length (B, S) at
-    once, one trace per row: the fixed point of :func:`captured_forward` (see there), with the pool's
-    simulation vectorized over the rows. The simulation is sequential over queries and costs about as
-    much for 16 rows as for one, so batching the traces divides the fixed point's cost by about B."""
+def pool_fixed_point(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: int, long_range: int,
+                     keep_logits: bool = False) -> tuple[Tensor, Tensor | None]:
+    """(Eviction times (L, B, Hk, S), logits (B, S, V) under them if ``keep_logits``, else None) of a
+    ``global_budget`` policy on B traces of one length (B, S) at once, one trace per row: the fixed
+    point of :func:`captured_forward` (see there), with the pool's simulation vectorized over the rows.
+    The simulation is sequential over queries and costs about as much for 16 rows as for one, so
+    batching the traces divides the fixed point's cost by about B (without ``keep_logits`` the
+    forwards skip the vocabulary projection but the last position's: :func:`forward_under` then)."""
     B, S = input_ids.shape
     pos = torch.arange(S, device=input_ids.device).expand(B, S)
     doc = torch.zeros_like(pos)
-    kw = dict(sinks=sinks, window=window, long_range=long_range, executor="flex" if input_ids.is_cuda else "sdpa")
+    kw = dict(sinks=sinks, window=window, long_range=long_range)
     evict, run = None, None  # (L, B, Hk, S); the last simulation, which the next one continues where the scores changed
     for _ in range(max(0, -(-(S - (sinks + window + long_range)) // window)) + 2):
-        ctx = SparseContext.for_rows(policy, doc, pos, global_evict=evict, **kw)  # records each layer's scores
-        model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx, logits_to_keep=1)  # the scores alone
+        ctx, logits = _pool_forward(model, policy, input_ids, evict, **kw, logits=keep_logits)  # records each layer's scores
         prio = torch.stack([ctx.global_prio[i] for i in sorted(ctx.global_prio)])  # (L, B, Hk, S) log beta
-        new, run = global_decaying_eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=long_range, previous=run,
-                                                  keep_run=True, decays=policy.decays)
+        new, run = global_decaying_eviction_times(prio, doc, pos, **kw, previous=run, keep_run=True, decays=policy.decays)
         unchanged = bool((new >= S).all()) if evict is None else torch.equal(new, evict)  # first pass: nothing was evicted
         if unchanged:
-            return new
+            return new, logits  # the last forward ran under exactly these times
         evict = new
     raise RuntimeError(f"the pool's pattern of {policy.name!r} did not reach its fixed point; its scores are not causal")
 
@@ -195,11 +209,7 @@ def pool_fixed_point(model, policy: Policy, input_ids: Tensor, *, sinks: int, wi
 @torch.no_grad()
 def forward_under(model, policy: Policy, input_ids: Tensor, evict: Tensor, *, sinks: int, window: int, long_range: int) -> Tensor:
     """Logits (B, S, V) float32 of B traces (B, S) under a ``global_budget`` policy's eviction times (L, B, Hk, S)."""
-    B, S = input_ids.shape
-    pos = torch.arange(S, device=input_ids.device).expand(B, S)
-    ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, global_evict=evict, sinks=sinks, window=window,
-                                 long_range=long_range, executor="flex" if input_ids.is_cuda else "sdpa")
-    return model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx).logits.float()
+    return _pool_forward(model, policy, input_ids, evict, sinks=sinks, window=window, long_range=long_range, logits=True)[1]
 
 
 @torch.no_grad()
@@ -240,7 +250,7 @@ def _pool_patterns(records, candidates, slots, *, sinks: int, window: int, devic
             for i in range(0, len(idx), batch):
                 chunk = idx[i : i + batch]
                 ids = torch.tensor([records[n]["input_ids"] for n in chunk], device=device)
-                evict = pool_fixed_point(c.model, c.policy, ids, sinks=sinks, window=window, long_range=slots[c.name])  # (L, B, Hk, S)
+                evict, _ = pool_fixed_point(c.model, c.policy, ids, sinks=sinks, window=window, long_range=slots[c.name])  # (L, B, Hk, S)
                 out.update({(c.name, n): evict[:, b] for b, n in enumerate(chunk)})
     return out
 

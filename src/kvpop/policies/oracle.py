@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from kvpop.policies.base import Policy, Scores
-from kvpop.scorer import check_recency
+from kvpop.scorer import check_recency, check_space
 from kvpop.target import check_pool, pool_targets
 
 
@@ -67,8 +67,7 @@ class OracleTarget(_Oracle):
         whose tokens the target ranks higher holds more than ``k``. The ceiling of a ranking by the same
         target under one budget for the whole model."""
         check_pool(pool, blend)  # at configure time, not at the first trace
-        if space not in ("log", "share"):
-            raise ValueError(f"space must be 'log' or 'share', got {space!r}")
+        check_space(space)
         self.target, self.target_beta, self.pool, self.blend = target, target_beta, pool, blend
         self.recency, self.space = check_recency(recency), space
         self.global_budget = bool(shared)  # shadows the class's False
