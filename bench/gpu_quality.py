@@ -260,16 +260,21 @@ def uneven(metrics: dict) -> bool:
     return any(abs(x - 1) > 1e-9 for row in metrics.get("occupancy_map", []) for x in row)
 
 
+def pad_records(recs: list[dict], seq_len: int, tok) -> list[dict]:
+    """Records right-padded to ``seq_len``: one shape, one FlexAttention compile on CUDA (a compile per
+    length would hit dynamo's recompile limit). Padding is never scored (``loss_mask`` 0), and
+    ``trace_tokens`` tells oracle_target where the trace ends."""
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    return [{**r, "input_ids": r["input_ids"] + [pad_id] * (seq_len - len(r["input_ids"])),
+             "loss_mask": r["loss_mask"] + [0] * (seq_len - len(r["input_ids"])), "trace_tokens": len(r["input_ids"])} for r in recs]
+
+
 def eval_phase(args) -> None:
     dev, tok, teacher, shape = setup(args)
     c = args.cfg
     d = data_args(args, train=False)
     recs, stats, qd, _ = make_records(tok, d.n, args.eval_seed, d)
-    # right-pad to seq_len: one shape, one FlexAttention compile; padding is never scored, and
-    # trace_tokens tells oracle_target where the trace ends
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-    padded = [{**r, "input_ids": r["input_ids"] + [pad_id] * (c["seq_len"] - len(r["input_ids"])),
-               "loss_mask": r["loss_mask"] + [0] * (c["seq_len"] - len(r["input_ids"])), "trace_tokens": len(r["input_ids"])} for r in recs]
+    padded = pad_records(recs, c["seq_len"], tok)
     out = Path(args.out)
     doc = json.loads(out.read_text()) if out.is_file() else {"configurations": []}
     prev = next((e for e in doc["configurations"] if e.get("config") == run_name(args)), None)
