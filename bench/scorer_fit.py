@@ -29,7 +29,7 @@ is reused by later calls with the same configuration, traces and seeds.
 On a GPU (``--device``, default ``cuda`` where there is one) the teacher, the cache and the fits stay
 there, and the evaluated traces are right-padded to the row length (one FlexAttention compile; the
 padding is never scored). On an H200 a 4k fit of 48 traces x 3 epochs takes about 50 s; a label under
-one pool (``--fit-shared-pool``) adds its fixed point, about 70 s for 16 traces.
+one pool (``--fit-shared-pool``, ``--shared-pool``) adds its fixed point, 35-45 s for 16 traces.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import lightning as L
 import torch
 
 from kvpop import tracking
+from kvpop.config import TRAIN_KEYS_NOT_IN_RESULT
 from kvpop.export import CheckpointError
 from kvpop.modeling import load_model
 from kvpop.pack import load_packed
@@ -30,9 +31,6 @@ from kvpop.resume import ResumeCheckpoint, begin_run, checkpoint_step, find_resu
 from kvpop.train import build_training, resolve_precision
 
 from common import Progress, console, fail, params, write_json
-
-#: train keys that do not change the result: a resumed run may differ in them
-_NOT_IN_RESULT = ("policies", "log_every", "checkpoint_every")
 
 
 class StepProgress(L.Callback):
@@ -87,7 +85,7 @@ def main() -> None:
     run_config = {  # "precision": train.precision "auto" may resolve differently on other hardware
         "seed": p.seed, "budget": p.budget, "sinks": p.sinks, "window": p.window, "policy": args.policy,
         "precision": resolve_precision(cfg.precision, cfg.accelerator),
-        "train": cfg.model_dump(exclude=set(_NOT_IN_RESULT)), "data_rows": int(packed.input_ids.shape[0]),
+        "train": cfg.model_dump(exclude=set(TRAIN_KEYS_NOT_IN_RESULT)), "data_rows": int(packed.input_ids.shape[0]),
         "base_config_sha1": hashlib.sha1((Path(args.base) / "config.json").read_bytes()).hexdigest(),
     }
     try:  # before any heavy work: a bad checkpoint stops here, with nothing touched

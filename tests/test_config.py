@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpop.config import ParamsError, load_params, parse_params
+from kvpop.config import TRAIN_KEYS_NOT_IN_RESULT, ParamsError, TrainConfig, load_params, parse_params
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,6 +17,15 @@ def raw():
 def test_repo_params_are_valid():
     p = load_params(ROOT / "params.yaml")
     assert p.long_range == p.budget - p.sinks - p.window > 0
+
+
+def test_train_stage_depends_on_every_key_that_changes_a_training():
+    """dvc.yaml's train stage lists its params key by key, so that adding a policy to train.policies trains
+    that policy alone; a train key missing from the list would leave a stale training cached."""
+    listed = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]["do"]["params"]
+    expected = {"seed", "budget", "sinks", "window"} | {f"train.{k}" for k in TrainConfig.model_fields if k not in TRAIN_KEYS_NOT_IN_RESULT}
+    assert sorted(listed) == sorted(expected)
+    assert set(raw()["train"]) == set(TrainConfig.model_fields)  # DVC needs every listed key in params.yaml
 
 
 @pytest.mark.parametrize(

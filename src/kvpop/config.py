@@ -117,6 +117,11 @@ class FilterConfig(_Section):
     other_text: OtherTextConfig = OtherTextConfig()
 
 
+#: train keys that do not change a training run's result: a resumed run may differ in them, and the
+#: pipeline's train stage does not depend on them (dvc.yaml lists every other key; a test checks it)
+TRAIN_KEYS_NOT_IN_RESULT = ("policies", "log_every", "checkpoint_every")
+
+
 class TrainConfig(_Section):
     """Stage ``train``: KL distillation of the student under a sparse pattern."""
 
