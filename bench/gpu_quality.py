@@ -68,7 +68,7 @@ from kvpop.evaluate import Candidate, evaluate_fidelity, score_positions
 from kvpop.export import export, load_export
 from kvpop.modeling import load_model, model_shape
 from kvpop.pack import pack_records
-from kvpop.policies import make_policy
+from kvpop.policies import make_policy, one_pool
 from kvpop.scorer import has_recency, with_recency
 from kvpop.target import TARGET_KINDS, check_pool
 from kvpop.train import build_training, resolve_precision
@@ -289,6 +289,8 @@ def eval_phase(args) -> None:
             continue
         model, _, pol, meta = load_export(run_dir / "export")
         cands.append(Candidate(run_dir.name, model.to(dev).eval(), pol.to(dev)))
+        if args.shared_pool and pol.name == "kvpop_mlp":  # its own priorities, one pool for the whole model
+            cands.append(Candidate(f"{run_dir.name}, one pool", cands[-1].model, one_pool(pol)))
         if args.recency and has_recency(pol):
             cands += [Candidate(recency_label(run_dir.name, r), cands[-1].model, with_recency(pol, r)) for r in args.recency]
         steps[run_dir.name] = meta.get("steps")
@@ -367,8 +369,9 @@ def main() -> None:
     ap.add_argument("--model-dir", default="/tmp/smol-hf")
     ap.add_argument("--work", default=".quality", help="exports and resume checkpoints, per configuration and label")
     ap.add_argument("--out", default="results/quality_h200.json")
-    ap.add_argument("--shared-pool", action="store_true", help="eval: also rank by each --oracle-targets target with one pool of "
-                    "slots for the whole model (oracle_target's shared, dbtrimkv's budget), as '<oracle label>, one pool'")
+    ap.add_argument("--shared-pool", action="store_true", help="eval: also rank by each --oracle-targets target, and every kvpop_mlp "
+                    "export by its own priorities, with one pool of slots for the whole model (oracle_target's shared, "
+                    "kvpop.policies.one_pool; dbtrimkv's budget), as '<label>, one pool'")
     ap.add_argument("--recency", type=recency_list, default=[], help="eval: also score every export whose scorer has an age decay "
                     "with these fixed extra decays (comma-separated, per token; kvpop.scorer), as '<label>, recency <r>'")
     ap.add_argument("--incremental", action="store_true", help="keep the policies --out already holds for this config; evaluate the rest")

@@ -50,7 +50,7 @@ from kvpop.boundary import boundary_loss, calibration_loss
 from kvpop.data.other_text import KINDS, other_text_records, token_ids
 from kvpop.evaluate import Candidate, TargetCapture, evaluate_fidelity
 from kvpop.modeling import load_model, model_shape
-from kvpop.policies import Dense, Policy, Scores, make_policy
+from kvpop.policies import Dense, Policy, Scores, make_policy, one_pool
 from kvpop.scorer import with_recency
 from kvpop.target import pool_targets
 from kvpop.train import scorer_schedule
@@ -196,26 +196,6 @@ class ShareRanked(Policy):
         return Scores(prio=r_hat.exp() + self.recency * pos[:, None, :].double())
 
 
-class PoolRanked(Policy):
-    """A probe, not a policy: a fitted scorer's own static priorities with one pool of slots for the whole
-    model (``global_budget``, as ``oracle_target``'s ``shared``): every layer's and head's priorities on
-    one scale, which the boundary loss alone does not give (its per-head offsets are free) and the
-    calibration term (``~calib:W``) does. ``--fit-shared-pool``."""
-
-    layer_independent = False
-    global_budget = True
-
-    def __init__(self, fitted: Policy):
-        super().__init__()
-        self.fitted, self.name = fitted, f"{fitted.name}~pool"
-
-    def long_range_slots(self, **kw):
-        return self.fitted.long_range_slots(**kw)
-
-    def scores(self, layer, keys, values, pos, **kw):
-        return Scores(prio=self.fitted.scores(layer, keys, values, pos, **kw).prio.detach())
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", choices=sorted(CONFIGS), default="4k")
@@ -240,7 +220,7 @@ def main() -> None:
     ap.add_argument("--shared-pool", action="store_true", help="also rank by each target with one pool of slots for the whole "
                     "model (oracle_target's shared: as dbtrimkv's budget), as 'oracle_target@<target>, one pool'")
     ap.add_argument("--fit-shared-pool", action="store_true", help="also rank every fit with one pool of slots for the whole "
-                    "model (probe PoolRanked), as '<label>, one pool'")
+                    "model (kvpop.policies.one_pool), as '<label>, one pool'")
     ap.add_argument("--ceilings-only", action="store_true", help="fit nothing: the labels only name the targets whose ceilings to score")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="where the teacher, the cache and the fits live (default: cuda where there is one)")
@@ -288,7 +268,7 @@ def main() -> None:
         cands += [Candidate(recency_label(lb, r), teacher, with_recency(pol, r)) for r in args.recency]
         cands += [Candidate(f"{lb}, share recency {r:g}", teacher, ShareRanked(pol, r)) for r in args.fit_share_recency]
         if args.fit_shared_pool:
-            cands.append(Candidate(f"{lb}, one pool", teacher, PoolRanked(pol)))
+            cands.append(Candidate(f"{lb}, one pool", teacher, one_pool(pol)))
     recs = [row["record"] for row in cache["eval"]]
     if args.device != "cpu":  # one shape for FlexAttention's compile (the CPU runs SDPA: no padding, no waste)
         recs = pad_records(recs, c["seq_len"], tok)

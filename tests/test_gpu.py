@@ -260,23 +260,33 @@ def test_bounded_cache_decoding_equals_flex_training_forward(model_type, policy_
     assert diff < 1e-3
 
 
+@pytest.mark.parametrize("policy_name", ["dbtrimkv", "kvpop_mlp, one pool"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-def test_shared_pool_decoding_equals_the_flex_fixed_point(model_type, tiny_model):
-    """dbtrimkv on CUDA: the fixed-point forward (FlexAttention under the pool's eviction times) equals
-    token-by-token decoding through the shared pool, and the pool really moved slots between heads."""
+def test_shared_pool_decoding_equals_the_flex_fixed_point(model_type, policy_name, tiny_model):
+    """The global-budget policies on CUDA (dbtrimkv's decaying retentions, one_pool's static priorities):
+    the fixed-point forward (FlexAttention under the pool's eviction times) equals token-by-token
+    decoding through the shared pool, and the pool really moved slots between heads."""
     from kvpop.decode import enable, teacher_forced_logits
     from kvpop.evaluate import captured_forward
-    from kvpop.policies import make_policy
+    from kvpop.policies import make_policy, one_pool
 
     dev = torch.device("cuda")
     model = enable(tiny_model(model_type).to(dev))
     torch.manual_seed(0)
-    policy = make_policy("dbtrimkv", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
-    with torch.no_grad():  # drawn on the CPU, then moved: the same weights on every machine
-        policy.scorer.w1.normal_(std=0.3)
-        policy.scorer.w1[1] *= 3  # the layers' retention rates differ: the pool splits unevenly
-        policy.scorer.w2.normal_(std=0.5)
-        policy.scorer.b2.fill_(2.0)
+    if policy_name == "dbtrimkv":
+        policy = make_policy("dbtrimkv", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
+        with torch.no_grad():  # drawn on the CPU, then moved: the same weights on every machine
+            policy.scorer.w1.normal_(std=0.3)
+            policy.scorer.w1[1] *= 3  # the layers' retention rates differ: the pool splits unevenly
+            policy.scorer.w2.normal_(std=0.5)
+            policy.scorer.b2.fill_(2.0)
+    else:
+        scorer = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
+        with torch.no_grad():
+            for mlp in scorer.scorer.layers:
+                mlp.w2.normal_(std=1.0)
+            scorer.scorer.layers[1].b2[1] += 3.0  # one head's tokens score higher: it takes slots from the others
+        policy = one_pool(scorer)
     policy.to(dev)
     sinks, window, budget, S = 2, 8, 20, 160
     ids = torch.randint(0, 96, (1, S), generator=torch.Generator().manual_seed(1)).to(dev)
@@ -284,7 +294,7 @@ def test_shared_pool_decoding_equals_the_flex_fixed_point(model_type, tiny_model
     got = teacher_forced_logits(model, policy, ids, budget=budget, sinks=sinks, window=window, prefill=budget)[0]
     diff = (got - ref).abs().max().item()
     held = (evict > S - 1).sum(-1)  # (L, Hk) entries at the last query
-    print(f"{model_type} dbtrimkv: decode vs flex fixed point max |diff| = {diff:.2e}; held {held.tolist()}")
+    print(f"{model_type} {policy_name}: decode vs flex fixed point max |diff| = {diff:.2e}; held {held.tolist()}")
     assert diff < 1e-3
     assert int(held.sum()) == 2 * 2 * budget and int(held.max()) > budget
 

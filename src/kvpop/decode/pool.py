@@ -1,4 +1,4 @@
-"""One pool of long-range entries shared by every layer and KV head (``global_budget`` policies: ``dbtrimkv``).
+"""One pool of long-range entries shared by every layer and KV head (``global_budget`` policies: ``dbtrimkv``, ``one_pool``).
 
 The reference cache of a global budget, the decoding twin of
 :func:`kvpop.selection.global_decaying_eviction_times` (a test proves decoding through it equal to
@@ -180,7 +180,8 @@ class SharedPoolCache(BoundedCache):
     @torch.no_grad()
     def _compete(self, p: int) -> None:
         """Token ``p - window`` leaves every layer's window: it and the pool compete, the ``L x Hk``
-        lowest by retention at ``p`` go (:func:`kvpop.selection.global_decaying_eviction_times`'s rule)."""
+        lowest by retention at ``p`` go (:func:`kvpop.selection.global_decaying_eviction_times`'s rule;
+        a policy that does not decay, :class:`kvpop.policies.OnePool`: the lowest static priorities)."""
         j = p - self.window
         if j < self.sinks:
             return
@@ -194,7 +195,7 @@ class SharedPoolCache(BoundedCache):
         cand_pos = torch.cat([self.pool_pos, torch.full((B, Fp), j, dtype=torch.int64, device=lk.device)], 1)  # (B, P + F)
         cand_f = torch.cat([self.pool_f, torch.arange(Fp, device=lk.device).expand(B, Fp)], 1)
         cand_lb = torch.cat([self.pool_lb, llb], 1)
-        out = pool_leavers(cand_pos, cand_f, cand_lb, p, Fp, Fp)  # (B, P + F)
+        out = pool_leavers(cand_pos, cand_f, cand_lb, p, Fp, Fp, decays=self.policy.decays)  # (B, P + F); static priorities: one_pool
         keep = out.to(torch.uint8).sort(dim=1, stable=True).indices[:, : self.pool_size]  # (B, P) the entries that stay
         self.pool_keys = torch.cat([self.pool_keys, lk], 1).gather(1, keep[..., None].expand(-1, -1, lk.shape[-1]))
         self.pool_values = torch.cat([self.pool_values, lv], 1).gather(1, keep[..., None].expand(-1, -1, lv.shape[-1]))
