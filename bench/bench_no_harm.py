@@ -30,7 +30,7 @@ from kvpop.data.other_text import HELD_OUT_CODE
 from kvpop.evaluate import Candidate, evaluate_fidelity
 from kvpop.export import load_export, read_meta
 from kvpop.modeling import load_model
-from kvpop.policies import make_policy
+from kvpop.policies import make_policy, one_pool
 from kvpop.scorer import has_recency, with_recency
 
 
@@ -88,6 +88,8 @@ def main() -> None:
     ap.add_argument("--prose", nargs="*", type=Path, default=None)
     ap.add_argument("--recency", type=recency_list, default=[], help="also score every export whose scorer has an age decay "
                     "with these fixed extra decays (comma-separated, per token; kvpop.scorer), as '<name>, recency <r>'")
+    ap.add_argument("--shared-pool", action="store_true", help="also score every kvpop_mlp export by its own priorities with one "
+                    "pool of slots for the whole model (kvpop.policies.one_pool), as '<name>, one pool'")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -110,6 +112,8 @@ def main() -> None:
         cands.append(Candidate(n, model, pol.to(dev)))
         if args.recency and has_recency(pol):
             cands += [Candidate(recency_label(n, r), model, with_recency(pol, r)) for r in args.recency]
+        if args.shared_pool and pol.name == "kvpop_mlp":
+            cands.append(Candidate(f"{n}, one pool", model, one_pool(pol)))
         # the same fine-tuned weights with dense attention: what fine-tuning alone changes
         cands.append(Candidate(f"{n} weights, dense", model, make_policy("dense")))
     res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__, **geo,
