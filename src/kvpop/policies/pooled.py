@@ -17,9 +17,9 @@ with :class:`kvpop.decode.pool.SharedPoolCache`. Training stays per head (the wr
 pattern): the pool's pattern of a training forward would need the fixed point at every step.
 
 Only a scorer whose priority of a token is fixed when the token enters (``kvpop_mlp``) can be
-ranked so: the delayed mLSTM (``kvpop``) scores a token from the keys of its whole window, and the
-fixed point's argument (the pattern at query ``t`` reads only scores of tokens ``<= t - window``,
-settled by patterns at earlier queries) does not hold for it.
+ranked so here: the delayed mLSTM (``kvpop``) scores a token from the keys of its whole window, so
+the fixed point's argument (the pattern at query ``t`` reads only scores settled by patterns at
+earlier queries) would need its own proof and test; it is refused until then.
 """
 
 from __future__ import annotations
