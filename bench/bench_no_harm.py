@@ -30,7 +30,7 @@ from kvpop.data.other_text import HELD_OUT_CODE
 from kvpop.evaluate import Candidate, evaluate_fidelity
 from kvpop.export import load_export, read_meta
 from kvpop.modeling import load_model
-from kvpop.policies import make_policy, one_pool
+from kvpop.policies import OnePool, make_policy, one_pool
 from kvpop.scorer import has_recency, with_recency
 
 
@@ -112,7 +112,7 @@ def main() -> None:
         cands.append(Candidate(n, model, pol.to(dev)))
         if args.recency and has_recency(pol):
             cands += [Candidate(recency_label(n, r), model, with_recency(pol, r)) for r in args.recency]
-        if args.shared_pool and pol.name == "kvpop_mlp":
+        if args.shared_pool and OnePool.accepts(pol):
             cands.append(Candidate(f"{n}, one pool", model, one_pool(pol)))
         # the same fine-tuned weights with dense attention: what fine-tuning alone changes
         cands.append(Candidate(f"{n} weights, dense", model, make_policy("dense")))

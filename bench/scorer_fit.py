@@ -227,6 +227,8 @@ def main() -> None:
     ap.add_argument("--cache", default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: no CUDA device is visible here (use --device cpu)")
     if args.threads:
         torch.set_num_threads(args.threads)
     args.cfg = dict(CONFIGS[args.config], sinks=4, window=64 if args.config == "tiny" else 256)

@@ -13,7 +13,7 @@ import torch
 from kvpop.attention import SparseContext
 from kvpop.decode import enable, teacher_forced_logits
 from kvpop.evaluate import Candidate, captured_forward, evaluate_fidelity
-from kvpop.policies import make_policy, one_pool
+from kvpop.policies import OnePool, make_policy, one_pool
 from kvpop.selection import eviction_times, global_decaying_eviction_times
 from test_dbtrimkv import BUDGET, SINKS, WINDOW, K, literal_global_eviction_times
 
@@ -102,5 +102,8 @@ def test_evaluate_fidelity_scores_it_as_a_global_budget_policy(llama):
 @pytest.mark.parametrize("name", ["kvpop", "dbtrimkv", "streaming_llm", "dms"])
 def test_it_refuses_what_it_cannot_rank(name):
     shape = dict(num_layers=2, num_kv_heads=2, head_dim=16) if name != "streaming_llm" else {}
+    policy = make_policy(name, **shape)
+    assert not OnePool.accepts(policy)  # the benches ask this before wrapping
     with pytest.raises(ValueError, match="one_pool ranks"):
-        one_pool(make_policy(name, **shape))
+        one_pool(policy)
+    assert OnePool.accepts(scorer()) and not OnePool.accepts(one_pool(scorer()))

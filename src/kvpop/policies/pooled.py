@@ -37,10 +37,16 @@ class OnePool(Policy):
 
     def __init__(self, policy: Policy):
         super().__init__()
-        if not policy.learned or policy.scores_on_exit or policy.decays or policy.gated or policy.needs_attention or policy.global_budget:
+        if not self.accepts(policy):
             raise ValueError(f"one_pool ranks a learned per-head policy's static priorities (kvpop_mlp), not {policy.name!r}")
         self.policy = policy
         self.name = f"{policy.name}, one pool"  # shadows the class's name: the label of tables and errors
+
+    @staticmethod
+    def accepts(policy: Policy) -> bool:
+        """Whether ``policy`` has static per-head priorities that one pool can rank (module docstring)."""
+        return (policy.learned and not policy.global_budget
+                and not any((policy.scores_on_exit, policy.decays, policy.gated, policy.needs_attention)))
 
     def long_range_slots(self, *, budget: int, sinks: int, window: int, head_dim: int) -> int:
         return self.policy.long_range_slots(budget=budget, sinks=sinks, window=window, head_dim=head_dim)
