@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from kvpop.decode.cache import enable
-from kvpop.decode.engine import DecodeEngine, engine_refusal, kv_bytes_per_token, weight_bytes
+from kvpop.decode.engine import COMPILE_MODES, DecodeEngine, engine_refusal, kv_bytes_per_token, weight_bytes
 from kvpop.decode.generate import new_cache
 from kvpop.policies import make_policy
 
@@ -182,7 +182,7 @@ def row(name, *, B, ctx, budget, timed, eng, floor_bytes, bw, base_bytes, dev, p
         "peak_gb": round(peak(dev), 3), "peak_above_weights_gb": round(peak(dev) - base_bytes / GB, 3),
         "cache_gb": round(eng.cache_bytes() / GB, 3),
         "floor_ms": round(floor_bytes / bw * 1e3, 3), "floor_fraction": round(floor_bytes / bw / s_step, 3),
-        "prefill_s": round(prefill_s, 1), "warmup_s": round(warm, 1), **(extra or {}),
+        "prefill_s": round(prefill_s, 1), "warmup_s": round(warm, 1), "compile_mode": eng.compile_mode, **(extra or {}),
     }
 
 
@@ -198,6 +198,9 @@ def main() -> None:
     ap.add_argument("--batch-fill", choices=("fill", "prefill"), default="fill",
                     help="batch rows: put the cache straight into its state at --batch-context (default) or prefill B * context tokens")
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--compile-modes", default="layer", help="comma list of DecodeEngine compile modes (layer, step): the batch-1 rows "
+                    "for each; the batch rows with the first")
+    ap.add_argument("--dense-modes", default=None, help="the batch-1 dense rows' compile modes (default: --compile-modes)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--eager-new", type=int, default=32, help="new tokens timed for eager generate")
     ap.add_argument("--chunk", type=int, default=2048)
@@ -215,6 +218,9 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     parts = set(args.parts.split(","))
+    modes = args.compile_modes.split(",")
+    if bad := [m for m in modes if m not in COMPILE_MODES]:
+        raise SystemExit(f"--compile-modes: unknown {bad}; choose from {', '.join(COMPILE_MODES)}")
     if args.small:
         contexts, budgets, batches, args.batch_context, args.policy_context = [512, 1024], [384], [4], 1024, 1024
         args.chunk, args.steps, args.eager_new = 256, 8, 4
@@ -258,10 +264,10 @@ def main() -> None:
               "tokens_per_s": round(1 / s, 1), "floor_ms": round((wbytes + ctx0 * per_tok) / bw * 1e3, 3),
               "floor_fraction": round((wbytes + ctx0 * per_tok) / bw / s, 3)})
         torch.cuda.empty_cache() if dev.type == "cuda" else None
-        for budget in budgets:
+        for mode, budget in ((m, b) for m in modes for b in budgets):
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
-            eng = DecodeEngine(model, policy, budget=budget, sinks=4, window=256, batch_size=1, chunk=args.chunk)
+            eng = DecodeEngine(model, policy, budget=budget, sinks=4, window=256, batch_size=1, chunk=args.chunk, compile_mode=mode)
             for ctx in contexts:
                 pre = grow(eng, ctx, vocab, ctx)
                 timed = time_steps(eng, args.steps, args.warmup)
@@ -270,17 +276,18 @@ def main() -> None:
                          base_bytes=base, dev=dev, prefill_s=pre))
             del eng
             torch.cuda.empty_cache() if dev.type == "cuda" else None
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-        max_len = -(-(contexts[-1] + len(contexts) * (args.steps + args.warmup) + 1) // 128) * 128
-        eng = DecodeEngine(model, None, max_len=max_len, batch_size=1, chunk=args.chunk)
-        for ctx in contexts:
-            pre = grow(eng, ctx, vocab, ctx)
-            timed = time_steps(eng, args.steps, args.warmup)
-            done(row("dense", B=1, ctx=ctx, budget=None, timed=timed, eng=eng, floor_bytes=wbytes + ctx * per_tok, bw=bw,
-                     base_bytes=base, dev=dev, prefill_s=pre, extra={"static_cache_len": max_len, "kv_gb_at_context": round(ctx * per_tok / GB, 3)}))
-        del eng
-        torch.cuda.empty_cache() if dev.type == "cuda" else None
+        for mode in args.dense_modes.split(",") if args.dense_modes else modes:
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            max_len = -(-(contexts[-1] + len(contexts) * (args.steps + args.warmup) + 1) // 128) * 128
+            eng = DecodeEngine(model, None, max_len=max_len, batch_size=1, chunk=args.chunk, compile_mode=mode)
+            for ctx in contexts:
+                pre = grow(eng, ctx, vocab, ctx)
+                timed = time_steps(eng, args.steps, args.warmup)
+                done(row("dense", B=1, ctx=ctx, budget=None, timed=timed, eng=eng, floor_bytes=wbytes + ctx * per_tok, bw=bw, base_bytes=base,
+                         dev=dev, prefill_s=pre, extra={"static_cache_len": max_len, "kv_gb_at_context": round(ctx * per_tok / GB, 3)}))
+            del eng
+            torch.cuda.empty_cache() if dev.type == "cuda" else None
 
     if "batch" in parts:
         ctx = args.batch_context
@@ -288,7 +295,7 @@ def main() -> None:
             for budget in budgets:
                 if dev.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(dev)
-                eng = DecodeEngine(model, policy, budget=budget, sinks=4, window=256, batch_size=B, chunk=args.chunk)
+                eng = DecodeEngine(model, policy, budget=budget, sinks=4, window=256, batch_size=B, chunk=args.chunk, compile_mode=modes[0])
                 pre = grow(eng, ctx, vocab, ctx + B) if args.batch_fill == "prefill" else fill(eng, ctx, ctx + B)
                 timed = time_steps(eng, args.steps, args.warmup)
                 done(row("bounded", B=B, ctx=ctx, budget=budget, timed=timed, eng=eng, floor_bytes=wbytes + B * min(ctx, eng.slots) * per_tok,
@@ -304,7 +311,7 @@ def main() -> None:
                 continue
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
-            eng = DecodeEngine(model, None, max_len=max_len, batch_size=B, chunk=args.chunk)
+            eng = DecodeEngine(model, None, max_len=max_len, batch_size=B, chunk=args.chunk, compile_mode=modes[0])
             pre = grow(eng, ctx, vocab, ctx + B) if args.batch_fill == "prefill" else fill(eng, ctx, ctx + B)
             timed = time_steps(eng, args.steps, args.warmup)
             done(row("dense", B=B, ctx=ctx, budget=None, timed=timed, eng=eng, floor_bytes=wbytes + B * ctx * per_tok, bw=bw,
@@ -366,22 +373,23 @@ def policy_row(name: str, model, *, budget: int, ctx: int, steps: int, warmup: i
 def summarize(info: dict, rows: list[dict]) -> None:
     """One table: absolute figures with the ratios beside them."""
     eager = next((r for r in rows if r["engine"] == "hf_eager_generate"), None)
-    dense = {(r["batch"], r["context"]): r for r in rows if r["engine"] == "dense" and "ms_per_step" in r}
+    dense = {(r["batch"], r["context"], r.get("compile_mode")): r for r in rows if r["engine"] == "dense" and "ms_per_step" in r}
     print(f"\n{info['device']}, {info['model']}, copy bandwidth {info['copy_bandwidth_tb_s']} TB/s, weights {info['weight_gb']} GB")
-    hdr = f"{'engine':<18}{'B':>4}{'context':>9}{'budget':>7}{'ms/step':>9}{'tok/s':>9}{'floor%':>8}{'peak GB':>9}{'vs eager':>9}{'vs dense':>9}"
+    hdr = (f"{'engine':<18}{'compile':>8}{'B':>4}{'context':>9}{'budget':>7}{'ms/step':>9}{'tok/s':>9}{'floor%':>8}{'peak GB':>9}{'vs eager':>9}"
+           f"{'vs dense':>9}{'warm-up s':>10}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         if "ms_per_step" not in r:
-            print(f"{r['engine']:<18}{r['batch']:>4}{r['context']:>9}{'':>7}  does not fit: needs {r['needs_cache_gb']} GB of cache, {r['free_gb']} GB free")
+            print(f"{r['engine']:<18}{'':>8}{r['batch']:>4}{r['context']:>9}{'':>7}  does not fit: needs {r['needs_cache_gb']} GB of cache, {r['free_gb']} GB free")
             continue
         ve = f"{eager['ms_per_step'] / r['ms_per_step']:.1f}x" if eager and r["batch"] == 1 and r is not eager else ""
-        d = dense.get((r["batch"], r["context"]))
+        d = dense.get((r["batch"], r["context"], r.get("compile_mode")))
         vd = f"{d['ms_per_step'] / r['ms_per_step']:.2f}x" if d and r["engine"] == "bounded" else ""
         pk = r.get("peak_gb", float("nan"))
         label = f"{r['engine']} {r['policy']}" if "policy" in r else r["engine"]
-        print(f"{label:<18}{r['batch']:>4}{r['context']:>9}{r['budget'] or '':>7}{r['ms_per_step']:>9.2f}{r['tokens_per_s']:>9.1f}"
-              f"{100 * r['floor_fraction']:>7.0f}%{pk:>9.2f}{ve:>9}{vd:>9}")
+        print(f"{label:<18}{r.get('compile_mode') or '-':>8}{r['batch']:>4}{r['context']:>9}{r['budget'] or '':>7}{r['ms_per_step']:>9.2f}"
+              f"{r['tokens_per_s']:>9.1f}{100 * r['floor_fraction']:>7.0f}%{pk:>9.2f}{ve:>9}{vd:>9}{r.get('warmup_s', float('nan')):>10.1f}")
     pols = [r for r in rows if "policy" in r]
     if pols:
         print(f"\ndecode memory at {pols[0]['context']} tokens, batch 1, budget {pols[0]['budget']} (dense cache: {pols[0]['dense_kv_gb_at_context']} GB)")

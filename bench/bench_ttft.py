@@ -69,7 +69,8 @@ def child(args) -> dict:
     policy.to(dev)
     sync(dev)
     t["model_s"] = time.time() - t0
-    eng = DecodeEngine(model, policy, budget=args.budget, sinks=4, window=256, batch_size=1, compile=args.child != "eager")
+    eng = DecodeEngine(model, policy, budget=args.budget, sinks=4, window=256, batch_size=1, compile=args.child != "eager",
+                       compile_mode=args.compile_mode)
     ids = random_ids(1, args.prompt, cfg.vocab_size, 1, dev)
     t0 = time.time()
     logits = eng.prefill(ids)
@@ -103,7 +104,10 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--small", action="store_true", help="a tiny Qwen3 (smoke test)")
+    ap.add_argument("--compile-modes", default="layer", help="comma list of DecodeEngine compile modes (layer, step): cold and warm "
+                    "run for each, each with its own cache folder under --cache")
     ap.add_argument("--child", choices=MODES, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--compile-mode", default="layer", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print("RESULT " + json.dumps(child(args)), flush=True)
@@ -119,14 +123,16 @@ def main() -> None:
     if not cuda and any(m != "eager" for m in modes):
         print("no CUDA device: compiling is CUDA-only, so only the eager mode runs", flush=True)
         modes = [m for m in modes if m == "eager"]
+    cmodes = args.compile_modes.split(",")
     rows = {}
-    for mode in modes:
+    for mode, cm in [(m, c) for c in cmodes for m in modes if m != "eager"] + [(m, None) for m in modes if m == "eager"]:
+        cache = args.cache / cm if cm else args.cache
         if mode == "cold":
-            shutil.rmtree(args.cache, ignore_errors=True)
-        elif mode == "warm" and not args.cache.is_dir():
-            raise SystemExit(f"warm needs the folder a cold run filled ({args.cache}); run cold first")
-        cmd = [sys.executable, __file__, "--child", mode, "--cache", str(args.cache), "--prompt", str(args.prompt),
-               "--budget", str(args.budget), "--steps", str(args.steps), *(["--small"] if args.small else [])]
+            shutil.rmtree(cache, ignore_errors=True)
+        elif mode == "warm" and not cache.is_dir():
+            raise SystemExit(f"warm needs the folder a cold run filled ({cache}); run cold first")
+        cmd = [sys.executable, __file__, "--child", mode, "--cache", str(cache), "--prompt", str(args.prompt), "--budget", str(args.budget),
+               "--steps", str(args.steps), "--compile-mode", cm or "layer", *(["--small"] if args.small else [])]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
         for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # the cache folder is the one under test
             env.pop(var, None)
@@ -136,18 +142,20 @@ def main() -> None:
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode != 0 or line is None:
             raise SystemExit(f"mode {mode} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-        rows[mode] = {**json.loads(line.removeprefix("RESULT ")), "process_wall_s": round(wall, 1)}
-        print(f"{mode}: {rows[mode]}", flush=True)
+        name = f"{mode}, {cm}" if cm else mode
+        rows[name] = {**json.loads(line.removeprefix("RESULT ")), "process_wall_s": round(wall, 1), **({"compile_mode": cm} if cm else {})}
+        print(f"{name}: {rows[name]}", flush=True)
     info = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
             "transformers": __import__("transformers").__version__, "date": dt.date.today().isoformat(),
             "model": "qwen3-small" if args.small else "Qwen3-4B architecture (random weights)", "prompt": args.prompt,
-            "budget": args.budget, "policy": "kvpop_mlp (random scorer)", "cache": str(args.cache)}
+            "budget": args.budget, "policy": "kvpop_mlp (random scorer)", "cache": str(args.cache), "compile_modes": cmodes}
     print(f"\n{info['device']}, {info['model']}, prompt {args.prompt}, budget {args.budget}")
-    print(f"{'mode':<8}{'to first token s':>18}{'first step s':>14}{'prefill s':>11}{'ms/step':>10}{'vs cold':>9}")
-    cold = rows.get("cold")
+    print(f"{'mode':<14}{'to first token s':>18}{'import s':>10}{'first step s':>14}{'prefill s':>11}{'ms/step':>10}{'vs cold':>9}")
+    cold = next((r for n, r in rows.items() if n.startswith("cold")), None)  # the first compile mode's
     for mode, r in rows.items():
         ratio = f"{cold['to_first_token_s'] / r['to_first_token_s']:.1f}x" if cold else ""
-        print(f"{mode:<8}{r['to_first_token_s']:>18.1f}{r['first_step_s']:>14.1f}{r['prefill_s']:>11.2f}{r['steady_ms_per_step']:>10.2f}{ratio:>9}")
+        print(f"{mode:<14}{r['to_first_token_s']:>18.1f}{r['import_s']:>10.1f}{r['first_step_s']:>14.1f}{r['prefill_s']:>11.2f}"
+              f"{r['steady_ms_per_step']:>10.2f}{ratio:>9}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"info": info, "modes": rows}, indent=1) + "\n")

@@ -227,3 +227,35 @@ def test_compile_cache_folder(monkeypatch, tmp_path):
         monkeypatch.delenv(var)
     assert use_compile_cache(tmp_path / "arg") == tmp_path / "arg"
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "arg" / "inductor")
+
+
+@pytest.mark.parametrize("name", ["dense", "streaming_llm", "kvpop_mlp", "kvpop", "dms"])
+def test_per_layer_compile_traces_one_layer_for_all(model, name, tie_policy):
+    """compile_mode "layer": every layer's modules, weights, buffers and one-layer rule are arguments of
+    one function, so the compiler traces one layer and every layer reuses it; the logits equal the
+    eager step's. (The CUDA graph around it is tested in tests/test_gpu.py; here the layer function is
+    traced by dynamo on the CPU, on the graphed step's path: masked attention over the whole buffer.)"""
+    policy = None if name == "dense" else make(name, tie_policy)
+    kw = dict(max_len=S + 8) if name == "dense" else dict(budget=BUDGET, sinks=SINKS, window=WINDOW)
+    x = ids()
+    ref = DecodeEngine(model, policy, batch_size=2, **kw)
+    eng = DecodeEngine(model, policy, batch_size=2, **kw)
+    assert eng._rule_index == [0, 0] or name == "dense"
+    graphs = []
+
+    def backend(gm, example_inputs):  # counts the graphs dynamo hands to a compiler
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()  # compiled code is cached per code object: forget other engines' (other shapes)
+    eng._layer_step = torch.compile(eng._layer, backend=backend, fullgraph=True, dynamic=False)
+    prompt = WINDOW + SINKS + 8  # beyond the window: a delayed rule's state is read whole by the prefill
+    want = engine_logits(ref, x, prompt)
+    got = [eng.prefill(x[:, :prompt])]
+    eng.compiled = True  # the graphed step's path, without the graph
+    for t in range(prompt, x.shape[1]):
+        eng.tok.copy_(x[:, t : t + 1])
+        eng.seen += 1
+        got.append(eng._decode_step().clone())
+    assert (torch.stack(got, 1) - want).abs().max() < 1e-4
+    assert len(graphs) == 1, f"{len(graphs)} graphs for {len(eng.layers)} layers"

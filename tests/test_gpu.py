@@ -323,16 +323,18 @@ def test_compiled_engine_equals_bounded_cache(policy_name, tiny_model):
         ref = teacher_forced_logits(model, policy, ids, budget=budget, sinks=sinks, window=window, prefill=pre)
     kw = dict(budget=budget, sinks=sinks, window=window, batch_size=2, chunk=128) if policy_name != "dense" else dict(max_len=512, batch_size=2, chunk=128)
     got = {}
-    for compiled in (False, True):
-        eng = DecodeEngine(model, None if policy_name == "dense" else policy, compile=compiled, **kw)
+    for mode in (None, "layer", "step"):  # eager, then both compile modes (each captured as one CUDA graph)
+        eng = DecodeEngine(model, None if policy_name == "dense" else policy, compile=mode is not None, compile_mode=mode or "layer", **kw)
+        assert eng.compile_mode == mode
         logits = [eng.prefill(ids[:, :pre]).clone()]
         for t in range(pre, S):
             eng.tok.copy_(ids[:, t : t + 1])
             logits.append(eng.step().clone())
-        got[compiled] = torch.stack(logits, 1)
-    d_ref, d_comp = _maxdiff(got[False], ref[:, pre - 1 :]), _maxdiff(got[True], got[False])
-    print(f"engine {policy_name}: eager vs reference {d_ref:.2e}, compiled vs eager {d_comp:.2e}")
-    assert d_ref < 1e-4 and d_comp < 1e-4
+        got[mode] = torch.stack(logits, 1)
+    d_ref = _maxdiff(got[None], ref[:, pre - 1 :])
+    d_layer, d_step = _maxdiff(got["layer"], got[None]), _maxdiff(got["step"], got[None])
+    print(f"engine {policy_name}: eager vs reference {d_ref:.2e}, compiled vs eager: per layer {d_layer:.2e}, whole step {d_step:.2e}")
+    assert d_ref < 1e-4 and d_layer < 1e-4 and d_step < 1e-4
 
 
 # --- dms: the gate's training forward (compiled flex + score_mod) against the SDPA float mask ----------

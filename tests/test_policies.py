@@ -195,3 +195,40 @@ def test_parameter_counts_in_the_readme(shape, counts):
         p = make_policy(name, num_layers=shape[0], num_kv_heads=shape[1], head_dim=shape[2])
         assert sum(x.numel() for x in p.parameters()) == n, name
         assert f"{n:,}" in readme, (name, n)
+
+
+@pytest.mark.parametrize("name", ["kvpop_mlp", "kvpop", "dms", "streaming_llm", "trimkv"])
+def test_for_layer_views_score_as_their_layer(name):
+    """``for_layer(i)`` called with layer 0 scores as the policy's layer i (static scores; the mLSTM's
+    recurrent step and exit score), shares the policy's storage (an in-place update such as
+    ``load_state_dict`` reaches the view) and leaves the policy as it was; rules without one-layer
+    views say so (None)."""
+    L, Hk, D = 3, 2, 8
+    policy = make_policy(name, num_layers=L, num_kv_heads=Hk, head_dim=D, scorer_hidden=4)
+    torch.manual_seed(0)
+    for p in policy.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    views = [policy.for_layer(i) for i in range(L)]
+    if name == "trimkv":
+        assert views == [None] * L
+        return
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    k, v = torch.randn(2, Hk, 5, D), torch.randn(2, Hk, 5, D)
+    pos = torch.arange(300, 305).expand(2, 5)
+    for i, view in enumerate(views):
+        if policy.scores_on_exit:
+            state = policy.init_state(i, 2, "cpu")
+            for t in range(5):
+                state, vstate = policy.step(i, state, k[:, :, t], v[:, :, t]), view.step(0, state, k[:, :, t], v[:, :, t])
+                assert all(torch.equal(a, b) for a, b in zip(state, vstate, strict=True))
+            assert torch.equal(view.exit_scores(0, state, k[:, :, 0], v[:, :, 0], 17), policy.exit_scores(i, state, k[:, :, 0], v[:, :, 0], 17))
+        else:
+            assert torch.equal(view.token_scores(0, k, v, pos), policy.token_scores(i, k, v, pos))
+    if policy.learned:
+        assert sum(p.numel() for p in views[0].parameters()) * L == sum(p.numel() for p in policy.parameters())
+        policy.load_state_dict({n: t + 1 for n, t in before.items()})  # in place: the views see it
+        for i, view in enumerate(views):
+            if not policy.scores_on_exit:
+                assert torch.equal(view.token_scores(0, k, v, pos), policy.token_scores(i, k, v, pos))
+        policy.load_state_dict(before)
+    assert all(torch.equal(t, before[n]) for n, t in policy.state_dict().items())

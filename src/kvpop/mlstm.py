@@ -74,7 +74,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from kvpop.scorer import LearnedDecay
+from kvpop.scorer import LearnedDecay, one_layer_scorer
 from kvpop.selection import document_spans
 
 ForgetGate = Literal["sigmoid", "exp"]
@@ -446,6 +446,10 @@ class MLSTMScorer(nn.Module):
     def readout(self, layer: int, state: MLSTMState, k_t: Tensor, v_t: Tensor) -> Tensor:
         """r_hat (B, Hk) of token t when it leaves the window: ``state`` has read tokens up to t + window."""
         return self.layers[layer].readout(state, k_t, v_t)
+
+    def one_layer(self, layer: int) -> MLSTMScorer:
+        """Layer ``layer`` as the only layer (index 0) of a view (:func:`kvpop.scorer.layer_view`)."""
+        return one_layer_scorer(self, layer)
 
 
 def state_numbers(d_k: int, d_v: int) -> int:

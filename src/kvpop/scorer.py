@@ -81,6 +81,16 @@ def has_recency(policy: nn.Module) -> bool:
     return isinstance(getattr(getattr(policy, "scorer", None), "decay", None), LearnedDecay)
 
 
+def layer_view(module: nn.Module, *, parameters: dict[str, Tensor] | None = None, modules: dict[str, nn.Module] | None = None) -> nn.Module:
+    """A shallow copy of ``module`` whose own parameters and children are replaced by the given ones
+    (the others are shared): the one-layer views below, whose parameters are views of the original's
+    storage (no copy; they follow in-place updates such as ``load_state_dict``) and carry no gradient."""
+    view = copy.copy(module)
+    object.__setattr__(view, "_parameters", {**module._parameters, **{k: nn.Parameter(t.detach(), requires_grad=False) for k, t in (parameters or {}).items()}})
+    object.__setattr__(view, "_modules", {**module._modules, **(modules or {})})
+    return view
+
+
 class LearnedDecay(nn.Module):
     """gamma per (layer, KV head), constrained to [GAMMA_MIN, GAMMA_MAX] by a sigmoid."""
 
@@ -101,6 +111,10 @@ class LearnedDecay(nn.Module):
         and ``priority`` does not read it), in float64 for a precise age term at long positions."""
         gamma = GAMMA_MIN + (GAMMA_MAX - GAMMA_MIN) * torch.sigmoid(self.logit[layer].double())
         return torch.log(gamma) - (self.recency if self.space == "log" else 0.0)
+
+    def one_layer(self, layer: int) -> LearnedDecay:
+        """Layer ``layer`` as the only layer (index 0) of a view: :func:`layer_view`."""
+        return layer_view(self, parameters={"logit": self.logit[layer : layer + 1]})
 
     def priority(self, layer: int, r_hat: Tensor, pos: Tensor) -> Tensor:
         """The static priority (B, Hk, S) float64 of raw scores r_hat (B, Hk, S) at positions pos (B, S),
@@ -124,6 +138,18 @@ class MLPScorer(nn.Module):
     def raw_scores(self, layer: int, k: Tensor, v: Tensor) -> Tensor:
         """(B, Hk, S, D) keys and values -> r_hat (B, Hk, S)."""
         return self.layers[layer](k, v)
+
+    def one_layer(self, layer: int) -> MLPScorer:
+        """Layer ``layer`` as the only layer (index 0) of a view: :func:`layer_view`."""
+        return one_layer_scorer(self, layer)
+
+
+def one_layer_scorer(scorer: nn.Module, layer: int) -> nn.Module:
+    """A scorer of per-layer ``layers`` and a :class:`LearnedDecay` (``MLPScorer``, ``MLSTMScorer``) as a
+    one-layer view: its layer ``layer`` is the view's layer 0 (:func:`layer_view`)."""
+    view = layer_view(scorer, modules={"layers": nn.ModuleList([scorer.layers[layer]]), "decay": scorer.decay.one_layer(layer)})
+    view.config = {**scorer.config, "num_layers": 1}
+    return view
 
 
 def with_recency(policy: nn.Module, recency: float, space: RecencySpace | None = None) -> nn.Module:

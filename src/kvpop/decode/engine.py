@@ -36,8 +36,16 @@ modules (norms, projections, MLP, rotary embedding), so the arithmetic is the mo
 layer's q/k/v and gate/up weights are packed into one matrix (:func:`pack_linears`, the modules
 keep views of it): at batch 1 one wide GEMM reads the weights faster than several narrow ones.
 
-Compiling the step takes about a minute and a half on a fresh machine (``bench/bench_ttft.py``
-times it); the compiled artifacts go to one folder (:func:`use_compile_cache`,
+Compiling (``compile_mode``): ``"layer"`` (the default) compiles one decoder layer whose every
+per-layer input is an argument -- the layer's modules, packed weights and cache buffers, and its
+rule as a one-layer view (:meth:`kvpop.policies.Policy.for_layer`, called with layer index 0) -- so
+the compiler traces one layer and every layer runs the same code; the step's head (embedding,
+rotary, the first norm) and tail (head GEMM, argmax) are compiled apart, and the whole step is still
+captured as one CUDA graph. Each layer's output is normed for the next layer inside it, so the
+residual add and the next norm stay one kernel as in a whole-step graph. ``"step"`` compiles the
+whole step as one graph. On an H200 with Qwen3-4B both decode at 4.44-4.45 ms/step, while the
+first compile takes 9 s against 97-111 s (``bench/bench_ttft.py``, ``bench/bench_decode.py
+--compile-modes``). The compiled artifacts go to one folder (:func:`use_compile_cache`,
 ``$KVPOP_COMPILE_CACHE``, default ``~/.cache/kvpop/compile``) that later processes reuse, and
 ``compile=False`` (``kvpop generate`` without ``--compile``) starts at once, slower per token.
 
@@ -65,6 +73,13 @@ from kvpop.selection import NEVER, candidate_eviction_times
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 BLOCK = 128  # FlexAttention block width; cache slots are padded to a multiple of it
 I64_MAX = torch.iinfo(torch.int64).max
+
+#: how DecodeEngine compiles its step: "layer" compiles one decoder layer (every layer's modules,
+#: weights, buffers and one-layer rule are its arguments, so all layers run the same compiled code)
+#: plus the step's head and tail; "step" compiles the whole step as one graph (the compiler can fuse
+#: across layers, but traces and compiles every layer: minutes on a fresh machine)
+CompileMode = Literal["layer", "step"]
+COMPILE_MODES: tuple[str, ...] = ("layer", "step")
 
 #: the environment variable naming the folder of compiled decode steps (default: COMPILE_CACHE_DEFAULT)
 COMPILE_CACHE_ENV = "KVPOP_COMPILE_CACHE"
@@ -152,6 +167,7 @@ class DecodeEngine:
     def __init__(
         self, model, policy: Policy | None = None, *, budget: int | None = None, sinks: int = 4, window: int = 256,
         max_len: int | None = None, batch_size: int = 1, chunk: int = 2048, compile: bool | None = None,
+        compile_mode: CompileMode = "layer",
     ):
         cfg = model.config.get_text_config(decoder=True)
         if (refusal := engine_refusal(model, policy)) is not None:
@@ -207,10 +223,27 @@ class DecodeEngine:
             compile = dev.type == "cuda"
         if compile and dev.type != "cuda":
             raise ValueError("compile=True needs a CUDA device (the step is replayed as a CUDA graph)")
+        if compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {compile_mode!r}")
         self.compiled = compile
+        # each layer's rule and the layer index it is called with: the policy and i, or (per-layer
+        # compile) the layer's one-layer view and 0, so that no Python int tells the layers apart
+        views = [self.policy.for_layer(i) for i in range(L)] if self.policy is not None and compile_mode == "layer" else None
+        if views is not None and any(v is None for v in views):
+            compile_mode, views = "step", None  # a rule without one-layer views: the whole step is compiled
+        self.compile_mode: CompileMode | None = compile_mode if compile else None
+        self._rules = views if views is not None else [self.policy] * L
+        self._rule_index = [0] * L if views is not None else list(range(L))
+        self._step_head, self._layer_step, self._step_tail = self._head, self._layer, self._tail
+        self._compiled_step = None
         if compile:
             use_compile_cache()
-        self._compiled_step = torch.compile(self._decode_step, fullgraph=True, dynamic=False) if compile else None
+            if compile_mode == "layer":  # the step runs in Python over three compiled pieces, captured as one graph
+                comp = lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)  # noqa: E731
+                self._step_head, self._layer_step, self._step_tail = comp(self._head), comp(self._layer), comp(self._tail)
+                self._compiled_step = self._decode_step
+            else:
+                self._compiled_step = torch.compile(self._decode_step, fullgraph=True, dynamic=False)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_out: Tensor | None = None
         self._warm = False
@@ -242,11 +275,12 @@ class DecodeEngine:
         """The slot of a sink or window token at position(s) ``pos`` (int64): :meth:`CacheLayout.home_slot`."""
         return self.layout.home_slot(pos)
 
-    def _qkv(self, i: int, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """h (B, S, hidden) normed -> q (B, H, S, D), k, v (B, Hk, S, D), rotary applied; one GEMM."""
-        attn = self.layers[i].self_attn
+    def _qkv(self, layer, wqkv: tuple[Tensor, Tensor | None], h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """h (B, S, hidden) normed -> q (B, H, S, D), k, v (B, Hk, S, D), rotary applied; one GEMM
+        (``wqkv``: the layer's packed q/k/v weight and bias)."""
+        attn = layer.self_attn
         B, S, _ = h.shape
-        w, b = self._wqkv[i]
+        w, b = wqkv
         q, k, v = F.linear(h, w, b).split([self.H * self.D, self.Hk * self.D, self.Hk * self.D], -1)
         q, k = q.view(B, S, self.H, self.D), k.view(B, S, self.Hk, self.D)
         v = v.view(B, S, self.Hk, self.D).transpose(1, 2)
@@ -255,13 +289,13 @@ class DecodeEngine:
         q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # the Llama-family rotary, shared by all SUPPORTED
         return q, k, v
 
-    def _finish_layer(self, i: int, x: Tensor, out: Tensor) -> Tensor:
-        """x (B, S, hidden), attention out (B, H, S, D) -> the layer's output (the MLP's gate and up in one GEMM)."""
+    def _finish_layer(self, layer, wgu: tuple[Tensor, Tensor | None], x: Tensor, out: Tensor) -> Tensor:
+        """x (B, S, hidden), attention out (B, H, S, D) -> the layer's output (the MLP's gate and up in
+        one GEMM, ``wgu``: the layer's packed weight and bias)."""
         B, _, S, _ = out.shape
-        layer = self.layers[i]
         x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(B, S, self.H * self.D))
         mlp = layer.mlp
-        w, b = self._wgu[i]
+        w, b = wgu
         gate, up = F.linear(layer.post_attention_layernorm(x), w, b).chunk(2, -1)
         return x + mlp.down_proj(mlp.act_fn(gate) * up)
 
@@ -288,10 +322,11 @@ class DecodeEngine:
     def step(self) -> Tensor:
         """One token per row: reads :attr:`tok`, writes the greedy next token into it; -> logits (B, V).
 
-        Compiled on CUDA: the first call compiles the step and runs it on a side stream, the second
-        captures it as one CUDA graph (every buffer it touches is preallocated, so the graph's
-        addresses stay valid), every call replays it. The returned tensor then lives in the graph's
-        memory and is overwritten by the next step: copy what you keep."""
+        Compiled on CUDA: the first call compiles (``compile_mode``: the whole step, or one layer that
+        every layer then reuses) and runs it on a side stream, the second captures the step as one
+        CUDA graph (every buffer it touches is preallocated, so the graph's addresses stay valid),
+        every call replays it. The returned tensor then lives in the graph's memory and is
+        overwritten by the next step: copy what you keep."""
         self.seen += 1
         if not self.compiled:
             return self._decode_step()
@@ -315,45 +350,87 @@ class DecodeEngine:
 
     @torch.no_grad()
     def _decode_step(self) -> Tensor:
-        p = self.p
-        B = self.B
-        x = self.model.model.embed_tokens(self.tok)  # (B, 1, hidden)
-        position_ids = p.view(1, 1).expand(B, 1)
-        cos, sin = self.model.model.rotary_emb(x, position_ids)  # (B, 1, D)
+        x, h, cos, sin, at = self._step_head()
         # eager (not captured): the filled slots are a prefix (sinks and ring fill in order, an empty
         # long-range slot is always the first victim), every stored token is visible to the new
         # query, so attention reads that prefix without a mask; the graphed step masks the whole buffer,
         # and so does a gate's (dms), whose gated-out leavers leave long-range slots empty anywhere
         gaps = self.policy is not None and self.policy.gated
         filled = None if self.compiled or gaps else min(self.seen, self.slots)
-        at = self.home_slot(p).expand(self.B * self.Hk) if self.kind == "bounded" else None  # (B * Hk,): token p's slot in every layer
+        # eager and p < sinks + window: no token leaves the window yet, so no competition is written
+        evicting = self.kind == "bounded" and self.long_range > 0 and (self.compiled or self.seen > self.lr)
+        lazy = self._lazy_state()
+        advance = self.delayed and not (lazy and self.seen <= self.lr)  # a delayed rule's state reads the token now
+        L = len(self.layers)
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(i, layer.input_layernorm(x), cos, sin)  # (B, H, 1, D), (B, Hk, 1, D)
-            if self.kind == "bounded":
-                self._insert(i, k, v, p, at)
-                kv_blocks = self._full_blocks
-            else:
-                self._write_dense(i, k, v, p)
-                kv_blocks = (p // BLOCK + 1).to(torch.int32).view(1)  # only the filled blocks
-            if filled is not None:
-                keys, values = self.keys[i][:, :, :filled], self.values[i][:, :, :filled]  # (B, Hk, filled, D)
-                out = F.scaled_dot_product_attention(q, keys, values, scale=self.scale, enable_gqa=True)  # (B, H, 1, D)
-            else:
-                mm = slot_mask_mod(self.pos[i], p, self.G)
-                out = self._attend(q, self.keys[i], self.values[i], mm, kv_blocks, self._kv_indices)
-            x = self._finish_layer(i, x, out)
-        logits = self.model.lm_head(self.model.model.norm(x))[:, -1].float()  # (B, V)
+            if advance and lazy:
+                self._catch_up(i, self.seen - 1)  # eager: the state may lag behind
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < L else self.model.model.norm
+            x, h = self._layer_step(
+                layer, nxt, self._rules[i], self._rule_index[i], self._wqkv[i], self._wgu[i], self.keys[i], self.values[i],
+                self.pos[i], self.prio[i] if self.prio else None, self.state[i] if self.state else (), x, h, cos, sin, at,
+                filled, evicting, advance,
+            )
+            if advance and lazy:
+                self.read[i] = self.seen
+        return self._step_tail(h)
+
+    def _head(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        """The step's input: the token's embedding x (B, 1, hidden), the first layer's normed input h,
+        the rotary cos, sin (B, 1, D) and (bounded) the token's home slot ``at`` (B * Hk,)."""
+        p, B = self.p, self.B
+        x = self.model.model.embed_tokens(self.tok)  # (B, 1, hidden)
+        cos, sin = self.model.model.rotary_emb(x, p.view(1, 1).expand(B, 1))  # (B, 1, D)
+        at = self.home_slot(p).expand(B * self.Hk) if self.kind == "bounded" else None  # token p's slot in every layer
+        return x, self.layers[0].input_layernorm(x), cos, sin, at
+
+    def _tail(self, h: Tensor) -> Tensor:
+        """The last layer's output, normed, h (B, 1, hidden) -> logits (B, V) float32; the greedy token
+        goes to :attr:`tok` and the position advances."""
+        logits = self.model.lm_head(h)[:, -1].float()  # (B, V)
         self.tok.copy_(logits.argmax(-1, keepdim=True))
         self.p.add_(1)
         return logits
 
-    def _write_dense(self, i: int, k: Tensor, v: Tensor, p: Tensor) -> None:
-        idx = p.view(1)
-        self.keys[i].index_copy_(2, idx, k)
-        self.values[i].index_copy_(2, idx, v)
-        self.pos[i].index_copy_(2, idx, p.view(1, 1, 1).expand(self.B, self.Hk, 1))
+    def _layer(
+        self, layer, nxt, rule: Policy | None, li: int, wqkv, wgu, keys: Tensor, values: Tensor, pos: Tensor, prio: Tensor | None,
+        state: tuple[Tensor, ...], x: Tensor, h: Tensor, cos: Tensor, sin: Tensor, at: Tensor | None, filled: int | None,
+        evicting: bool, advance: bool,
+    ) -> tuple[Tensor, Tensor]:
+        """One decoder layer of the step: the residual x (B, 1, hidden) and its normed input h ->
+        (the layer's output x, its norm ``nxt`` for the next layer, or the final norm).
 
-    def _insert(self, i: int, k: Tensor, v: Tensor, p: Tensor, at: Tensor) -> None:
+        Everything that differs between layers is an argument: the layer's modules, its packed
+        weights, its buffers and its rule (``rule``, called with layer index ``li``: the policy and
+        the layer's index, or the layer's one-layer view, :meth:`Policy.for_layer`, and 0), so one
+        compiled function serves every layer (``compile_mode="layer"``). ``filled``: eager, the filled
+        slot prefix to attend without a mask (None: masked); ``evicting``: a leaver may compete;
+        ``advance``: a delayed rule's state reads the token."""
+        p = self.p
+        q, k, v = self._qkv(layer, wqkv, h, cos, sin)  # (B, H, 1, D), (B, Hk, 1, D)
+        if self.kind == "bounded":
+            self._insert(rule, li, keys, values, pos, prio, state, k, v, p, at, evicting, advance)
+            kv_blocks = self._full_blocks
+        else:
+            self._write_dense(keys, values, pos, k, v, p)
+            kv_blocks = (p // BLOCK + 1).to(torch.int32).view(1)  # only the filled blocks
+        if filled is not None:
+            out = F.scaled_dot_product_attention(q, keys[:, :, :filled], values[:, :, :filled], scale=self.scale, enable_gqa=True)  # (B, H, 1, D)
+        else:
+            out = self._attend(q, keys, values, slot_mask_mod(pos, p, self.G), kv_blocks, self._kv_indices)
+        x = self._finish_layer(layer, wgu, x, out)
+        return x, nxt(x)
+
+    def _write_dense(self, keys: Tensor, values: Tensor, pos: Tensor, k: Tensor, v: Tensor, p: Tensor) -> None:
+        idx = p.view(1)
+        keys.index_copy_(2, idx, k)
+        values.index_copy_(2, idx, v)
+        pos.index_copy_(2, idx, p.view(1, 1, 1).expand(self.B, self.Hk, 1))
+
+    def _insert(
+        self, rule: Policy, li: int, keys: Tensor, values: Tensor, pos: Tensor, prio: Tensor, state: tuple[Tensor, ...], k: Tensor, v: Tensor,
+        p: Tensor, at: Tensor, evicting: bool, advance: bool,
+    ) -> None:
         """The bounded cache's arrival of token p (k, v (B, Hk, 1, D)) into its home slot ``at`` (B * Hk,), all in tensor ops.
 
         Every buffer changes in at most two slots per (row, head): the ring slot that takes the new
@@ -361,21 +438,14 @@ class DecodeEngine:
         buffer itself (indices (row, head, slot)), which the compiler does in place; a ``scatter_``,
         or a write through a reshaped view, made it rebuild and copy back the whole cache in every
         layer (measured on an H200: 1.9x slower steps at batch 16, 2.9x at batch 64)."""
-        keys, values, pos, prio = self.keys[i], self.values[i], self.pos[i], self.prio[i]
         B, Hk = self.B, self.Hk
         bi, hi = self._bh  # (B * Hk,) row and head of each (row, head)
-        if self.delayed:
-            lazy = self._lazy_state()
-            if not (lazy and self.seen <= self.lr):  # eager and p < sinks + window: no token leaves yet, the state may wait
-                self._catch_up(i, self.seen - 1)
-                new_state = self.policy.step(i, self.state[i], k[:, :, 0], v[:, :, 0])
-                for buf, s in zip(self.state[i], new_state, strict=True):
-                    buf.copy_(s)
-                if lazy:
-                    self.read[i] = self.seen
+        if advance:
+            for buf, s in zip(state, rule.step(li, state, k[:, :, 0], v[:, :, 0]), strict=True):
+                buf.copy_(s)
         new = (k.reshape(B * Hk, -1), v.reshape(B * Hk, -1), p.expand(B * Hk), self._unscored)  # scored when it leaves
         bufs = (keys, values, pos, prio)
-        if self.long_range == 0 or (not self.compiled and self.seen <= self.lr):  # eager and p < sinks + window: no leaver yet
+        if not evicting:
             for buf, n in zip(bufs, new, strict=True):
                 buf.index_put_((bi, hi, at), n)
             return
@@ -384,9 +454,9 @@ class DecodeEngine:
         # own key, value and position, so that is the number it would have had on entry)
         occ_k, occ_v = keys[bi, hi, at].view(B, Hk, -1), values[bi, hi, at].view(B, Hk, -1)  # (B, Hk, D)
         if self.delayed:
-            cand_prio = self.policy.exit_scores(i, self.state[i], occ_k, occ_v, p - self.window)  # (B, Hk)
+            cand_prio = rule.exit_scores(li, state, occ_k, occ_v, p - self.window)  # (B, Hk)
         else:
-            cand_prio = self.policy.token_scores(i, occ_k[:, :, None], occ_v[:, :, None], (p - self.window).view(1, 1).expand(B, 1))
+            cand_prio = rule.token_scores(li, occ_k[:, :, None], occ_v[:, :, None], (p - self.window).view(1, 1).expand(B, 1))
         cand_prio = cand_prio.double().reshape(B * Hk)
         lr_prio, lr_pos = prio[:, :, self.lr : self.slots], pos[:, :, self.lr : self.slots]  # (B, Hk, k)
         low = lr_prio.amin(-1, keepdim=True)  # (B, Hk, 1); empty slots are -inf
@@ -431,7 +501,7 @@ class DecodeEngine:
         prefix = self.device.type != "cuda" and (self.kind == "dense" or c0 + C <= self.lr)
         causal = torch.arange(c0 + C, device=self.device) <= pos[0][:, None] if prefix and c0 else None  # (C, c0 + C); c0 = 0: is_causal
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(i, layer.input_layernorm(x), cos, sin)  # (B, H, C, D), (B, Hk, C, D)
+            q, k, v = self._qkv(layer, self._wqkv[i], layer.input_layernorm(x), cos, sin)  # (B, H, C, D), (B, Hk, C, D)
             if prefix:
                 out = self._prefix_chunk(i, q, k, v, pos, causal)
             elif self.kind == "dense":
@@ -443,7 +513,7 @@ class DecodeEngine:
                 out = self._attend(q, self.keys[i], self.values[i], slot_mask_mod(self.pos[i], pos[0, 0], self.G), kv_blocks)
             else:
                 out = self._bounded_chunk(i, q, k, v, pos)
-            x = self._finish_layer(i, x, out)
+            x = self._finish_layer(layer, self._wgu[i], x, out)
         self.seen = c0 + C
         self.p.fill_(self.seen)
         return self.model.lm_head(self.model.model.norm(x[:, -1:]))[:, -1].float()

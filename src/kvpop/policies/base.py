@@ -50,6 +50,7 @@ Shapes: B batch, Hk KV heads, Q queries, S sequence, T cache slots, D head dim.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -163,6 +164,22 @@ class Policy(nn.Module):
         raise NotImplementedError(f"policy {self.name!r} has no gate")
 
     # --- decode-time hooks -------------------------------------------------------------------------
+    def for_layer(self, layer: int) -> Policy | None:
+        """This rule's layer ``layer`` as a one-layer rule, to be called with layer index 0; None if it
+        has no such form.
+
+        Code compiled once and run for every layer (:class:`kvpop.decode.DecodeEngine`'s per-layer
+        compile) must not index the layer by a Python int, or it compiles once per layer. A learned
+        rule's view shares everything but its ``scorer``, a one-layer view of it (``scorer.one_layer``:
+        parameters are views of this rule's storage, so the view follows in-place updates); a rule
+        whose scores do not depend on the layer is its own view."""
+        one_layer = getattr(getattr(self, "scorer", None), "one_layer", None)
+        if one_layer is not None:
+            view = copy.copy(self)
+            object.__setattr__(view, "_modules", {**self._modules, "scorer": one_layer(layer)})
+            return view
+        return self if self.layer_independent else None
+
     def token_scores(self, layer: int, keys: Tensor, values: Tensor, pos: Tensor) -> Tensor:
         """A static rule: entering tokens keys, values (B, Hk, S, D) at absolute positions pos (B, S)
         -> priority (B, Hk, S), fixed from then on."""

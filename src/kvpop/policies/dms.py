@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from kvpop.policies.base import GateRelaxation, Policy, ScorerSpec, Scores
+from kvpop.scorer import layer_view
 from kvpop.selection import document_spans, eligible_tokens
 
 #: the forward attention-logit bias of a gated-out token in training: exp(-1e4) is exactly 0 in float32
@@ -55,6 +56,12 @@ class GateScorer(nn.Module):
         """k, v (B, Hk, S, D) -> gate logits x (B, Hk, S); > 0 evicts. Inputs are detached here."""
         x = torch.cat([k.detach(), v.detach()], dim=-1).to(self.w.dtype)  # (B, Hk, S, 2D)
         return torch.einsum("bhsi,hi->bhs", x, self.w[layer]) + self.b[layer][:, None]
+
+    def one_layer(self, layer: int) -> GateScorer:
+        """Layer ``layer`` as the only layer (index 0) of a view (:func:`kvpop.scorer.layer_view`)."""
+        view = layer_view(self, parameters={"w": self.w[layer : layer + 1], "b": self.b[layer : layer + 1]})
+        view.config = {**self.config, "num_layers": 1}
+        return view
 
 
 def gate_priority(x: Tensor) -> Tensor:
