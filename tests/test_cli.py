@@ -165,3 +165,29 @@ def test_budget_error_comes_before_the_model_loads(exported, tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(ckpt), "--policy", "tova", "--budget", "9", "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert "--budget 9 must exceed sinks + window = 2 + 8" in err and "model.safetensors" not in err
+
+
+def test_one_pool_generate_and_score(tiny_llama_dir, tiny_tokenizer, tmp_path, capsys):
+    """``--one-pool``: generate decodes the export's kvpop_mlp with one pool for the whole model (the
+    reference pool cache), score adds a row per policy it can rank so; a policy it cannot is named, exit 2."""
+    torch.manual_seed(4)
+    policy = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
+    for layer in policy.scorer.layers:  # a scorer that ranks (the untrained one gives every head the same order)
+        torch.nn.init.normal_(layer.w2, std=2.0)
+    exported = tmp_path / "export"
+    export(load_model(tiny_llama_dir), tiny_tokenizer, policy, exported, budget=24, sinks=2, window=8)
+    assert gen(exported, "kvpop_mlp", "--prompt", "Recall v1 =", "--one-pool") == 0
+    err = capsys.readouterr().err
+    assert "kvpop_mlp, one pool budget 16 (sinks 2, window 8)" in err and "reference path" in err
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"text": TEXT * 3}) + "\n")
+    argv = ["score", "--checkpoint", str(exported), "--policy", "dense,streaming_llm,kvpop_mlp", "--budget", "16", str(rows), "--json"]
+    assert main([*argv, "--one-pool"]) == 0
+    by = {r["policy"]: r for r in map(json.loads, capsys.readouterr().out.strip().splitlines())}
+    assert list(by) == ["dense", "streaming_llm", "kvpop_mlp", "kvpop_mlp, one pool"]
+    assert by["kvpop_mlp, one pool"]["kl"] > 0 and by["kvpop_mlp, one pool"]["tokens"] == by["kvpop_mlp"]["tokens"]
+    assert by["kvpop_mlp, one pool"]["kl"] != by["kvpop_mlp"]["kl"]  # the pool moves slots between heads
+    for bad in (["generate", "--checkpoint", str(exported), "--policy", "streaming_llm", "--budget", "16", "--prompt", "x", "--one-pool"],
+                ["score", "--checkpoint", str(exported), "--policy", "streaming_llm", "--budget", "16", str(rows), "--one-pool"]):
+        assert main(bad) == 2
+        assert "--one-pool" in capsys.readouterr().err

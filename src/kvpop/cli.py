@@ -1,7 +1,7 @@
 """The ``kvpop`` command: generate with a bounded KV cache, or score a policy's fidelity.
 
-    kvpop generate --checkpoint DIR --policy NAME --budget N [--prompt TEXT | --prompt-file F]
-    kvpop score    --checkpoint DIR [--policy NAME,NAME...] [--export DIR2 ...] --budget N FILE...
+    kvpop generate --checkpoint DIR --policy NAME --budget N [--one-pool] [--prompt TEXT | --prompt-file F]
+    kvpop score    --checkpoint DIR [--policy NAME,NAME...] [--export DIR2 ...] --budget N [--one-pool] FILE...
 
 ``DIR`` is an export folder (``kvpop.export``; its ``sinks``/``window`` are the defaults) or a
 plain Hugging Face folder (training-free policies only). ``score`` compares every policy it is
@@ -9,6 +9,11 @@ given in one process against ``DIR``'s dense attention, which it names in its ou
 folder that is the export's fine-tuned weights; to compare trained exports with the base model, give
 the base folder as ``--checkpoint`` and each export with ``--export``. Usage errors, a missing or corrupt
 checkpoint, an unknown policy and an empty input exit with status 2 and a message naming it.
+
+``--one-pool`` ranks a trained ``kvpop_mlp``'s own priorities with one pool of slots for the whole
+model (:func:`kvpop.policies.one_pool`: the same number of cached entries, shared between layers and
+heads): ``generate`` decodes with it (:class:`kvpop.decode.pool.SharedPoolCache`, the reference
+path), ``score`` adds a ``<name>, one pool`` row for every policy it can rank so.
 """
 
 from __future__ import annotations
@@ -62,6 +67,8 @@ def load(args, policy: str | None = None) -> Loaded:
     name = policy if policy is not None else args.policy
     if name not in POLICIES:
         raise UsageError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    if getattr(args, "one_pool", False) and args.command == "generate" and name not in TRAINED:
+        raise UsageError(f"--one-pool ranks a trained kvpop_mlp's static priorities, not {name!r}")
     path = Path(args.checkpoint)
     meta, trained = {}, None
     # what the folder is, and the geometry, before the model loads (which takes seconds)
@@ -97,7 +104,19 @@ def load(args, policy: str | None = None) -> Loaded:
         resolved = resolve_policy(name, trained)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if getattr(args, "one_pool", False) and args.command == "generate":
+        resolved = pooled(resolved)
     return Loaded(model.eval(), tok, resolved, sinks, window, args.budget, trained)
+
+
+def pooled(policy):
+    """``policy`` ranked with one pool for the whole model (``--one-pool``); a UsageError naming the
+    policy if it has no static per-head priorities to rank so."""
+    from kvpop.policies import OnePool, one_pool
+
+    if not OnePool.accepts(policy):
+        raise UsageError(f"--one-pool ranks a trained kvpop_mlp's static priorities, not {policy.name!r}")
+    return one_pool(policy)
 
 
 def read_prompt(args, tokenizer) -> list[int]:
@@ -230,6 +249,13 @@ def score_candidates(args):
             raise UsageError(f"--export {d} was trained with sinks/window {meta['sinks']}/{meta['window']}; this run uses "
                              f"{first.sinks}/{first.window} (set --sinks/--window)")
         cands.append(Candidate(f"{pol.name} ({Path(d).name})", model.eval(), pol))
+    if args.one_pool:
+        from kvpop.policies import OnePool, one_pool
+
+        pools = [Candidate(f"{c.name}, one pool", c.model, one_pool(c.policy)) for c in cands if OnePool.accepts(c.policy)]
+        if not pools:
+            raise UsageError(f"--one-pool: none of {[c.name for c in cands]} has static per-head priorities to rank with one pool (kvpop_mlp)")
+        cands += pools
     return first, cands
 
 
@@ -282,6 +308,9 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--sinks", type=int, default=None, help=f"default: the export's, else {DEFAULT_SINKS}")
         sp.add_argument("--window", type=int, default=None, help=f"default: the export's, else {DEFAULT_WINDOW}")
         sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        sp.add_argument("--one-pool", action="store_true", help="rank a trained kvpop_mlp's priorities with one pool of slots for the whole "
+                        "model (the same number of cached entries, shared between layers and heads)"
+                        + (": adds a row per policy that can be ranked so" if several else ""))
         sp.add_argument("--threads", default=None, help="CPU threads: a count or 'auto' (default: $KVPOP_THREADS, else auto = "
                         "the cores free at start; kvpop.threads)")
 
@@ -300,9 +329,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--path", choices=["auto", "engine", "reference"], default="auto",
                    help="decode path: the fast engine (auto: wherever it supports the policy) or the reference cache")
     g.add_argument("--compile", action="store_true",
-                   help="CUDA: compile the engine's step and replay it as a CUDA graph (fast per token; about 90 s to compile "
+                   help="CUDA: compile the engine's step and replay it as a CUDA graph (fast per token; about 10 s to compile "
                    "the first time, then reused from $KVPOP_COMPILE_CACHE, default ~/.cache/kvpop/compile). Without it the "
-                   "engine runs eagerly and starts at once: the better choice for short generations")
+                   "engine runs eagerly and starts at once")
     g.set_defaults(run=cmd_generate)
 
     s = sub.add_parser("score", help="teacher-forced KL, top-1 agreement and quote accuracy of several policies against dense attention")
