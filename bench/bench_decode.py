@@ -182,7 +182,8 @@ def row(name, *, B, ctx, budget, timed, eng, floor_bytes, bw, base_bytes, dev, p
         "peak_gb": round(peak(dev), 3), "peak_above_weights_gb": round(peak(dev) - base_bytes / GB, 3),
         "cache_gb": round(eng.cache_bytes() / GB, 3),
         "floor_ms": round(floor_bytes / bw * 1e3, 3), "floor_fraction": round(floor_bytes / bw / s_step, 3),
-        "prefill_s": round(prefill_s, 1), "warmup_s": round(warm, 1), "compile_mode": eng.compile_mode, **(extra or {}),
+        "prefill_s": round(prefill_s, 1), "warmup_s": round(warm, 1), "compile_mode": eng.compile_mode,
+        "fused": eng.fused, **(extra or {}),
     }
 
 
@@ -200,6 +201,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--compile-modes", default="layer", help="comma list of DecodeEngine compile modes (layer, step): the batch-1 rows "
                     "for each; the batch rows with the first")
+    ap.add_argument("--fused", choices=("off", "on", "both"), default="off", help="the bounded engines' fused insert kernel "
+                    "(kvpop.kernels.insert): off, on, or both side by side (batch-1 rows; the batch rows take the last)")
     ap.add_argument("--dense-modes", default=None, help="the batch-1 dense rows' compile modes (default: --compile-modes)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--eager-new", type=int, default=32, help="new tokens timed for eager generate")
@@ -219,6 +222,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     parts = set(args.parts.split(","))
     modes = args.compile_modes.split(",")
+    fuse = {"off": [False], "on": [True], "both": [False, True]}[args.fused]
     if bad := [m for m in modes if m not in COMPILE_MODES]:
         raise SystemExit(f"--compile-modes: unknown {bad}; choose from {', '.join(COMPILE_MODES)}")
     if args.small:
@@ -264,10 +268,10 @@ def main() -> None:
               "tokens_per_s": round(1 / s, 1), "floor_ms": round((wbytes + ctx0 * per_tok) / bw * 1e3, 3),
               "floor_fraction": round((wbytes + ctx0 * per_tok) / bw / s, 3)})
         torch.cuda.empty_cache() if dev.type == "cuda" else None
-        for mode, budget in ((m, b) for m in modes for b in budgets):
+        for mode, fused, budget in ((m, f, b) for m in modes for f in fuse for b in budgets):
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
-            eng = DecodeEngine(model, policy, budget=budget, sinks=4, window=256, batch_size=1, chunk=args.chunk, compile_mode=mode)
+            eng = DecodeEngine(model, policy, budget=budget, sinks=4, window=256, batch_size=1, chunk=args.chunk, compile_mode=mode, fused=fused)
             for ctx in contexts:
                 pre = grow(eng, ctx, vocab, ctx)
                 timed = time_steps(eng, args.steps, args.warmup)
@@ -295,7 +299,8 @@ def main() -> None:
             for budget in budgets:
                 if dev.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(dev)
-                eng = DecodeEngine(model, policy, budget=budget, sinks=4, window=256, batch_size=B, chunk=args.chunk, compile_mode=modes[0])
+                eng = DecodeEngine(model, policy, budget=budget, sinks=4, window=256, batch_size=B, chunk=args.chunk, compile_mode=modes[0],
+                                   fused=fuse[-1])
                 pre = grow(eng, ctx, vocab, ctx + B) if args.batch_fill == "prefill" else fill(eng, ctx, ctx + B)
                 timed = time_steps(eng, args.steps, args.warmup)
                 done(row("bounded", B=B, ctx=ctx, budget=budget, timed=timed, eng=eng, floor_bytes=wbytes + B * min(ctx, eng.slots) * per_tok,
@@ -381,13 +386,14 @@ def summarize(info: dict, rows: list[dict]) -> None:
     print("-" * len(hdr))
     for r in rows:
         if "ms_per_step" not in r:
-            print(f"{r['engine']:<18}{'':>8}{r['batch']:>4}{r['context']:>9}{'':>7}  does not fit: needs {r['needs_cache_gb']} GB of cache, {r['free_gb']} GB free")
+            print(f"{r['engine']:<18}{'':>8}{r['batch']:>4}{r['context']:>9}{'':>7}  does not fit: needs {r['needs_cache_gb']} GB of cache, "
+                  f"{r['free_gb']} GB free")
             continue
         ve = f"{eager['ms_per_step'] / r['ms_per_step']:.1f}x" if eager and r["batch"] == 1 and r is not eager else ""
         d = dense.get((r["batch"], r["context"], r.get("compile_mode")))
         vd = f"{d['ms_per_step'] / r['ms_per_step']:.2f}x" if d and r["engine"] == "bounded" else ""
         pk = r.get("peak_gb", float("nan"))
-        label = f"{r['engine']} {r['policy']}" if "policy" in r else r["engine"]
+        label = f"{r['engine']} {r['policy']}" if "policy" in r else r["engine"] + (" fused" if r.get("fused") else "")
         print(f"{label:<18}{r.get('compile_mode') or '-':>8}{r['batch']:>4}{r['context']:>9}{r['budget'] or '':>7}{r['ms_per_step']:>9.2f}"
               f"{r['tokens_per_s']:>9.1f}{100 * r['floor_fraction']:>7.0f}%{pk:>9.2f}{ve:>9}{vd:>9}{r.get('warmup_s', float('nan')):>10.1f}")
     pols = [r for r in rows if "policy" in r]

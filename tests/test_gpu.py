@@ -323,18 +323,22 @@ def test_compiled_engine_equals_bounded_cache(policy_name, tiny_model):
         ref = teacher_forced_logits(model, policy, ids, budget=budget, sinks=sinks, window=window, prefill=pre)
     kw = dict(budget=budget, sinks=sinks, window=window, batch_size=2, chunk=128) if policy_name != "dense" else dict(max_len=512, batch_size=2, chunk=128)
     got = {}
+    fusable = policy_name in ("streaming_llm", "kvpop_mlp")  # static rules: the fused insert kernel (kvpop.kernels.insert)
     for mode in (None, "layer", "step"):  # eager, then both compile modes (each captured as one CUDA graph)
-        eng = DecodeEngine(model, None if policy_name == "dense" else policy, compile=mode is not None, compile_mode=mode or "layer", **kw)
-        assert eng.compile_mode == mode
-        logits = [eng.prefill(ids[:, :pre]).clone()]
-        for t in range(pre, S):
-            eng.tok.copy_(ids[:, t : t + 1])
-            logits.append(eng.step().clone())
-        got[mode] = torch.stack(logits, 1)
-    d_ref = _maxdiff(got[None], ref[:, pre - 1 :])
-    d_layer, d_step = _maxdiff(got["layer"], got[None]), _maxdiff(got["step"], got[None])
-    print(f"engine {policy_name}: eager vs reference {d_ref:.2e}, compiled vs eager: per layer {d_layer:.2e}, whole step {d_step:.2e}")
-    assert d_ref < 1e-4 and d_layer < 1e-4 and d_step < 1e-4
+        for fused in (False, True) if fusable else (False,):
+            eng = DecodeEngine(model, None if policy_name == "dense" else policy, compile=mode is not None, compile_mode=mode or "layer",
+                               fused=fused, **kw)
+            assert eng.compile_mode == mode and eng.fused == fused
+            logits = [eng.prefill(ids[:, :pre]).clone()]
+            for t in range(pre, S):
+                eng.tok.copy_(ids[:, t : t + 1])
+                logits.append(eng.step().clone())
+            got[mode, fused] = torch.stack(logits, 1)
+    d_ref = _maxdiff(got[None, False], ref[:, pre - 1 :])
+    diffs = {key: _maxdiff(x, got[None, False]) for key, x in got.items()}
+    print(f"engine {policy_name}: eager vs reference {d_ref:.2e}; vs eager tensor code: "
+          + ", ".join(f"{m or 'eager'}{' fused' if f else ''} {d:.2e}" for (m, f), d in diffs.items()))
+    assert d_ref < 1e-4 and max(diffs.values()) < 1e-4
 
 
 # --- dms: the gate's training forward (compiled flex + score_mod) against the SDPA float mask ----------

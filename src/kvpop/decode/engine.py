@@ -65,6 +65,7 @@ from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvpop.decode.layout import NEG_INF, CacheLayout
+from kvpop.kernels import triton_available
 from kvpop.masks import dense_mask
 from kvpop.modeling import head_dim_of
 from kvpop.policies import Policy
@@ -159,6 +160,11 @@ class DecodeEngine:
     nominal, as in BoundedCache); ``DecodeEngine(model, None, max_len=L, batch_size=1)`` (or a
     policy that never evicts) -- the dense static cache.
 
+    ``fused=True``: a static rule's token arrival (the leaver's score, the victim, the two-slot write)
+    runs as one Triton kernel per layer (:mod:`kvpop.kernels.insert`) instead of the tensor code,
+    which stays its twin (tests/test_kernels.py under Triton's interpreter; tests/test_gpu.py on
+    CUDA); opt-in until measured on a GPU.
+
     ``prefill(ids)`` then ``step()`` repeatedly: the step reads the token in :attr:`tok` (B, 1),
     writes the greedy next token back into it (or the caller copies its own sample in) and
     returns the logits (B, V) float32. ``compile=None`` compiles on CUDA only.
@@ -167,7 +173,7 @@ class DecodeEngine:
     def __init__(
         self, model, policy: Policy | None = None, *, budget: int | None = None, sinks: int = 4, window: int = 256,
         max_len: int | None = None, batch_size: int = 1, chunk: int = 2048, compile: bool | None = None,
-        compile_mode: CompileMode = "layer",
+        compile_mode: CompileMode = "layer", fused: bool = False,
     ):
         cfg = model.config.get_text_config(decoder=True)
         if (refusal := engine_refusal(model, policy)) is not None:
@@ -236,6 +242,16 @@ class DecodeEngine:
         self._rule_index = [0] * L if views is not None else list(range(L))
         self._step_head, self._layer_step, self._step_tail = self._head, self._layer, self._tail
         self._compiled_step = None
+        # the token's arrival as one Triton kernel per layer (kvpop.kernels.insert) where the rule has a fused form
+        can_fuse = self.kind == "bounded" and not self.delayed and all(
+            r.fused_scorer(li) is not None for r, li in zip(self._rules, self._rule_index, strict=True))
+        if fused and not can_fuse:
+            raise ValueError(f"fused=True: policy {getattr(self.policy, 'name', None)!r} has no fused form (a static rule's fused_scorer)")
+        elif fused and not triton_available():
+            raise ValueError("fused=True needs Triton (CUDA builds of torch ship it)")
+        elif fused and dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("fused=True needs a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1)")
+        self.fused = fused
         if compile:
             use_compile_cache()
             if compile_mode == "layer":  # the step runs in Python over three compiled pieces, captured as one graph
@@ -440,6 +456,12 @@ class DecodeEngine:
         layer (measured on an H200: 1.9x slower steps at batch 16, 2.9x at batch 64)."""
         B, Hk = self.B, self.Hk
         bi, hi = self._bh  # (B * Hk,) row and head of each (row, head)
+        if self.fused:  # the same in one kernel (no delayed rule here)
+            from kvpop.kernels.insert import fused_insert
+
+            fused_insert(keys, values, pos, prio, k, v, p, at, rule.fused_scorer(li), lr=self.lr, slots=self.slots, sinks=self.sinks,
+                         window=self.window, evict=evicting)
+            return
         if advance:
             for buf, s in zip(state, rule.step(li, state, k[:, :, 0], v[:, :, 0]), strict=True):
                 buf.copy_(s)

@@ -3,6 +3,9 @@
 
 * :mod:`kvpop.kernels.decay`: the decaying cache's eviction times (``trimkv``), twin
   :func:`kvpop.selection.decaying_eviction_times_reference`.
+* :mod:`kvpop.kernels.insert`: a decoded token's arrival in the bounded cache (the leaver's score,
+  the victim slot, the two-slot write), twin :meth:`kvpop.decode.engine.DecodeEngine._insert`'s
+  tensor code; tested on the CPU under Triton's interpreter (tests/test_kernels.py).
 
 Kernels import nothing from the library (the library dispatches to them), so no import cycle forms.
 """

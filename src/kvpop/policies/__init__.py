@@ -12,7 +12,7 @@ evaluate stage and both decode paths read the registry and the declared capabili
 
 from __future__ import annotations
 
-from kvpop.policies.base import Policy, ScorerSpec, Scores
+from kvpop.policies.base import FusedScorer, Policy, ScorerSpec, Scores
 from kvpop.policies.dbtrimkv import DBTrimKV
 from kvpop.policies.dense import Dense
 from kvpop.policies.dms import Dms
@@ -74,7 +74,7 @@ def resolve_policy(name: str, exported: Policy | None = None) -> Policy:
 
 
 __all__ = [
-    "REGISTRY", "DBTrimKV", "Dense", "Dms", "H2O", "Kvpop", "KvpopMLP", "OnePool", "OracleSources", "OracleTarget",
+    "REGISTRY", "DBTrimKV", "Dense", "Dms", "FusedScorer", "H2O", "Kvpop", "KvpopMLP", "OnePool", "OracleSources", "OracleTarget",
     "Policy", "Scores", "ScorerSpec", "StreamingLLM", "StreamingLLMPlus", "TOVA", "TrimKV", "TrimKVJoint",
     "make_policy", "names", "one_pool", "policy_class", "resolve_policy",
 ]

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -185,6 +185,11 @@ class Policy(nn.Module):
         -> priority (B, Hk, S), fixed from then on."""
         return self.scores(layer, keys, values, pos).prio
 
+    def fused_scorer(self, layer: int) -> FusedScorer | None:
+        """A static rule's priority of a token in layer ``layer`` in the form the engine's fused insert
+        kernel computes (:class:`FusedScorer`), or None: the engine then runs its tensor code."""
+        return None
+
     def slot_scores(self, prio: Tensor, attn: Tensor) -> Tensor:
         """``needs_attention``: prio (B, Hk, T), attn (B, Hk, Q, T) weights of Q consecutive queries
         (mean over each KV head's query group; zero on future and empty slots) -> priorities (B, Hk, T)."""
@@ -215,6 +220,20 @@ class Policy(nn.Module):
         after the chunk's tokens ``0 .. tau`` (R,) -> (priority (B, Hk, R) float64, new state)."""
         raise NotImplementedError(f"policy {self.name!r} has no chunked prefill")
 
+
+
+class FusedScorer(NamedTuple):
+    """A static rule's priority of a token in the form of the engine's fused insert kernel
+    (:mod:`kvpop.kernels.insert`): ``kind`` "position" (the token's position, ``streaming_llm``) or
+    "mlp" (``kvpop_mlp``: per KV head ``w2 . silu(w1^T [k; v] + b1) + b2`` in float32, then
+    ``- pos * log_gamma`` in float64)."""
+
+    kind: str
+    w1: Tensor | None = None  # (Hk, 2D, F) float32
+    b1: Tensor | None = None  # (Hk, F)
+    w2: Tensor | None = None  # (Hk, F)
+    b2: Tensor | None = None  # (Hk,)
+    log_gamma: Tensor | None = None  # (Hk,) float64
 
 
 class AttentionRule(Policy):

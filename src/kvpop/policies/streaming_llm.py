@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpop.policies.base import Policy, Scores
+from kvpop.policies.base import FusedScorer, Policy, Scores
 
 
 class StreamingLLM(Policy):
@@ -18,6 +18,9 @@ class StreamingLLM(Policy):
     def scores(self, layer, keys, values, pos, **_):
         B, Hk = keys.shape[:2]
         return Scores(prio=pos[:, None, :].expand(B, Hk, -1).to(torch.float64))  # (B, Hk, S)
+
+    def fused_scorer(self, layer):
+        return FusedScorer("position")
 
 
 class StreamingLLMPlus(StreamingLLM):
