@@ -92,6 +92,8 @@ def main() -> None:
                     "pool of slots for the whole model (kvpop.policies.one_pool), as '<name>, one pool'")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    # CUDA: one compiled FlexAttention per document length and candidate pattern (the pooled policies add several)
+    torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)
     from transformers import AutoTokenizer
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"

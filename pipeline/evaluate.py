@@ -21,7 +21,7 @@ from kvpop.export import CheckpointError, load_export
 from kvpop.filter import read_jsonl
 from kvpop.modeling import load_model, model_shape
 from kvpop.plots import plot_accuracy_vs_budget, plot_keep_map, plot_memory_curve, plot_occupancy
-from kvpop.policies import make_policy, policy_class
+from kvpop.policies import OnePool, make_policy, one_pool, policy_class
 from kvpop.rollouts import BenchmarkUnavailable, Problem, chat_prompt_ids, load_benchmark, memory_curve, pass_at_1, rollout_problems
 from report import print_table
 
@@ -54,6 +54,8 @@ def candidates(p, base: str, exports: Path, precision: str):
         if pol.name != name:
             fail(f"{exports / name} holds policy {pol.name!r}, not {name!r}")
         out.append(Candidate(name, model.eval(), pol))
+        if p.evaluate.one_pool and OnePool.accepts(pol):  # its own priorities, one pool for the whole model
+            out.append(Candidate(f"{name}, one pool", out[-1].model, one_pool(pol)))
     return teacher, tok, out
 
 
@@ -154,7 +156,8 @@ def main() -> None:
         plot_memory_curve(curves, plots / "cache_memory.png")
         say("keep map: which positions each layer's KV heads keep over the first held-out trace")
         plot_keep_maps(cands, fid_records[0], plots / "keep_map.png", budget=p.budget, sinks=p.sinks, window=p.window)
-        plot_occupancy({n: m["occupancy_map"] for n, m in results.items() if "occupancy_map" in m and policy_class(n).evicts},
+        by_name = {c.name: c.policy for c in cands}
+        plot_occupancy({n: m["occupancy_map"] for n, m in results.items() if "occupancy_map" in m and by_name[n].evicts},
                        plots / "occupancy.png", title=f"entries held per layer and KV head at the traces' end, over the budget {p.budget}")
         # long-range quote accuracy vs budget, this run's points over every earlier experiment's (MLflow)
         history = tracking.evaluated_points("quote_accuracy")
@@ -164,8 +167,9 @@ def main() -> None:
         # one child run per policy, same metric names in each: MLflow charts a metric across policies
         # and budgets; the parent keeps the stage's own figures and the artifacts
         for name, m in results.items():
-            cls = policy_class(name)
-            kind = "ceiling" if cls.oracle else "trained" if name in p.train.policies else "rule" if cls.evicts else "reference"
+            pol = by_name[name]
+            trained = name in p.train.policies or isinstance(pol, OnePool)  # a trained policy, or one ranked with one pool
+            kind = "ceiling" if pol.oracle else "trained" if trained else "rule" if pol.evicts else "reference"
             with run.child(name, {"policy": name, **common}, tags={"policy": name, "kind": kind}) as child:
                 child.metrics(m)
         run.metrics({"budget": p.budget, "eval_tokens": eval_tokens})

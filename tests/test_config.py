@@ -51,6 +51,7 @@ def test_train_stage_depends_on_every_key_that_changes_a_training():
         (lambda r: r["train"].update(target_beta=-2.0), "train.target_beta"),
         (lambda r: r["train"].update(target_beta=float("inf")), "train.target_beta"),
         (lambda r: r["train"].update(boundary_weight="margin"), "train.boundary_weight"),
+        (lambda r: (r["evaluate"].update(one_pool=True), r["train"].update(policies=["streaming_llm_plus", "kvpop", "dms"])), "evaluate.one_pool"),
     ],
 )
 def test_bad_params_name_the_key(edit, key):

@@ -20,7 +20,7 @@ def micro_params(base_source: str) -> dict:
     p["filter"]["synthetic"].update(train_traces=6, eval_traces=3, min_chars=800, max_chars=1000)
     p["train"].update(steps=2, seq_len=1024, top_logits=16, scorer_hidden=8)
     p["train"]["policies"] = list(POLICIES)
-    p["evaluate"].update(max_traces=2, memory_lengths=[0, 4])
+    p["evaluate"].update(max_traces=2, memory_lengths=[0, 4], one_pool=True)
     p["evaluate"]["rollouts"].update(problems=1, n=2, max_new_tokens=2)
     return p
 
@@ -65,7 +65,7 @@ def test_pipeline_end_to_end(tiny_qwen3_dir, tmp_path):
     assert written - {w for w in written if w.startswith(".cache/")} == expected
 
     ev = json.loads((tmp_path / "metrics/eval.json").read_text())
-    assert set(ev["policies"]) == {"dense", "streaming_llm", "tova", "h2o", "oracle_target", "oracle_sources", *POLICIES}
+    assert set(ev["policies"]) == {"dense", "streaming_llm", "tova", "h2o", "oracle_target", "oracle_sources", *POLICIES, "kvpop_mlp, one pool"}
     for name, m in ev["policies"].items():
         assert {"kl", "top1_agreement", "quote_accuracy"} <= set(m), name
         decoded = {"pass_at_1", "pass_at_1_relative", "peak_cache_mb", "tokens_per_s"}
@@ -105,6 +105,7 @@ def check_tracking(db: Path, ev: dict) -> None:
     assert got == pytest.approx({n: m["quote_accuracy"] for n, m in ev["policies"].items()})
     kinds = {r.data.tags["policy"]: r.data.tags["kind"] for r in children}
     assert kinds["dense"] == "reference" and kinds["oracle_target"] == "ceiling" and kinds["kvpop_mlp"] == "trained" and kinds["tova"] == "rule"
+    assert kinds["kvpop_mlp, one pool"] == "trained"
     train = mlflow.search_runs(experiment_names=["kvpop"], filter_string="tags.stage = 'train'", output_format="list")
     assert len(train) == len(POLICIES)
     for r in train:  # curves and throughput as metrics; the run's bookkeeping as tags

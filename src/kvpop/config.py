@@ -265,11 +265,23 @@ class EvaluateConfig(_Section):
         default_factory=dict,
         description="name -> hub id or local file of competition benchmarks (AIME, HMMT) for real models",
     )
+    one_pool: bool = Field(
+        False,
+        description="also rank every trained kvpop_mlp's priorities with one pool of slots for the whole model "
+        "(kvpop.policies.one_pool): a '<name>, one pool' row, decoded by the reference pool cache",
+    )
 
     @field_validator("policies")
     @classmethod
     def _known(cls, v: list[str]) -> list[str]:
         return _only(v, FREE_POLICIES, "unknown or trained policies {bad}; training-free ones: {allowed}")
+
+
+def pool_rankable(name: str) -> bool:
+    """Whether a trained policy's priorities can be ranked with one pool (:meth:`kvpop.policies.OnePool.accepts`, by its class)."""
+    from kvpop.policies import OnePool, policy_class
+
+    return OnePool.accepts(policy_class(name))  # it reads class attributes only
 
 
 class Params(_Section):
@@ -291,6 +303,8 @@ class Params(_Section):
                 f"budget ({self.budget}) must exceed sinks + window ({self.sinks} + {self.window}) "
                 "so that at least one long-range slot exists"
             )
+        if self.evaluate.one_pool and not any(map(pool_rankable, self.train.policies)):
+            raise ValueError(f"evaluate.one_pool ranks a trained kvpop_mlp with one pool; train.policies {self.train.policies} has none")
         return self
 
     @property
