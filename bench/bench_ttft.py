@@ -12,6 +12,10 @@ compile is what a user waits for before the first token. Three modes, each a fre
 * ``eager``: ``compile=False`` (``kvpop generate`` without ``--compile``): starts at once, slower
   per token.
 
+``--compile-modes layer,step`` runs ``cold`` and ``warm`` for each of the engine's compile modes
+(:data:`kvpop.decode.engine.COMPILE_MODES`: one layer reused by every layer, the default, or the
+whole step as one graph), each with its own cache folder under ``--cache``.
+
 Each child builds the Qwen3-4B architecture (random weights, bf16; ``--small``: a tiny Qwen3),
 prefills a ``--prompt``-token prompt into a bounded cache (``kvpop_mlp``, random scorer, budget
 ``--budget``), decodes ``--steps`` tokens and reports: seconds to import torch and kvpop, to build
