@@ -6,9 +6,12 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-stamp=.venv/.kvpop-installed
+# the extras to install (pyproject [project.optional-dependencies]): KVPOP_EXTRAS, default "test";
+# scripts/test.sh adds "kernels" (Triton, for its interpreter)
+extras=${KVPOP_EXTRAS:-test}
+stamp=".venv/.kvpop-installed-${extras//,/-}"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[test]"
+  .venv/bin/python -m pip install -q -e ".[$extras]"
   touch "$stamp"
 fi
