@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 from kvpop.data.other_text import HELD_OUT_CODE
-from kvpop.evaluate import Candidate, evaluate_fidelity
+from kvpop.evaluate import Candidate, evaluate_fidelity, one_pool_twin
 from kvpop.export import load_export, read_meta
 from kvpop.modeling import load_model
-from kvpop.policies import OnePool, make_policy, one_pool
+from kvpop.policies import make_policy
 from kvpop.scorer import has_recency, with_recency
 
 
@@ -111,11 +111,12 @@ def main() -> None:
         if (m["sinks"], m["window"]) != (geo["sinks"], geo["window"]):
             raise SystemExit(f"{n}: exported for sinks/window {m['sinks']}/{m['window']}, others use {geo['sinks']}/{geo['window']}")
         model = model.to(dev).eval()
-        cands.append(Candidate(n, model, pol.to(dev)))
+        trained = Candidate(n, model, pol.to(dev))
+        cands.append(trained)
         if args.recency and has_recency(pol):
             cands += [Candidate(recency_label(n, r), model, with_recency(pol, r)) for r in args.recency]
-        if args.shared_pool and OnePool.accepts(pol):
-            cands.append(Candidate(f"{n}, one pool", model, one_pool(pol)))
+        if args.shared_pool and (twin := one_pool_twin(trained)):
+            cands.append(twin)
         # the same fine-tuned weights with dense attention: what fine-tuning alone changes
         cands.append(Candidate(f"{n} weights, dense", model, make_policy("dense")))
     res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__, **geo,

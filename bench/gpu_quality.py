@@ -64,11 +64,11 @@ from gpu_embedded_run import StopAfter, convert_gguf, length_stats, make_records
 from kvpop.boundary import BOUNDARY_WEIGHTS
 from kvpop.config import TrainConfig
 from kvpop.data.other_text import KINDS, other_text_records, token_ids
-from kvpop.evaluate import Candidate, evaluate_fidelity, score_positions
+from kvpop.evaluate import Candidate, evaluate_fidelity, one_pool_twin, score_positions
 from kvpop.export import export, load_export
 from kvpop.modeling import load_model, model_shape
 from kvpop.pack import pack_records
-from kvpop.policies import OnePool, make_policy, one_pool
+from kvpop.policies import make_policy
 from kvpop.scorer import has_recency, with_recency
 from kvpop.target import TARGET_KINDS, check_pool
 from kvpop.train import build_training, resolve_precision
@@ -289,8 +289,8 @@ def eval_phase(args) -> None:
             continue
         model, _, pol, meta = load_export(run_dir / "export")
         cands.append(Candidate(run_dir.name, model.to(dev).eval(), pol.to(dev)))
-        if args.shared_pool and OnePool.accepts(pol):  # its own priorities, one pool for the whole model
-            cands.append(Candidate(f"{run_dir.name}, one pool", cands[-1].model, one_pool(pol)))
+        if args.shared_pool and (twin := one_pool_twin(cands[-1])):  # its own priorities, one pool for the whole model
+            cands.append(twin)
         if args.recency and has_recency(pol):
             cands += [Candidate(recency_label(run_dir.name, r), cands[-1].model, with_recency(pol, r)) for r in args.recency]
         steps[run_dir.name] = meta.get("steps")

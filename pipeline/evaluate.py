@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 
 from kvpop import tracking
-from kvpop.evaluate import Candidate, evaluate_fidelity, keep_map, score_positions
+from kvpop.evaluate import Candidate, evaluate_fidelity, keep_map, one_pool_twin, score_positions
 from kvpop.export import CheckpointError, load_export
 from kvpop.filter import read_jsonl
 from kvpop.modeling import load_model, model_shape
 from kvpop.plots import plot_accuracy_vs_budget, plot_keep_map, plot_memory_curve, plot_occupancy
-from kvpop.policies import OnePool, make_policy, one_pool, policy_class
+from kvpop.policies import OnePool, make_policy, policy_class
 from kvpop.rollouts import BenchmarkUnavailable, Problem, chat_prompt_ids, load_benchmark, memory_curve, pass_at_1, rollout_problems
 from report import print_table
 
@@ -54,8 +54,8 @@ def candidates(p, base: str, exports: Path, precision: str):
         if pol.name != name:
             fail(f"{exports / name} holds policy {pol.name!r}, not {name!r}")
         out.append(Candidate(name, model.eval(), pol))
-        if p.evaluate.one_pool and OnePool.accepts(pol):  # its own priorities, one pool for the whole model
-            out.append(Candidate(f"{name}, one pool", out[-1].model, one_pool(pol)))
+        if p.evaluate.one_pool and (twin := one_pool_twin(out[-1])):  # its own priorities, one pool for the whole model
+            out.append(twin)
     return teacher, tok, out
 
 

@@ -29,20 +29,16 @@ def run_interpreted(code: str) -> str:
     return proc.stdout
 
 
-ENGINE = """
+ENGINE = f"""
+import sys
 import torch
-from transformers import LlamaConfig, Qwen3Config, AutoModelForCausalLM
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from conftest import build_tiny_model as model  # the tiny models of every test: 2 layers, 2 KV heads, head_dim 16
 from kvpop.decode.engine import DecodeEngine
 from kvpop.policies import make_policy
 
 SINKS, WINDOW, K = 4, 16, 12
 BUDGET = SINKS + WINDOW + K
-
-def model(kind):
-    torch.manual_seed(0)
-    cfg = (Qwen3Config if kind == "qwen3" else LlamaConfig)(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
-    return AutoModelForCausalLM.from_config(cfg).eval()
 
 def policy(name):
     torch.manual_seed(3)

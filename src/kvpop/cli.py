@@ -250,9 +250,9 @@ def score_candidates(args):
                              f"{first.sinks}/{first.window} (set --sinks/--window)")
         cands.append(Candidate(f"{pol.name} ({Path(d).name})", model.eval(), pol))
     if args.one_pool:
-        from kvpop.policies import OnePool, one_pool
+        from kvpop.evaluate import one_pool_twin
 
-        pools = [Candidate(f"{c.name}, one pool", c.model, one_pool(c.policy)) for c in cands if OnePool.accepts(c.policy)]
+        pools = [twin for c in cands if (twin := one_pool_twin(c))]
         if not pools:
             raise UsageError(f"--one-pool: none of {[c.name for c in cands]} has static per-head priorities to rank with one pool (kvpop_mlp)")
         cands += pools

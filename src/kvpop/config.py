@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvpop.boundary import BoundaryWeight
-from kvpop.policies import names
+from kvpop.policies import OnePool, names, policy_class
 from kvpop.target import TargetKind, TargetPool
 
 #: The embedded default teacher: SmolLM2-135M-Instruct, shipped as GGUF inside a PyPI wheel.
@@ -277,13 +277,6 @@ class EvaluateConfig(_Section):
         return _only(v, FREE_POLICIES, "unknown or trained policies {bad}; training-free ones: {allowed}")
 
 
-def pool_rankable(name: str) -> bool:
-    """Whether a trained policy's priorities can be ranked with one pool (:meth:`kvpop.policies.OnePool.accepts`, by its class)."""
-    from kvpop.policies import OnePool, policy_class
-
-    return OnePool.accepts(policy_class(name))  # it reads class attributes only
-
-
 class Params(_Section):
     """The whole ``params.yaml``. Top-level keys are shared by several stages."""
 
@@ -303,7 +296,7 @@ class Params(_Section):
                 f"budget ({self.budget}) must exceed sinks + window ({self.sinks} + {self.window}) "
                 "so that at least one long-range slot exists"
             )
-        if self.evaluate.one_pool and not any(map(pool_rankable, self.train.policies)):
+        if self.evaluate.one_pool and not any(OnePool.accepts(policy_class(n)) for n in self.train.policies):  # class attributes only
             raise ValueError(f"evaluate.one_pool ranks a trained kvpop_mlp with one pool; train.policies {self.train.policies} has none")
         return self
 

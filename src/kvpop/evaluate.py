@@ -33,7 +33,7 @@ from torch import Tensor
 
 from kvpop.attention import SparseContext
 from kvpop.modeling import model_shape
-from kvpop.policies import Dense, Policy
+from kvpop.policies import Dense, OnePool, Policy, one_pool
 from kvpop.selection import NEVER, global_decaying_eviction_times
 from kvpop.target import future_attention_target
 
@@ -53,6 +53,12 @@ class Candidate:
     model: object
     policy: Policy
     max_traces: int | None = None  # score only the first records (token-by-token decoding is slow)
+
+
+def one_pool_twin(c: Candidate) -> Candidate | None:
+    """``c``'s policy ranked with one pool of slots for the whole model (:func:`kvpop.policies.one_pool`),
+    on the same model, named ``"<name>, one pool"``; None if its priorities cannot be ranked so."""
+    return Candidate(f"{c.name}, one pool", c.model, one_pool(c.policy), c.max_traces) if OnePool.accepts(c.policy) else None
 
 
 @dataclass

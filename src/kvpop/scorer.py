@@ -83,7 +83,7 @@ def has_recency(policy: nn.Module) -> bool:
 
 def layer_view(module: nn.Module, *, parameters: dict[str, Tensor] | None = None, modules: dict[str, nn.Module] | None = None) -> nn.Module:
     """A shallow copy of ``module`` whose own parameters and children are replaced by the given ones
-    (the others are shared): the one-layer views below, whose parameters are views of the original's
+    (the others are shared): the one-layer views below and :meth:`kvpop.policies.Policy.for_layer`, whose parameters are views of the original's
     storage (no copy; they follow in-place updates such as ``load_state_dict``) and carry no gradient."""
     view = copy.copy(module)
     object.__setattr__(view, "_parameters", {**module._parameters, **{k: nn.Parameter(t.detach(), requires_grad=False) for k, t in (parameters or {}).items()}})

@@ -89,7 +89,7 @@ def insert_token(
     ``p >= leave_from``, the first position whose occupant leaves the window), scored by the MLP
     (``mlp``: w1 (Hk, 2D, F), b1, w2 (Hk, F), b2 (Hk,), log_gamma (Hk,) float64) or its position."""
     B, Hk, T, D = keys.shape
-    F = w1.shape[-1]
+    F = w1.shape[-1] if mlp else 1
     K = max(16, triton.next_power_of_2(max(slots - lr, 1)))
     _insert_kernel[(B * Hk,)](
         keys, values, pos, prio, k, v, p, at, w1, b1, w2, b2, log_gamma,
@@ -110,9 +110,8 @@ def fused_insert(keys: Tensor, values: Tensor, pos: Tensor, prio: Tensor, k: Ten
     mlp = scorer.kind == "mlp"
     if mlp:
         w1, b1, w2, b2, lg = scorer.w1, scorer.b1, scorer.w2, scorer.b2, scorer.log_gamma
-    else:  # unread by the kernel; any tensors of the right dtypes
-        w1 = b1 = w2 = b2 = keys.new_zeros(1, 1, 1, dtype=torch.float32)
-        lg = keys.new_zeros(1, dtype=torch.float64)
+    else:  # unread by the kernel (its MLP branch is compiled out): no allocation on the step's path
+        w1 = b1 = w2 = b2 = lg = p
     insert_token(keys, values, pos, prio, k.reshape(B, Hk, -1).contiguous(), v.reshape(B, Hk, -1).contiguous(), p, at.reshape(-1)[:1],
                  w1.contiguous(), b1.contiguous(), w2.contiguous(), b2.contiguous(), lg.contiguous(),
                  lr, slots, sinks + window, window, mlp, evict)

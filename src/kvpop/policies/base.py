@@ -50,12 +50,13 @@ Shapes: B batch, Hk KV heads, Q queries, S sequence, T cache slots, D head dim.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 import torch
 from torch import Tensor, nn
+
+from kvpop.scorer import layer_view
 
 
 @dataclass
@@ -175,9 +176,7 @@ class Policy(nn.Module):
         whose scores do not depend on the layer is its own view."""
         one_layer = getattr(getattr(self, "scorer", None), "one_layer", None)
         if one_layer is not None:
-            view = copy.copy(self)
-            object.__setattr__(view, "_modules", {**self._modules, "scorer": one_layer(layer)})
-            return view
+            return layer_view(self, modules={"scorer": one_layer(layer)})
         return self if self.layer_independent else None
 
     def token_scores(self, layer: int, keys: Tensor, values: Tensor, pos: Tensor) -> Tensor:
