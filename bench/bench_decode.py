@@ -201,8 +201,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--compile-modes", default="layer", help="comma list of DecodeEngine compile modes (layer, step): the batch-1 rows "
                     "for each; the batch rows with the first")
-    ap.add_argument("--fused", choices=("off", "on", "both"), default="off", help="the bounded engines' fused insert kernel "
-                    "(kvpop.kernels.insert): off, on, or both side by side (batch-1 rows; the batch rows take the last)")
+    ap.add_argument("--fused", choices=("auto", "off", "on", "both"), default="auto", help="the bounded engines' fused insert kernel "
+                    "(kvpop.kernels.insert): the engine's default (auto: on with CUDA and Triton), off, on, or both side by side "
+                    "(batch-1 rows; the batch rows take the last)")
     ap.add_argument("--dense-modes", default=None, help="the batch-1 dense rows' compile modes (default: --compile-modes)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--eager-new", type=int, default=32, help="new tokens timed for eager generate")
@@ -222,7 +223,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     parts = set(args.parts.split(","))
     modes = args.compile_modes.split(",")
-    fuse = {"off": [False], "on": [True], "both": [False, True]}[args.fused]
+    fuse = {"auto": [None], "off": [False], "on": [True], "both": [False, True]}[args.fused]
     if bad := [m for m in modes if m not in COMPILE_MODES]:
         raise SystemExit(f"--compile-modes: unknown {bad}; choose from {', '.join(COMPILE_MODES)}")
     if args.small:

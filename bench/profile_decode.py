@@ -2,6 +2,7 @@
 
     PYTHONPATH=src:bench python3 bench/profile_decode.py --out results/profile_decode_h200.txt
     PYTHONPATH=src:bench python3 bench/profile_decode.py --max-autotune --out /tmp/p.txt   # GEMMs autotuned by inductor
+    PYTHONPATH=src:bench python3 bench/profile_decode.py --fused --out /tmp/p.txt          # with the fused insert kernel
 
 Prints the ms per step (mean of 200 replays) above the kernel table.
 """
@@ -26,6 +27,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--max-autotune", action="store_true", help="let inductor autotune the step's GEMMs (cuBLAS and Triton templates)")
+    ap.add_argument("--fused", action="store_true", help="the fused insert kernel (kvpop.kernels.insert) in the step")
     args = ap.parse_args()
     if args.max_autotune:
         import torch._inductor.config as ic
@@ -39,7 +41,7 @@ def main() -> None:
     with dev:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     policy = make_policy("kvpop_mlp", num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim).to(dev)
-    eng = DecodeEngine(model, policy, budget=2048, sinks=4, window=256, batch_size=1)
+    eng = DecodeEngine(model, policy, budget=2048, sinks=4, window=256, batch_size=1, fused=args.fused)
     eng.prefill(random_ids(1, 4096, cfg.vocab_size, 0, dev))
     for _ in range(3):
         eng.step()
@@ -48,7 +50,7 @@ def main() -> None:
     for _ in range(200):
         eng.step()
     torch.cuda.synchronize()
-    mode = "max-autotune" if args.max_autotune else "default"
+    mode = ("max-autotune" if args.max_autotune else "default") + (", fused insert" if args.fused else "")
     head = f"{mode} compile: {(time.perf_counter() - t0) / 200 * 1e3:.3f} ms per step (batch 1, 4K, budget 2048)\n"
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):

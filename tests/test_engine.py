@@ -136,6 +136,29 @@ def test_memory_is_flat_and_counted(model):
     assert weight_bytes(model) == sum(p.numel() * 4 for p in model.parameters())  # tied: counted once
 
 
+@pytest.mark.parametrize("name", ["dense", "kvpop_mlp", "kvpop", "dms"])
+def test_an_engine_is_freed_with_its_last_reference(model, name, tie_policy):
+    """No reference cycle holds an engine (a cycle would keep its cache, gigabytes on a GPU, until the
+    cyclic collector happens to run; bench_decode's engines, one after another, ran out of memory so):
+    with the collector off, dropping the engine frees its buffers."""
+    import gc
+    import weakref
+
+    policy = None if name == "dense" else make(name, tie_policy)
+    kw = dict(max_len=S + 8) if name == "dense" else dict(budget=BUDGET, sinks=SINKS, window=WINDOW)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        eng = DecodeEngine(model, policy, batch_size=2, **kw)
+        engine_logits(eng, ids(n=WINDOW + SINKS + 20), WINDOW + SINKS + 8)
+        alive, buf = weakref.ref(eng), weakref.ref(eng.keys[0])
+        del eng
+        assert alive() is None and buf() is None
+    finally:
+        if was:
+            gc.enable()
+
+
 def test_candidate_eviction_times_equal_the_sequence_formula():
     """Over a full prefix (any order), candidate eviction times are the selection's eviction times."""
     torch.manual_seed(0)
@@ -248,7 +271,7 @@ def test_per_layer_compile_traces_one_layer_for_all(model, name, tie_policy):
         return gm.forward
 
     torch._dynamo.reset()  # compiled code is cached per code object: forget other engines' (other shapes)
-    eng._layer_step = torch.compile(eng._layer, backend=backend, fullgraph=True, dynamic=False)
+    eng._layer_step = torch.compile(DecodeEngine._layer, backend=backend, fullgraph=True, dynamic=False)
     prompt = WINDOW + SINKS + 8  # beyond the window: a delayed rule's state is read whole by the prefill
     want = engine_logits(ref, x, prompt)
     got = [eng.prefill(x[:, :prompt])]

@@ -141,7 +141,7 @@ def test_fused_insert_compiles_into_the_one_layer_graph():
         graphs.append(gm)
         return gm.forward
 
-    fz._layer_step = torch.compile(fz._layer, backend=backend, fullgraph=True, dynamic=False)
+    fz._layer_step = torch.compile(DecodeEngine._layer, backend=backend, fullgraph=True, dynamic=False)
     for e in (ref, fz):
         e.prefill(ids[:, :30])
     fz.compiled = True  # the graphed step's path, without the graph
@@ -155,3 +155,26 @@ def test_fused_insert_compiles_into_the_one_layer_graph():
     print("OK")
     """)
     assert out.strip() == "OK"
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_fused_insert_compiles_for_the_gpu(arch):
+    """The interpreter runs what a GPU compile rejects (a non-constexpr global read in the kernel, say),
+    so every specialization the engine launches is compiled here, without a GPU, down to a cubin for
+    sm_80 (A100) and sm_90 (H100/H200) by Triton's own front end and bundled ptxas."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from kvpop.kernels.insert import _insert_kernel
+
+    types = dict(keys_ptr="*bf16", values_ptr="*bf16", pos_ptr="*i64", prio_ptr="*fp64", newk_ptr="*bf16", newv_ptr="*bf16",
+                 p_ptr="*i64", at_ptr="*i64", w1_ptr="*fp32", b1_ptr="*fp32", w2_ptr="*fp32", b2_ptr="*fp32", lg_ptr="*fp64",
+                 Hk="i32", T="i32", lr="i32", k="i32", leave_from="i32", window="i32")
+    names = _insert_kernel.arg_names
+    assert set(names) - set(types) == {"D", "F", "K", "MLP", "EVICT", "BD"}, names
+    for mlp, evict in ((True, True), (False, True), (True, False)):
+        consts = {"D": 128, "F": 64, "K": 2048, "MLP": mlp, "EVICT": evict, "BD": 32}
+        src = ASTSource(_insert_kernel, {n: types.get(n, "constexpr") for n in names},
+                        {(names.index(n),): v for n, v in consts.items()})
+        kernel = compile(src, target=GPUTarget("cuda", arch, 32))
+        assert kernel.asm["cubin"], (mlp, evict)

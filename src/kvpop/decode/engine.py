@@ -160,10 +160,12 @@ class DecodeEngine:
     nominal, as in BoundedCache); ``DecodeEngine(model, None, max_len=L, batch_size=1)`` (or a
     policy that never evicts) -- the dense static cache.
 
-    ``fused=True``: a static rule's token arrival (the leaver's score, the victim, the two-slot write)
+    ``fused``: a static rule's token arrival (the leaver's score, the victim, the two-slot write)
     runs as one Triton kernel per layer (:mod:`kvpop.kernels.insert`) instead of the tensor code,
     which stays its twin (tests/test_kernels.py under Triton's interpreter; tests/test_gpu.py on
-    CUDA); opt-in until measured on a GPU.
+    CUDA). ``None`` (the default) fuses on CUDA where the rule has a fused form (``streaming_llm``,
+    ``kvpop_mlp``) and Triton is installed: 3.88 against 4.35 ms per Qwen3-4B step on an H200
+    (BENCHMARKS.md); ``False`` keeps the tensor code.
 
     ``prefill(ids)`` then ``step()`` repeatedly: the step reads the token in :attr:`tok` (B, 1),
     writes the greedy next token back into it (or the caller copies its own sample in) and
@@ -173,7 +175,7 @@ class DecodeEngine:
     def __init__(
         self, model, policy: Policy | None = None, *, budget: int | None = None, sinks: int = 4, window: int = 256,
         max_len: int | None = None, batch_size: int = 1, chunk: int = 2048, compile: bool | None = None,
-        compile_mode: CompileMode = "layer", fused: bool = False,
+        compile_mode: CompileMode = "layer", fused: bool | None = None,
     ):
         cfg = model.config.get_text_config(decoder=True)
         if (refusal := engine_refusal(model, policy)) is not None:
@@ -240,11 +242,16 @@ class DecodeEngine:
         self.compile_mode: CompileMode | None = compile_mode if compile else None
         self._rules = views if views is not None else [self.policy] * L
         self._rule_index = [0] * L if views is not None else list(range(L))
-        self._step_head, self._layer_step, self._step_tail = self._head, self._layer, self._tail
+        # the step's pieces as functions of the engine (not bound methods: an engine that held its own
+        # bound methods would be a reference cycle, its cache freed only by the cyclic collector)
+        cls = type(self)
+        self._step_head, self._layer_step, self._step_tail = cls._head, cls._layer, cls._tail
         self._compiled_step = None
         # the token's arrival as one Triton kernel per layer (kvpop.kernels.insert) where the rule has a fused form
         can_fuse = self.kind == "bounded" and not self.delayed and all(
             r.fused_scorer(li) is not None for r, li in zip(self._rules, self._rule_index, strict=True))
+        if fused is None:
+            fused = can_fuse and dev.type == "cuda" and triton_available()
         if fused and not can_fuse:
             raise ValueError(f"fused=True: policy {getattr(self.policy, 'name', None)!r} has no fused form (a static rule's fused_scorer)")
         elif fused and not triton_available():
@@ -256,10 +263,10 @@ class DecodeEngine:
             use_compile_cache()
             if compile_mode == "layer":  # the step runs in Python over three compiled pieces, captured as one graph
                 comp = lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)  # noqa: E731
-                self._step_head, self._layer_step, self._step_tail = comp(self._head), comp(self._layer), comp(self._tail)
-                self._compiled_step = self._decode_step
+                self._step_head, self._layer_step, self._step_tail = comp(cls._head), comp(cls._layer), comp(cls._tail)
+                self._compiled_step = cls._decode_step
             else:
-                self._compiled_step = torch.compile(self._decode_step, fullgraph=True, dynamic=False)
+                self._compiled_step = torch.compile(cls._decode_step, fullgraph=True, dynamic=False)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_out: Tensor | None = None
         self._warm = False
@@ -353,20 +360,20 @@ class DecodeEngine:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                out = self._compiled_step()
+                out = self._compiled_step(self)
             torch.cuda.current_stream(self.device).wait_stream(side)
             self._warm = True
             return out
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # records, does not run
-            self._graph_out = self._compiled_step()
+            self._graph_out = self._compiled_step(self)
         self._graph = graph
         graph.replay()
         return self._graph_out
 
     @torch.no_grad()
     def _decode_step(self) -> Tensor:
-        x, h, cos, sin, at = self._step_head()
+        x, h, cos, sin, at = self._step_head(self)
         # eager (not captured): the filled slots are a prefix (sinks and ring fill in order, an empty
         # long-range slot is always the first victim), every stored token is visible to the new
         # query, so attention reads that prefix without a mask; the graphed step masks the whole buffer,
@@ -383,13 +390,13 @@ class DecodeEngine:
                 self._catch_up(i, self.seen - 1)  # eager: the state may lag behind
             nxt = self.layers[i + 1].input_layernorm if i + 1 < L else self.model.model.norm
             x, h = self._layer_step(
-                layer, nxt, self._rules[i], self._rule_index[i], self._wqkv[i], self._wgu[i], self.keys[i], self.values[i],
+                self, layer, nxt, self._rules[i], self._rule_index[i], self._wqkv[i], self._wgu[i], self.keys[i], self.values[i],
                 self.pos[i], self.prio[i] if self.prio else None, self.state[i] if self.state else (), x, h, cos, sin, at,
                 filled, evicting, advance,
             )
             if advance and lazy:
                 self.read[i] = self.seen
-        return self._step_tail(h)
+        return self._step_tail(self, h)
 
     def _head(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
         """The step's input: the token's embedding x (B, 1, hidden), the first layer's normed input h,
