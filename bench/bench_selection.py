@@ -8,7 +8,8 @@ for block sparsity). Times are medians of several reps after warm-ups, measured 
     PYTHONPATH=src python3 bench/bench_selection.py --small     # CPU smoke test, tiny sizes
 
 Rows (ratio = baseline / ours, > 1 means ours is faster, except (iv) where it is target / sparse):
-  (i)   eviction_times (wavelet matrix)          vs brute-force per-query top-k (chunked)
+  (i)   eviction_times (wavelet matrix)          vs brute-force per-query top-k (chunked); on CUDA with
+        Triton also vs the same call with the order statistic's tensor twin (kernels vs twin)
   (ii)  block_mask_from_eviction_times           vs create_block_mask(_compile=True), same mask_mod
   (iii) flex + our BlockMask, fwd+bwd            vs SDPA is_causal, flex causal (fwd+bwd)
   (iv)  future_attention_target (flex, chunked)  vs the sparse fwd+bwd
@@ -27,8 +28,11 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from kvpop import selection
 from kvpop.attention import flex_execute
+from kvpop.kernels import triton_available
 from kvpop.masks import block_mask_from_eviction_times, make_eviction_mask_mod
+from kvpop.order import prefix_kth_smallest_reference
 from kvpop.selection import eviction_times
 from kvpop.target import future_attention_target
 
@@ -84,8 +88,22 @@ def bench_size(S: int, args, dev: str, res: dict) -> dict:
     row = {"S": S, "budget": budget, "sinks": sinks, "window": window, "k": k}
     print(f"--- S={S}: budget {budget} (sinks {sinks}, window {window}, k {k}), H={H} Hk={Hk} D={D} {dtype}", flush=True)
 
-    # (i) cutoffs
+    # (i) cutoffs; on CUDA with Triton the order statistic runs as two kernels (kvpop.kernels.order),
+    # timed here beside its tensor twin (prefix_kth_smallest_reference, swapped in for the same call)
     t_ours = timeit(lambda: eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=k), warmup=W, reps=R, cuda=cuda)
+    row["i_order_statistic"] = "triton kernels" if cuda and triton_available() else "tensor twin"
+    if row["i_order_statistic"] == "triton kernels":
+        kernel = selection.prefix_kth_smallest
+        selection.prefix_kth_smallest = prefix_kth_smallest_reference
+        try:
+            t_twin = timeit(lambda: eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=k), warmup=W, reps=R, cuda=cuda)
+            e_twin = eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=k)
+        finally:
+            selection.prefix_kth_smallest = kernel
+        row["i_kernels_equal_twin"] = torch.equal(e_twin, eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=k))
+        row["i_eviction_times_tensor_twin_s"] = t_twin
+        row["i_kernel_speedup"] = t_twin / t_ours
+        print(f"(i) eviction_times with the order statistic's tensor twin {t_twin * 1e3:.2f} ms: the kernels {t_twin / t_ours:.2f}x", flush=True)
     n_chunks = math.ceil(S / args.q_chunk)
     if n_chunks > args.max_bf_chunks:  # time an evenly spread subset of chunks and extrapolate
         step = n_chunks / args.max_bf_chunks

@@ -32,6 +32,15 @@ def run_interpreted(code: str) -> str:
 ENGINE = f"""
 import sys
 import torch
+import triton.runtime.interpreter as _interp
+
+# Triton 3.6's interpreter turns a scalar argument into a one-element array and a loop bound into an
+# int with int(array), which NumPy >= 2.4 refuses for arrays that are not 0-d: take the element.
+_patch_tensor = _interp._patch_lang_tensor
+def _patch_lang_tensor(tensor, scope):
+    _patch_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+_interp._patch_lang_tensor = _patch_lang_tensor
 sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
 from conftest import build_tiny_model as model  # the tiny models of every test: 2 layers, 2 KV heads, head_dim 16
 from kvpop.decode.engine import DecodeEngine
@@ -178,3 +187,55 @@ def test_fused_insert_compiles_for_the_gpu(arch):
                         {(names.index(n),): v for n, v in consts.items()})
         kernel = compile(src, target=GPUTarget("cuda", arch, 32))
         assert kernel.asm["cubin"], (mlp, evict)
+
+
+@pytest.mark.parametrize("block", [16, 4096])
+def test_wavelet_kernels_answer_as_the_tensor_twin(block):
+    """kvpop.kernels.order (build + query) against kvpop.order.prefix_kth_smallest_reference, on the
+    same random cases as tests/test_order.py (duplicates, empty and full prefixes, ranks out of range)
+    and on eviction_times' own queries of a packed row, with blocks smaller than a row (16: the
+    carried prefix counts across blocks) and larger (one block)."""
+    out = run_interpreted(f"""
+    import kvpop.kernels.order as ko
+    from kvpop.order import prefix_kth_smallest_reference
+    ko.launch_config = lambda n: {{"BLOCK": min({block}, ko.triton.next_power_of_2(max(n, 16))), "BQ": 16, "num_warps": 4}}
+    g = torch.Generator().manual_seed(0)
+    cases = 0
+    for N, n, m, vmax in [(3, 1, 4, 0), (2, 37, 50, 5), (4, 64, 64, 63), (2, 100, 33, 1000), (1, 257, 300, 256), (2, 0, 5, 0)]:
+        values = torch.randint(0, vmax + 1, (N, n), generator=g)
+        prefix = torch.randint(0, n + 1, (N, m), generator=g)
+        inside = 1 + (torch.rand(N, m, generator=g) * prefix).long()
+        kth = torch.where(torch.rand(N, m, generator=g) < 0.5, inside, torch.randint(-1, n + 3, (N, m), generator=g))
+        bits = max(1, vmax.bit_length())
+        want = prefix_kth_smallest_reference(values, prefix, kth, bits=bits)
+        got = ko.wavelet_kth_smallest(values, prefix, kth, bits)
+        assert torch.equal(got, want), (N, n, m, vmax, (got != want).sum())
+        cases += 1
+    # a permutation with every prefix and rank: the order statistic of eviction_times
+    perm = torch.randperm(200, generator=g)[None]
+    p = torch.arange(201).repeat_interleave(201)[None]
+    k = torch.arange(201).repeat(201)[None]
+    assert torch.equal(ko.wavelet_kth_smallest(perm, p, k, 8), prefix_kth_smallest_reference(perm, p, k, bits=8))
+    print("OK", cases)
+    """)
+    assert out.strip() == "OK 6"
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_wavelet_kernels_compile_for_the_gpu(arch):
+    """kvpop.kernels.order's two kernels down to a cubin for sm_80 and sm_90, without a GPU (what the
+    interpreter would let through, a compile rejects)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from kvpop.kernels.order import _build_kernel, _query_kernel
+
+    cases = [
+        (_build_kernel, dict(values_ptr="*i64", buf_ptr="*i32", zeros_ptr="*i32", n="i32", bits="i32"), {"BLOCK": 4096}),
+        (_query_kernel, dict(zeros_ptr="*i32", prefix_ptr="*i64", kth_ptr="*i64", out_ptr="*i64", n="i32", m="i32", bits="i32"), {"BQ": 1024}),
+    ]
+    for fn, types, consts in cases:
+        names = fn.arg_names
+        assert set(names) == set(types) | set(consts), names
+        src = ASTSource(fn, {n: types.get(n, "constexpr") for n in names}, {(names.index(n),): v for n, v in consts.items()})
+        assert compile(src, target=GPUTarget("cuda", arch, 32)).asm["cubin"], fn.__name__

@@ -16,9 +16,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvpop.kernels import triton_available
+
 
 def prefix_kth_smallest(values: Tensor, prefix: Tensor, kth: Tensor, *, bits: int | None = None) -> Tensor:
     """k-th smallest (1-based) element of ``values[i, :prefix[i, j]]`` for every query.
+
+    On CUDA with Triton: two kernel launches (:func:`kvpop.kernels.order.wavelet_kth_smallest`);
+    otherwise the tensor twin, :func:`prefix_kth_smallest_reference`. The answers are equal.
 
     Args:
         values: (N, n) non-negative integers, each below ``2 ** bits``.
@@ -29,6 +34,18 @@ def prefix_kth_smallest(values: Tensor, prefix: Tensor, kth: Tensor, *, bits: in
     Returns:
         (N, m) int64: the answers; -1 for invalid queries.
     """
+    if bits is None:
+        bits = max(1, int(values.max().item()).bit_length()) if values.numel() else 1
+    if values.is_cuda and bits < 32 and triton_available():
+        from kvpop.kernels.order import wavelet_kth_smallest
+
+        return wavelet_kth_smallest(values, prefix, kth, bits)
+    return prefix_kth_smallest_reference(values, prefix, kth, bits=bits)
+
+
+def prefix_kth_smallest_reference(values: Tensor, prefix: Tensor, kth: Tensor, *, bits: int | None = None) -> Tensor:
+    """:func:`prefix_kth_smallest` as tensor operations: every level of the wavelet matrix built and
+    descended by a few whole-tensor ops (CPU and CUDA alike; the twin of the Triton kernels)."""
     N, n = values.shape
     values = values.to(torch.int64)
     if bits is None:

@@ -6,6 +6,9 @@
 * :mod:`kvpop.kernels.insert`: a decoded token's arrival in the bounded cache (the leaver's score,
   the victim slot, the two-slot write), twin :meth:`kvpop.decode.engine.DecodeEngine._insert`'s
   tensor code; tested on the CPU under Triton's interpreter (tests/test_kernels.py).
+* :mod:`kvpop.kernels.order`: the prefix order statistic (a wavelet matrix) behind the selection's
+  eviction times and the boundary labels, twin :func:`kvpop.order.prefix_kth_smallest_reference`;
+  tested under the interpreter too.
 
 Kernels import nothing from the library (the library dispatches to them), so no import cycle forms.
 """
