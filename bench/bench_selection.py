@@ -10,7 +10,8 @@ for block sparsity). Times are medians of several reps after warm-ups, measured 
 Rows (ratio = baseline / ours, > 1 means ours is faster, except (iv) where it is target / sparse):
   (i)   eviction_times (wavelet matrix)          vs brute-force per-query top-k (chunked); on CUDA with
         Triton also vs the same call with the order statistic's tensor twin (kernels vs twin)
-  (ii)  block_mask_from_eviction_times           vs create_block_mask(_compile=True), same mask_mod
+  (ii)  block_mask_from_eviction_times           vs create_block_mask(_compile=True), same mask_mod; on CUDA
+        with Triton also vs the same call with the block lists' tensor twin
   (iii) flex + our BlockMask, fwd+bwd            vs SDPA is_causal, flex causal (fwd+bwd)
   (iv)  future_attention_target (flex, chunked)  vs the sparse fwd+bwd
 """
@@ -31,7 +32,7 @@ from torch.nn import functional as F
 from kvpop import selection
 from kvpop.attention import flex_execute
 from kvpop.kernels import triton_available
-from kvpop.masks import block_mask_from_eviction_times, make_eviction_mask_mod
+from kvpop.masks import block_lists_reference, block_mask_from_eviction_times, make_eviction_mask_mod
 from kvpop.order import prefix_kth_smallest_reference
 from kvpop.selection import eviction_times
 from kvpop.target import future_attention_target
@@ -125,6 +126,21 @@ def bench_size(S: int, args, dev: str, res: dict) -> dict:
     t_bm = timeit(lambda: block_mask_from_eviction_times(doc, pos, evict, sinks=sinks, num_heads=H), warmup=W, reps=R, cuda=cuda)
     bm = block_mask_from_eviction_times(doc, pos, evict, sinks=sinks, num_heads=H)
     row["ii_blockmask_ours_s"] = t_bm
+    if cuda and triton_available():  # the block lists from the kernel (kvpop.kernels.blockmask) vs its tensor twin
+        import kvpop.kernels.blockmask as kb
+
+        kernel = kb.block_lists
+        kb.block_lists = block_lists_reference
+        try:
+            t_twin = timeit(lambda: block_mask_from_eviction_times(doc, pos, evict, sinks=sinks, num_heads=H), warmup=W, reps=R, cuda=cuda)
+            twin = block_mask_from_eviction_times(doc, pos, evict, sinks=sinks, num_heads=H)
+        finally:
+            kb.block_lists = kernel
+        row["ii_blockmask_kernel_equal_twin"] = all(torch.equal(getattr(twin, n), getattr(bm, n)) for n in ("kv_num_blocks", "kv_indices",
+                                                                                                           "full_kv_num_blocks", "full_kv_indices"))
+        row["ii_blockmask_tensor_twin_s"] = t_twin
+        row["ii_kernel_speedup"] = t_twin / t_bm
+        print(f"(ii) BlockMask with the block lists' tensor twin {t_twin * 1e3:.2f} ms: the kernel {t_twin / t_bm:.2f}x", flush=True)
     row["block_sparsity_pct"] = float(bm.sparsity()) if hasattr(bm, "sparsity") else None
     if not args.skip_create_block_mask:
         from torch.nn.attention.flex_attention import create_block_mask

@@ -197,6 +197,20 @@ def test_eviction_times_cuda_equals_cpu():
         assert torch.equal(cpu, gpu.cpu())
 
 
+def test_block_mask_cuda_equals_cpu():
+    """On CUDA the BlockMask's block lists come from a Triton kernel (kvpop.kernels.blockmask), on the
+    CPU from its tensor twin: the same KV-block counts and index lists, and the same transposed
+    (query-side) lists BlockMask derives from them, at training lengths."""
+    for seed, S_ in ((0, 2048), (1, 16384)):
+        _, doc, pos = packed_toy(B, S_, seed=seed)
+        prio = torch.rand(B, HK, S_, generator=torch.Generator().manual_seed(seed))
+        evict = eviction_times(prio, doc, pos, sinks=SINKS, window=WINDOW, long_range=K if S_ < 4096 else 1788)
+        cpu = block_mask_from_eviction_times(doc, pos, evict, sinks=SINKS, num_heads=H)
+        gpu = block_mask_from_eviction_times(doc.cuda(), pos.cuda(), evict.cuda(), sinks=SINKS, num_heads=H)
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices"):
+            assert torch.equal(getattr(cpu, name), getattr(gpu, name).cpu()), (S_, name)
+
+
 @pytest.mark.parametrize("k", [0, 3, K, 252, 1788])
 def test_decaying_eviction_times_kernel_equals_reference(k):
     """The Triton kernel of the decaying cache (trimkv) against its tensor twin on the CPU: packed

@@ -166,29 +166,6 @@ def test_fused_insert_compiles_into_the_one_layer_graph():
     assert out.strip() == "OK"
 
 
-@pytest.mark.parametrize("arch", [80, 90])
-def test_fused_insert_compiles_for_the_gpu(arch):
-    """The interpreter runs what a GPU compile rejects (a non-constexpr global read in the kernel, say),
-    so every specialization the engine launches is compiled here, without a GPU, down to a cubin for
-    sm_80 (A100) and sm_90 (H100/H200) by Triton's own front end and bundled ptxas."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-
-    from kvpop.kernels.insert import _insert_kernel
-
-    types = dict(keys_ptr="*bf16", values_ptr="*bf16", pos_ptr="*i64", prio_ptr="*fp64", newk_ptr="*bf16", newv_ptr="*bf16",
-                 p_ptr="*i64", at_ptr="*i64", w1_ptr="*fp32", b1_ptr="*fp32", w2_ptr="*fp32", b2_ptr="*fp32", lg_ptr="*fp64",
-                 Hk="i32", T="i32", lr="i32", k="i32", leave_from="i32", window="i32")
-    names = _insert_kernel.arg_names
-    assert set(names) - set(types) == {"D", "F", "K", "MLP", "EVICT", "BD"}, names
-    for mlp, evict in ((True, True), (False, True), (True, False)):
-        consts = {"D": 128, "F": 64, "K": 2048, "MLP": mlp, "EVICT": evict, "BD": 32}
-        src = ASTSource(_insert_kernel, {n: types.get(n, "constexpr") for n in names},
-                        {(names.index(n),): v for n, v in consts.items()})
-        kernel = compile(src, target=GPUTarget("cuda", arch, 32))
-        assert kernel.asm["cubin"], (mlp, evict)
-
-
 @pytest.mark.parametrize("block", [16, 4096])
 def test_wavelet_kernels_answer_as_the_tensor_twin(block):
     """kvpop.kernels.order (build + query) against kvpop.order.prefix_kth_smallest_reference, on the
@@ -221,21 +198,68 @@ def test_wavelet_kernels_answer_as_the_tensor_twin(block):
     assert out.strip() == "OK 6"
 
 
+def test_block_lists_kernel_equals_the_tensor_twin():
+    """kvpop.kernels.blockmask against kvpop.masks.block_lists_reference: packed rows with several
+    documents, padding, sinks and random eviction times (so empty, partial and full blocks all occur),
+    lengths that are and are not a multiple of the block, 1 and 3 query heads per KV head."""
+    out = run_interpreted('''
+    from conftest import packed_toy
+    from kvpop.kernels.blockmask import block_lists
+    from kvpop.masks import block_bounds, block_lists_reference
+    g = torch.Generator().manual_seed(0)
+    kinds = set()
+    for B, Hk, S, bs, group, seed in [(2, 2, 64, 16, 3, 0), (1, 3, 100, 16, 1, 1), (2, 1, 37, 8, 2, 2), (1, 2, 200, 32, 4, 3)]:
+        _, doc, pos = packed_toy(B, S, seed=seed)
+        evict = torch.randint(0, 2 * S, (B, Hk, S), generator=g)
+        evict = torch.where(torch.rand(B, Hk, S, generator=g) < 0.3, torch.arange(S) + 4, evict)
+        evict[:, 0, : S // 2] = 10 * S  # the first head keeps the first half: whole blocks kept (full)
+        bounds = block_bounds(doc, pos, evict, sinks=2, block_size=bs)
+        want = block_lists_reference(*bounds, S=S, block_size=bs, group=group)
+        got = block_lists(*bounds, S=S, block_size=bs, group=group)
+        for w, x, name in zip(want, got, ("kv_num", "kv_idx", "full_num", "full_idx")):
+            assert w.dtype == x.dtype and torch.equal(w, x), (B, Hk, S, bs, group, name)
+        kinds.add((int(want[0].sum()) > 0, int(want[2].sum()) > 0))
+    assert (True, True) in kinds, kinds  # partial and full blocks were both exercised
+    print("OK")
+    ''')
+    assert out.strip() == "OK"
+
+
+# every kernel the library launches: (module, kernel, argument types, constexpr specializations)
+GPU_KERNELS = [
+    ("insert", "_insert_kernel",
+     dict(keys_ptr="*bf16", values_ptr="*bf16", pos_ptr="*i64", prio_ptr="*fp64", newk_ptr="*bf16", newv_ptr="*bf16", p_ptr="*i64",
+          at_ptr="*i64", w1_ptr="*fp32", b1_ptr="*fp32", w2_ptr="*fp32", b2_ptr="*fp32", lg_ptr="*fp64", Hk="i32", T="i32", lr="i32",
+          k="i32", leave_from="i32", window="i32"),
+     [{"D": 128, "F": 64, "K": 2048, "MLP": mlp, "EVICT": evict, "BD": 128} for mlp, evict in ((True, True), (False, True), (True, False))]),
+    ("order", "_build_kernel", dict(values_ptr="*i64", buf_ptr="*i32", zeros_ptr="*i32", n="i32", bits="i32"), [{"BLOCK": 4096}]),
+    ("order", "_query_kernel", dict(zeros_ptr="*i32", prefix_ptr="*i64", kth_ptr="*i64", out_ptr="*i64", n="i32", m="i32", bits="i32"),
+     [{"BQ": 1024}]),
+    ("blockmask", "_block_lists_kernel",
+     dict(d_min_ptr="*i64", d_max_ptr="*i64", e_min_ptr="*i64", e_max_ptr="*i64", kv_num_ptr="*i32", kv_idx_ptr="*i32",
+          full_num_ptr="*i32", full_idx_ptr="*i32", Hk="i32", nb="i32", S="i32", block_size="i32", group="i32"), [{"NB": 128}]),
+    ("decay", "_decaying_times_kernel",
+     dict(lb_ptr="*fp64", doc_ptr="*i64", pos_ptr="*i64", e_ptr="*i64", S="i32", Hk="i32", sinks="i32", window="i32", k="i32"),
+     [{"K": 2048}]),
+]
+
+
 @pytest.mark.parametrize("arch", [80, 90])
-def test_wavelet_kernels_compile_for_the_gpu(arch):
-    """kvpop.kernels.order's two kernels down to a cubin for sm_80 and sm_90, without a GPU (what the
-    interpreter would let through, a compile rejects)."""
+@pytest.mark.parametrize("module,kernel,types,specializations", GPU_KERNELS, ids=[k[1] for k in GPU_KERNELS])
+def test_kernels_compile_for_the_gpu(module, kernel, types, specializations, arch):
+    """Each kernel, in each specialization the library launches, compiled down to a cubin for sm_80
+    (A100) and sm_90 (H100/H200) by Triton's front end and bundled ptxas, without a GPU: the
+    interpreter runs what a GPU compile rejects (the fused insert kernel once read a non-constexpr
+    global: the interpreter passed it, the H200 refused it)."""
+    import importlib
+
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from kvpop.kernels.order import _build_kernel, _query_kernel
-
-    cases = [
-        (_build_kernel, dict(values_ptr="*i64", buf_ptr="*i32", zeros_ptr="*i32", n="i32", bits="i32"), {"BLOCK": 4096}),
-        (_query_kernel, dict(zeros_ptr="*i32", prefix_ptr="*i64", kth_ptr="*i64", out_ptr="*i64", n="i32", m="i32", bits="i32"), {"BQ": 1024}),
-    ]
-    for fn, types, consts in cases:
-        names = fn.arg_names
+    fn = getattr(importlib.import_module(f"kvpop.kernels.{module}"), kernel)
+    names = fn.arg_names
+    for consts in specializations:
         assert set(names) == set(types) | set(consts), names
         src = ASTSource(fn, {n: types.get(n, "constexpr") for n in names}, {(names.index(n),): v for n, v in consts.items()})
-        assert compile(src, target=GPUTarget("cuda", arch, 32)).asm["cubin"], fn.__name__
+        assert compile(src, target=GPUTarget("cuda", arch, 32)).asm["cubin"], (kernel, consts)
+

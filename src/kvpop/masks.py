@@ -87,12 +87,39 @@ def block_mask_from_eviction_times(
       eviction time in block j exceeds the last query of block i (sinks count as never evicted);
     * *partial* otherwise; the diagonal block is always partial.
 
-    Cost: O(B * Hk * (S / block)^2); nothing of size S x S is built.
+    Cost: O(B * Hk * (S / block)^2); nothing of size S x S is built. On CUDA with Triton the block
+    lists come from one kernel launch (:mod:`kvpop.kernels.blockmask`), elsewhere from
+    :func:`block_lists_reference`, its twin.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
+    from kvpop.kernels import triton_available
+
     B, Hk, S = evict.shape
     G = num_heads // Hk
+    bounds = block_bounds(doc_ids, pos, evict, sinks=sinks, block_size=block_size)
+    if evict.is_cuda and triton_available():
+        from kvpop.kernels.blockmask import block_lists
+    else:
+        block_lists = block_lists_reference
+    kv_num, kv_idx, full_num, full_idx = block_lists(*bounds, S=S, block_size=block_size, group=G)
+    mask_mod = make_eviction_mask_mod(doc_ids, pos, evict, sinks=sinks, group=G)
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=block_size,
+        mask_mod=mask_mod,
+        seq_lengths=(S, S),
+    )
+
+
+def block_bounds(doc_ids: Tensor, pos: Tensor, evict: Tensor, *, sinks: int, block_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per block of ``block_size`` tokens: the first and last document (d_min, d_max (B, nb) int64;
+    padding is its own document after every real one) and the earliest and latest eviction time
+    per KV head (e_min, e_max (B, Hk, nb) int64; a sink counts as never evicted, padding as never kept)."""
+    B, Hk, S = evict.shape
     nb = (S + block_size - 1) // block_size
     pad = nb * block_size - S
     big = torch.iinfo(torch.int32).max
@@ -106,12 +133,21 @@ def block_mask_from_eviction_times(
         doc = torch.nn.functional.pad(doc, (0, pad), value=1 << 41)
         e_hi = torch.nn.functional.pad(e_hi, (0, pad), value=-1)
     doc_blk = doc.view(B, nb, block_size)
-    d_min, d_max = doc_blk.amin(-1), doc_blk.amax(-1)  # (B, nb)
     e_blk = e_hi.view(B, Hk, nb, block_size)
-    e_min, e_max = e_blk.amin(-1), e_blk.amax(-1)  # (B, Hk, nb)
+    return doc_blk.amin(-1), doc_blk.amax(-1), e_blk.amin(-1), e_blk.amax(-1)
 
-    i = torch.arange(nb, device=evict.device).view(nb, 1)  # query block
-    j = torch.arange(nb, device=evict.device).view(1, nb)  # kv block
+
+def block_lists_reference(
+    d_min: Tensor, d_max: Tensor, e_min: Tensor, e_max: Tensor, *, S: int, block_size: int, group: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The partial and full KV blocks of every query block, from :func:`block_bounds`, as tensor
+    operations: ``kv_num`` (B, H, nb) int32 partial blocks per query block, ``kv_idx`` (B, H, nb, nb)
+    int32 their indices first (increasing), then the other blocks (increasing); ``full_num``,
+    ``full_idx`` the same for full blocks; H = Hk * ``group`` (each KV head's lists repeated for its
+    query heads). The twin of :func:`kvpop.kernels.blockmask.block_lists`."""
+    B, Hk, nb = e_min.shape
+    i = torch.arange(nb, device=e_min.device).view(nb, 1)  # query block
+    j = torch.arange(nb, device=e_min.device).view(1, nb)  # kv block
     q_first = (i * block_size).view(1, 1, nb, 1)
     q_last = ((i + 1) * block_size - 1).clamp(max=S - 1).view(1, 1, nb, 1)
     below = (j <= i).view(1, 1, nb, nb)
@@ -128,24 +164,11 @@ def block_mask_from_eviction_times(
     full = (j < i).view(1, 1, nb, nb) & same_single_doc & (e_min[:, :, None, :] > q_last)
     partial = nonempty & ~full
     # expand KV heads to query heads (the mask_mod indexes evict by h // G)
-    full = full.expand(B, Hk, nb, nb).repeat_interleave(G, dim=1)
-    partial = partial.expand(B, Hk, nb, nb).repeat_interleave(G, dim=1)
+    full = full.expand(B, Hk, nb, nb).repeat_interleave(group, dim=1)
+    partial = partial.expand(B, Hk, nb, nb).repeat_interleave(group, dim=1)
 
     def ordered(m: Tensor) -> tuple[Tensor, Tensor]:
         m = m.to(torch.int32)
-        return m.sum(-1).to(torch.int32), torch.argsort(m, dim=-1, descending=True, stable=True).to(
-            torch.int32
-        )
+        return m.sum(-1).to(torch.int32), torch.argsort(m, dim=-1, descending=True, stable=True).to(torch.int32)
 
-    kv_num, kv_idx = ordered(partial)
-    full_num, full_idx = ordered(full)
-    mask_mod = make_eviction_mask_mod(doc_ids, pos, evict, sinks=sinks, group=G)
-    return BlockMask.from_kv_blocks(
-        kv_num,
-        kv_idx,
-        full_num,
-        full_idx,
-        BLOCK_SIZE=block_size,
-        mask_mod=mask_mod,
-        seq_lengths=(S, S),
-    )
+    return (*ordered(partial), *ordered(full))

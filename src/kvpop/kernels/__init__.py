@@ -9,6 +9,10 @@
 * :mod:`kvpop.kernels.order`: the prefix order statistic (a wavelet matrix) behind the selection's
   eviction times and the boundary labels, twin :func:`kvpop.order.prefix_kth_smallest_reference`;
   tested under the interpreter too.
+* :mod:`kvpop.kernels.blockmask`: the training BlockMask's block lists, twin
+  :func:`kvpop.masks.block_lists_reference`; tested under the interpreter too.
+
+tests/test_kernels.py also compiles every kernel to a cubin for sm_80 and sm_90 on the CPU.
 
 Kernels import nothing from the library (the library dispatches to them), so no import cycle forms.
 """
