@@ -27,11 +27,18 @@ invocation:
   first ``budget`` prompt tokens and then ``steps`` decoded ones (its memory does not change with
   the context).
 
+* ``--parts goals`` (in the default): issue 15's goals table from the rows above plus two scripts
+  run in fresh processes after them: ``bench_ttft.py`` (cold, warm and eager time to the first
+  token) and ``bench_train_step.py --model 4b`` (the selection's share of the training step; it
+  needs pydantic, as the library does), their JSON written beside ``--out`` as ``<stem>_ttft.json``
+  and ``<stem>_train_step.json``; a script that fails leaves its goal "not measured" with its error.
+
 For each row: ms per step, tokens/s, peak memory, the bandwidth floor
 ``(weight bytes + B * KV bytes of the held entries) / copy bandwidth`` and the fraction of it
 reached; ratios against eager ``generate`` and against dense at the same context.
 
-    PYTHONPATH=src python3 bench/bench_decode.py --out results/bench_decode_h200.json
+    PYTHONPATH=src python3 bench/bench_decode.py --out results/bench_decode_h200.json   # every row and the goals (about 7 min)
+    PYTHONPATH=src python3 bench/bench_decode.py --parts b1,batch    # the decode rows only (about 2 min)
     PYTHONPATH=src python3 bench/bench_decode.py --parts b1          # batch-1 rows only
     PYTHONPATH=src python3 bench/bench_decode.py --parts batch       # batch 16/64 rows only
     PYTHONPATH=src python3 bench/bench_decode.py --parts policies --out results/bench_decode_policies_h200.json
@@ -43,6 +50,9 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -191,7 +201,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--small", action="store_true", help="tiny Qwen3 config and short contexts (smoke test)")
-    ap.add_argument("--parts", default="b1,batch", help="comma list of: b1 (eager + batch-1 rows), batch (batch 16/64 at --batch-context)")
+    ap.add_argument("--parts", default="b1,batch,goals", help="comma list of: b1 (eager + batch-1 rows), batch (batch 16/64 at "
+                    "--batch-context), policies (decode memory per policy), goals (issue 15's table: the b1 and batch rows with the time "
+                    "to the first token and the training step's selection share, each measured by its own script in a fresh process)")
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--budgets", default="2048,4096")
     ap.add_argument("--batches", default="16,64")
@@ -329,7 +341,16 @@ def main() -> None:
         for name in args.policies.split(","):
             done(policy_row(name, model, budget=budgets[0], ctx=args.policy_context, steps=args.policy_steps, warmup=args.warmup,
                             chunk=args.chunk, wbytes=wbytes, per_tok=per_tok, bw=bw, base=base, dev=dev))
+
+    if "goals" in parts:  # fresh processes (a first token is timed from a process's start), this one's model freed first
+        del model
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+        subs = run_goal_scripts(args.out, budget=budgets[0], small=args.small)
+        table = goals(rows, subs, budget=budgets[0], batch=max(batches), contexts=contexts)
+        args.out.write_text(json.dumps({"info": info, "rows": rows, "goals": table, "goal_scripts": subs}, indent=1) + "\n")
     summarize(info, rows)
+    if "goals" in parts:
+        print_goals(table)
 
 
 @torch.no_grad()
@@ -374,6 +395,75 @@ def policy_row(name: str, model, *, budget: int, ctx: int, steps: int, warmup: i
     return row("reference", B=1, ctx=ctx, budget=budget, timed=(s_step, 0.0), eng=cache, floor_bytes=wbytes + min(ctx, cache.slots) * per_tok,
                bw=bw, base_bytes=base, dev=dev, prefill_s=pre,
                extra={**extra, "path": f"reference {type(cache).__name__}", "prompt_fed": fed})
+
+
+# issue 15's goals: (key, what, target, higher is better)
+GOALS = [
+    ("floor_fraction_b1", "bounded decode, batch 1: share of the bandwidth floor", 0.60, True),
+    ("dense_over_bounded_longest", "dense / bounded step at the longest batch-1 context", 2.5, True),
+    ("tokens_per_s_batch", "bounded decode at the largest batch: tokens/s", 8000.0, True),
+    ("selection_share", "selection share of the kvpop_mlp training step", 0.02, False),
+    ("ttft_warm_s", "seconds to the first token, warm compile cache", 20.0, False),
+]
+
+
+def run_goal_scripts(out: Path, *, budget: int, small: bool) -> dict:
+    """bench_ttft.py and bench_train_step.py, each in its own process, their JSON beside ``out``
+    (``<stem>_ttft.json``, ``<stem>_train_step.json``) -> {name: {"out", "rc", "error"}}."""
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent / "src"), str(here), os.environ.get("PYTHONPATH", "")])}
+    jobs = {
+        "ttft": [here / "bench_ttft.py", "--budget", str(budget), *(["--small"] if small else [])],
+        "train_step": [here / "bench_train_step.py", *(["--cpu-smoke"] if small else ["--model", "4b"])],
+    }
+    subs = {}
+    for name, cmd in jobs.items():
+        path = out.with_name(f"{out.stem}_{name}.json")
+        print(f"--- goals: {name} -> {path}", flush=True)
+        proc = subprocess.run([sys.executable, *map(str, cmd), "--out", str(path)], env=env, capture_output=True, text=True)
+        print(proc.stdout[-3000:], flush=True)
+        subs[name] = {"out": str(path), "rc": proc.returncode, "error": proc.stderr[-2000:] if proc.returncode else None}
+    return subs
+
+
+def goals(rows: list[dict], subs: dict, *, budget: int, batch: int, contexts: list[int]) -> list[dict]:
+    """Issue 15's table from this run's rows and the two scripts' JSON: one dict per goal with its
+    value (None where it was not measured, with the reason), target and whether it is met."""
+    def find(**kw):
+        return next((r for r in rows if "ms_per_step" in r and all(r.get(k) == v for k, v in kw.items())), None)
+
+    def load(name):
+        sub = subs.get(name, {})
+        return json.loads(Path(sub["out"]).read_text()) if sub.get("rc") == 0 and Path(sub.get("out", "")).is_file() else None
+
+    got: dict[str, tuple[float | None, str]] = {}
+    b1 = find(engine="bounded", batch=1, budget=budget, context=contexts[0])
+    got["floor_fraction_b1"] = (b1["floor_fraction"], f"{b1['ms_per_step']} ms at {contexts[0]}") if b1 else (None, "no batch-1 row")
+    bl, dl = find(engine="bounded", batch=1, budget=budget, context=contexts[-1]), find(engine="dense", batch=1, context=contexts[-1])
+    got["dense_over_bounded_longest"] = ((round(dl["ms_per_step"] / bl["ms_per_step"], 3), f"at {contexts[-1]} tokens") if bl and dl
+                                         else (None, "no batch-1 rows at the longest context"))
+    bb = find(engine="bounded", batch=batch, budget=budget)
+    got["tokens_per_s_batch"] = ((bb["tokens_per_s"], f"batch {batch}, {bb['ms_per_step']} ms") if bb else (None, f"no batch-{batch} row"))
+    train = load("train_step")
+    got["selection_share"] = ((round(train["summary"]["ratios"]["selection_share_of_kvpop_mlp_step"], 4), train["config"]["model"])
+                              if train else (None, f"bench_train_step.py failed: {(subs.get('train_step') or {}).get('error')}"))
+    ttft = load("ttft")
+    warm = next((m for k, m in (ttft or {}).get("modes", {}).items() if k.startswith("warm")), None)
+    got["ttft_warm_s"] = ((warm["to_first_token_s"], "cold, warm and eager in fresh processes") if warm
+                          else (None, "no warm row (CUDA only)" if ttft else f"bench_ttft.py failed: {(subs.get('ttft') or {}).get('error')}"))
+    table = []
+    for key, what, target, higher in GOALS:
+        value, how = got[key]
+        met = None if value is None else (value >= target if higher else value <= target)
+        table.append({"goal": key, "what": what, "value": value, "target": target, "met": met, "detail": how})
+    return table
+
+
+def print_goals(table: list[dict]) -> None:
+    print("\nissue 15's goals")
+    for g in table:
+        status = "not measured" if g["met"] is None else ("met" if g["met"] else "MISSED")
+        print(f"  {g['what']:<58} {g['value'] if g['value'] is not None else '-':>10}  target {g['target']:<8} {status:<12} {g['detail']}")
 
 
 def summarize(info: dict, rows: list[dict]) -> None:
