@@ -183,11 +183,34 @@ def test_bad_use_is_refused(model):
         DecodeEngine(model, make_policy("streaming_llm", num_layers=2, num_kv_heads=2, head_dim=16), budget=10, sinks=SINKS, window=WINDOW)
     with pytest.raises(ValueError, match="compile=True"):
         DecodeEngine(model, None, max_len=64, compile=True)
+    with pytest.raises(ValueError, match="no fused form"):  # a delayed rule (kvpop's mLSTM) has no fused insert
+        DecodeEngine(model, trained_like("kvpop"), budget=BUDGET, sinks=SINKS, window=WINDOW, fused=True)
     eng = DecodeEngine(model, None, max_len=64, batch_size=2, chunk=128)
     with pytest.raises(ValueError, match="overflow"):
         eng.prefill(ids(n=80))
     with pytest.raises(ValueError, match="shape"):
         eng.prefill(ids(B=3, n=8))
+
+
+def test_the_fused_insert_needs_a_power_of_two_head_dim():
+    """The fused insert kernel spans the head dim with one Triton arange (a power of two): with a head
+    dim of 24 no rule has a fused form (fused=True is refused by name; the CUDA default falls back to
+    the tensor code), with 16 streaming_llm has one."""
+    from transformers import AutoModelForCausalLM
+
+    from kvpop.modeling import tiny_config
+
+    for head_dim, fusable in ((24, False), (16, True)):
+        torch.manual_seed(0)
+        m = enable(AutoModelForCausalLM.from_config(tiny_config("llama", head_dim=head_dim)).eval())
+        pol = make_policy("streaming_llm", num_layers=2, num_kv_heads=2, head_dim=head_dim)
+        if fusable:  # the rule has a form: refused on the CPU only for want of a GPU (or Triton / its interpreter)
+            with pytest.raises(ValueError, match="Triton|CUDA"):
+                DecodeEngine(m, pol, budget=BUDGET, sinks=SINKS, window=WINDOW, fused=True)
+        else:
+            with pytest.raises(ValueError, match="head dim that is a power of two: 24"):
+                DecodeEngine(m, pol, budget=BUDGET, sinks=SINKS, window=WINDOW, fused=True)
+        assert not DecodeEngine(m, pol, budget=BUDGET, sinks=SINKS, window=WINDOW).fused  # the CPU default: the tensor code
 
 
 def test_packed_projections_are_views_and_compute_the_same():

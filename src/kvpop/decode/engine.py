@@ -248,12 +248,14 @@ class DecodeEngine:
         self._step_head, self._layer_step, self._step_tail = cls._head, cls._layer, cls._tail
         self._compiled_step = None
         # the token's arrival as one Triton kernel per layer (kvpop.kernels.insert) where the rule has a fused form
-        can_fuse = self.kind == "bounded" and not self.delayed and all(
+        # (the kernel's lanes over the head dim are a Triton arange: a power of two)
+        can_fuse = self.kind == "bounded" and not self.delayed and self.D & (self.D - 1) == 0 and all(
             r.fused_scorer(li) is not None for r, li in zip(self._rules, self._rule_index, strict=True))
         if fused is None:
             fused = can_fuse and dev.type == "cuda" and triton_available()
         if fused and not can_fuse:
-            raise ValueError(f"fused=True: policy {getattr(self.policy, 'name', None)!r} has no fused form (a static rule's fused_scorer)")
+            raise ValueError(f"fused=True: policy {getattr(self.policy, 'name', None)!r} has no fused form here (a static rule's "
+                             f"fused_scorer, and a head dim that is a power of two: {self.D})")
         elif fused and not triton_available():
             raise ValueError("fused=True needs Triton (CUDA builds of torch ship it)")
         elif fused and dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
