@@ -9,7 +9,8 @@ for block sparsity). Times are medians of several reps after warm-ups, measured 
 
 Rows (ratio = baseline / ours, > 1 means ours is faster, except (iv) where it is target / sparse):
   (i)   eviction_times (wavelet matrix)          vs brute-force per-query top-k (chunked); on CUDA with
-        Triton also vs the same call with the order statistic's tensor twin (kernels vs twin)
+        Triton also vs the same call with the order statistic's tensor twin (kernels vs twin; the
+        script turns the library's opt-in selection kernels on, KVPOP_SELECTION_KERNELS=1)
   (ii)  block_mask_from_eviction_times           vs create_block_mask(_compile=True), same mask_mod; on CUDA
         with Triton also vs the same call with the block lists' tensor twin
   (iii) flex + our BlockMask, fwd+bwd            vs SDPA is_causal, flex causal (fwd+bwd)
@@ -22,6 +23,7 @@ import argparse
 import datetime as dt
 import json
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -31,7 +33,7 @@ from torch.nn import functional as F
 
 from kvpop import selection
 from kvpop.attention import flex_execute
-from kvpop.kernels import triton_available
+from kvpop.kernels import SELECTION_KERNELS_ENV, selection_kernels_enabled
 from kvpop.masks import block_lists_reference, block_mask_from_eviction_times, make_eviction_mask_mod
 from kvpop.order import prefix_kth_smallest_reference
 from kvpop.selection import eviction_times
@@ -92,7 +94,7 @@ def bench_size(S: int, args, dev: str, res: dict) -> dict:
     # (i) cutoffs; on CUDA with Triton the order statistic runs as two kernels (kvpop.kernels.order),
     # timed here beside its tensor twin (prefix_kth_smallest_reference, swapped in for the same call)
     t_ours = timeit(lambda: eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=k), warmup=W, reps=R, cuda=cuda)
-    row["i_order_statistic"] = "triton kernels" if cuda and triton_available() else "tensor twin"
+    row["i_order_statistic"] = "triton kernels" if cuda and selection_kernels_enabled() else "tensor twin"
     if row["i_order_statistic"] == "triton kernels":
         kernel = selection.prefix_kth_smallest
         selection.prefix_kth_smallest = prefix_kth_smallest_reference
@@ -126,7 +128,7 @@ def bench_size(S: int, args, dev: str, res: dict) -> dict:
     t_bm = timeit(lambda: block_mask_from_eviction_times(doc, pos, evict, sinks=sinks, num_heads=H), warmup=W, reps=R, cuda=cuda)
     bm = block_mask_from_eviction_times(doc, pos, evict, sinks=sinks, num_heads=H)
     row["ii_blockmask_ours_s"] = t_bm
-    if cuda and triton_available():  # the block lists from the kernel (kvpop.kernels.blockmask) vs its tensor twin
+    if cuda and selection_kernels_enabled():  # the block lists from the kernel (kvpop.kernels.blockmask) vs its tensor twin
         import kvpop.kernels.blockmask as kb
 
         kernel = kb.block_lists
@@ -257,6 +259,7 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="CPU smoke test: tiny sizes")
     ap.add_argument("--out", default="results/bench_selection_h200.json")
     args = ap.parse_args()
+    os.environ.setdefault(SELECTION_KERNELS_ENV, "1")  # the kernels (opt-in in the library) timed beside their twins
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if args.small:
         args.sizes, args.heads, args.kv_heads, args.head_dim = [1024, 2048], 4, 2, 16

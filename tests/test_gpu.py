@@ -180,9 +180,10 @@ def test_tiny_model_sdpa_vs_flex(tiny_llama_dir):
 
 # --- (c) selection and boundary labels: CUDA == CPU ------------------------------------------------
 
-def test_eviction_times_cuda_equals_cpu():
-    """On CUDA the order statistic runs as Triton kernels (kvpop.kernels.order), on the CPU as its
-    tensor twin: the same eviction times, up to the training lengths (16K and 32K)."""
+def test_eviction_times_cuda_equals_cpu(monkeypatch):
+    """On CUDA the order statistic runs as Triton kernels (kvpop.kernels.order; opt-in, turned on
+    here), on the CPU as its tensor twin: the same eviction times, up to the training lengths (16K and 32K)."""
+    monkeypatch.setenv("KVPOP_SELECTION_KERNELS", "1")
     for seed, S_ in ((0, 2048), (1, 4096), (2, 16384), (3, 32768)):
         _, doc, pos = packed_toy(B, S_, seed=seed)
         prio = torch.rand(B, HK, S_, generator=torch.Generator().manual_seed(seed))
@@ -197,10 +198,12 @@ def test_eviction_times_cuda_equals_cpu():
         assert torch.equal(cpu, gpu.cpu())
 
 
-def test_block_mask_cuda_equals_cpu():
-    """On CUDA the BlockMask's block lists come from a Triton kernel (kvpop.kernels.blockmask), on the
+def test_block_mask_cuda_equals_cpu(monkeypatch):
+    """On CUDA the BlockMask's block lists come from a Triton kernel (kvpop.kernels.blockmask; opt-in,
+    turned on here), on the
     CPU from its tensor twin: the same KV-block counts and index lists, and the same transposed
     (query-side) lists BlockMask derives from them, at training lengths."""
+    monkeypatch.setenv("KVPOP_SELECTION_KERNELS", "1")
     for seed, S_ in ((0, 2048), (1, 16384)):
         _, doc, pos = packed_toy(B, S_, seed=seed)
         prio = torch.rand(B, HK, S_, generator=torch.Generator().manual_seed(seed))

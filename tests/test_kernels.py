@@ -263,3 +263,16 @@ def test_kernels_compile_for_the_gpu(module, kernel, types, specializations, arc
         src = ASTSource(fn, {n: types.get(n, "constexpr") for n in names}, {(names.index(n),): v for n, v in consts.items()})
         assert compile(src, target=GPUTarget("cuda", arch, 32)).asm["cubin"], (kernel, consts)
 
+
+
+def test_the_selection_kernels_are_opt_in(monkeypatch):
+    """kvpop.kernels.order and .blockmask run on CUDA only with KVPOP_SELECTION_KERNELS=1 until their
+    GPU tests have run on a GPU; unset or 0, the library takes the tensor twins."""
+    from kvpop.kernels import selection_kernels_enabled
+
+    monkeypatch.delenv("KVPOP_SELECTION_KERNELS", raising=False)
+    assert not selection_kernels_enabled()
+    monkeypatch.setenv("KVPOP_SELECTION_KERNELS", "0")
+    assert not selection_kernels_enabled()
+    monkeypatch.setenv("KVPOP_SELECTION_KERNELS", "1")
+    assert selection_kernels_enabled()  # triton is installed wherever this file runs (importorskip above)

@@ -87,18 +87,18 @@ def block_mask_from_eviction_times(
       eviction time in block j exceeds the last query of block i (sinks count as never evicted);
     * *partial* otherwise; the diagonal block is always partial.
 
-    Cost: O(B * Hk * (S / block)^2); nothing of size S x S is built. On CUDA with Triton the block
-    lists come from one kernel launch (:mod:`kvpop.kernels.blockmask`), elsewhere from
-    :func:`block_lists_reference`, its twin.
+    Cost: O(B * Hk * (S / block)^2); nothing of size S x S is built. On CUDA with the selection kernels
+    enabled (:func:`kvpop.kernels.selection_kernels_enabled`) the block lists come from one kernel
+    launch (:mod:`kvpop.kernels.blockmask`), elsewhere from :func:`block_lists_reference`, its twin.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
-    from kvpop.kernels import triton_available
+    from kvpop.kernels import selection_kernels_enabled
 
     B, Hk, S = evict.shape
     G = num_heads // Hk
     bounds = block_bounds(doc_ids, pos, evict, sinks=sinks, block_size=block_size)
-    if evict.is_cuda and triton_available():
+    if evict.is_cuda and selection_kernels_enabled():
         from kvpop.kernels.blockmask import block_lists
     else:
         block_lists = block_lists_reference

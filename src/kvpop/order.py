@@ -16,14 +16,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvpop.kernels import triton_available
+from kvpop.kernels import selection_kernels_enabled
 
 
 def prefix_kth_smallest(values: Tensor, prefix: Tensor, kth: Tensor, *, bits: int | None = None) -> Tensor:
     """k-th smallest (1-based) element of ``values[i, :prefix[i, j]]`` for every query.
 
-    On CUDA with Triton: two kernel launches (:func:`kvpop.kernels.order.wavelet_kth_smallest`);
-    otherwise the tensor twin, :func:`prefix_kth_smallest_reference`. The answers are equal.
+    On CUDA with the selection kernels enabled (:func:`kvpop.kernels.selection_kernels_enabled`): two
+    kernel launches (:func:`kvpop.kernels.order.wavelet_kth_smallest`); otherwise the tensor twin,
+    :func:`prefix_kth_smallest_reference`. The answers are equal.
 
     Args:
         values: (N, n) non-negative integers, each below ``2 ** bits``.
@@ -36,7 +37,7 @@ def prefix_kth_smallest(values: Tensor, prefix: Tensor, kth: Tensor, *, bits: in
     """
     if bits is None:
         bits = max(1, int(values.max().item()).bit_length()) if values.numel() else 1
-    if values.is_cuda and bits < 32 and triton_available():
+    if values.is_cuda and bits < 32 and selection_kernels_enabled():
         from kvpop.kernels.order import wavelet_kth_smallest
 
         return wavelet_kth_smallest(values, prefix, kth, bits)

@@ -12,6 +12,8 @@
 * :mod:`kvpop.kernels.blockmask`: the training BlockMask's block lists, twin
   :func:`kvpop.masks.block_lists_reference`; tested under the interpreter too.
 
+The last two are opt-in (:func:`selection_kernels_enabled`) until their GPU tests have run.
+
 tests/test_kernels.py also compiles every kernel to a cubin for sm_80 and sm_90 on the CPU.
 
 Kernels import nothing from the library (the library dispatches to them), so no import cycle forms.
@@ -21,6 +23,16 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
+
+SELECTION_KERNELS_ENV = "KVPOP_SELECTION_KERNELS"
+
+
+def selection_kernels_enabled() -> bool:
+    """Whether the training selection's kernels (:mod:`kvpop.kernels.order`, :mod:`kvpop.kernels.blockmask`)
+    run on CUDA: opt-in (``KVPOP_SELECTION_KERNELS=1``) until their GPU tests and benchmark have run
+    on a GPU (tests/test_gpu.py, bench/bench_selection.py turn them on); their tensor twins otherwise."""
+    return os.environ.get(SELECTION_KERNELS_ENV, "0") == "1" and triton_available()
 
 
 @functools.cache
