@@ -231,7 +231,7 @@ GPU_KERNELS = [
      dict(keys_ptr="*bf16", values_ptr="*bf16", pos_ptr="*i64", prio_ptr="*fp64", newk_ptr="*bf16", newv_ptr="*bf16", p_ptr="*i64",
           at_ptr="*i64", w1_ptr="*fp32", b1_ptr="*fp32", w2_ptr="*fp32", b2_ptr="*fp32", lg_ptr="*fp64", Hk="i32", T="i32", lr="i32",
           k="i32", leave_from="i32", window="i32"),
-     [{"D": 128, "F": 64, "K": 2048, "MLP": mlp, "EVICT": evict, "BD": 128} for mlp, evict in ((True, True), (False, True), (True, False))]),
+     [{"D": 128, "F": 64, "K": 2048, "MLP": mlp, "EVICT": evict} for mlp, evict in ((True, True), (False, True), (True, False))]),
     ("order", "_build_kernel", dict(values_ptr="*i64", buf_ptr="*i32", zeros_ptr="*i32", n="i32", bits="i32"), [{"BLOCK": 4096}]),
     ("order", "_query_kernel", dict(zeros_ptr="*i32", prefix_ptr="*i64", kth_ptr="*i64", out_ptr="*i64", n="i32", m="i32", bits="i32"),
      [{"BQ": 1024}]),
