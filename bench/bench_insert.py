@@ -5,9 +5,7 @@
 One layer's buffers of the Qwen3-4B engine (8 KV heads, head_dim 128, scorer width 64) at budget
 2,048 and 4,096, batch 1 and 64, kvpop_mlp's rule (MLP + decay) with every long-range slot full; each
 setting's launches are captured in one CUDA graph (as the engine's step replays them) and timed over
-its replays, for each number of warps per program. ``kvpop.kernels.insert.launch_config`` holds the
-setting the engine uses (the fastest here). results/bench_insert_h200.json also swept tiles of
-16-128 rows of the MLP's input; whole-D tiles won everywhere, and the kernel has none other since.
+its replays. ``kvpop.kernels.insert.launch_config`` holds the setting the engine uses (the fastest here).
 """
 
 from __future__ import annotations
@@ -45,6 +43,7 @@ def time_launches(fn, reps: int = 200) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--block-d", default="16,32,64,128")
     ap.add_argument("--warps", default="4,8,16")
     ap.add_argument("--budgets", default="2048,4096")
     ap.add_argument("--batches", default="1,64")
@@ -69,10 +68,10 @@ def main() -> None:
         call = functools.partial(ins.insert_token, keys, values, pos, prio, k, v, p, at, w1, b1, w2, b2, lg, lr, T, sinks + window, window,
                                  True, True)
 
-        for w in map(int, args.warps.split(",")):
-            ins.LAUNCH.update(num_warps=w)
+        for bd, w in itertools.product(map(int, args.block_d.split(",")), map(int, args.warps.split(","))):
+            ins.LAUNCH.update(block_d=bd, num_warps=w)
             us = time_launches(call)
-            rows.append({"budget": budget, "batch": B, "num_warps": w, "us_per_launch": round(us, 2)})
+            rows.append({"budget": budget, "batch": B, "block_d": bd, "num_warps": w, "us_per_launch": round(us, 2)})
             print(json.dumps(rows[-1]), flush=True)
     ins.LAUNCH.clear()
     info = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "kv_heads": Hk, "head_dim": D, "scorer_hidden": F}

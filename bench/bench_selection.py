@@ -10,7 +10,7 @@ for block sparsity). Times are medians of several reps after warm-ups, measured 
 Rows (ratio = baseline / ours, > 1 means ours is faster, except (iv) where it is target / sparse):
   (i)   eviction_times (wavelet matrix)          vs brute-force per-query top-k (chunked); on CUDA with
         Triton also vs the same call with the order statistic's tensor twin (kernels vs twin; the
-        script turns the library's opt-in selection kernels on, KVPOP_SELECTION_KERNELS=1)
+        library's default on CUDA is the kernels, KVPOP_SELECTION_KERNELS=0 runs the twins)
   (ii)  block_mask_from_eviction_times           vs create_block_mask(_compile=True), same mask_mod; on CUDA
         with Triton also vs the same call with the block lists' tensor twin
   (iii) flex + our BlockMask, fwd+bwd            vs SDPA is_causal, flex causal (fwd+bwd)
@@ -20,6 +20,7 @@ Rows (ratio = baseline / ours, > 1 means ours is faster, except (iv) where it is
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import math
@@ -31,13 +32,26 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from kvpop import selection
 from kvpop.attention import flex_execute
 from kvpop.kernels import SELECTION_KERNELS_ENV, selection_kernels_enabled
-from kvpop.masks import block_lists_reference, block_mask_from_eviction_times, make_eviction_mask_mod
-from kvpop.order import prefix_kth_smallest_reference
+from kvpop.masks import block_mask_from_eviction_times, make_eviction_mask_mod
 from kvpop.selection import eviction_times
 from kvpop.target import future_attention_target
+
+
+@contextlib.contextmanager
+def tensor_twins():
+    """The library's selection runs its tensor twins instead of the Triton kernels inside the block
+    (its own switch, KVPOP_SELECTION_KERNELS=0, read at every call)."""
+    before = os.environ.get(SELECTION_KERNELS_ENV)
+    os.environ[SELECTION_KERNELS_ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[SELECTION_KERNELS_ENV]
+        else:
+            os.environ[SELECTION_KERNELS_ENV] = before
 
 
 def timeit(fn, *, warmup: int, reps: int, cuda: bool) -> float:
@@ -92,17 +106,13 @@ def bench_size(S: int, args, dev: str, res: dict) -> dict:
     print(f"--- S={S}: budget {budget} (sinks {sinks}, window {window}, k {k}), H={H} Hk={Hk} D={D} {dtype}", flush=True)
 
     # (i) cutoffs; on CUDA with Triton the order statistic runs as two kernels (kvpop.kernels.order),
-    # timed here beside its tensor twin (prefix_kth_smallest_reference, swapped in for the same call)
+    # timed here beside its tensor twin (the same call under KVPOP_SELECTION_KERNELS=0)
     t_ours = timeit(lambda: eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=k), warmup=W, reps=R, cuda=cuda)
     row["i_order_statistic"] = "triton kernels" if cuda and selection_kernels_enabled() else "tensor twin"
     if row["i_order_statistic"] == "triton kernels":
-        kernel = selection.prefix_kth_smallest
-        selection.prefix_kth_smallest = prefix_kth_smallest_reference
-        try:
+        with tensor_twins():
             t_twin = timeit(lambda: eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=k), warmup=W, reps=R, cuda=cuda)
             e_twin = eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=k)
-        finally:
-            selection.prefix_kth_smallest = kernel
         row["i_kernels_equal_twin"] = torch.equal(e_twin, eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=k))
         row["i_eviction_times_tensor_twin_s"] = t_twin
         row["i_kernel_speedup"] = t_twin / t_ours
@@ -129,15 +139,9 @@ def bench_size(S: int, args, dev: str, res: dict) -> dict:
     bm = block_mask_from_eviction_times(doc, pos, evict, sinks=sinks, num_heads=H)
     row["ii_blockmask_ours_s"] = t_bm
     if cuda and selection_kernels_enabled():  # the block lists from the kernel (kvpop.kernels.blockmask) vs its tensor twin
-        import kvpop.kernels.blockmask as kb
-
-        kernel = kb.block_lists
-        kb.block_lists = block_lists_reference
-        try:
+        with tensor_twins():
             t_twin = timeit(lambda: block_mask_from_eviction_times(doc, pos, evict, sinks=sinks, num_heads=H), warmup=W, reps=R, cuda=cuda)
             twin = block_mask_from_eviction_times(doc, pos, evict, sinks=sinks, num_heads=H)
-        finally:
-            kb.block_lists = kernel
         row["ii_blockmask_kernel_equal_twin"] = all(torch.equal(getattr(twin, n), getattr(bm, n)) for n in ("kv_num_blocks", "kv_indices",
                                                                                                            "full_kv_num_blocks", "full_kv_indices"))
         row["ii_blockmask_tensor_twin_s"] = t_twin
@@ -259,7 +263,6 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="CPU smoke test: tiny sizes")
     ap.add_argument("--out", default="results/bench_selection_h200.json")
     args = ap.parse_args()
-    os.environ.setdefault(SELECTION_KERNELS_ENV, "1")  # the kernels (opt-in in the library) timed beside their twins
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if args.small:
         args.sizes, args.heads, args.kv_heads, args.head_dim = [1024, 2048], 4, 2, 16

@@ -181,8 +181,8 @@ def test_tiny_model_sdpa_vs_flex(tiny_llama_dir):
 # --- (c) selection and boundary labels: CUDA == CPU ------------------------------------------------
 
 def test_eviction_times_cuda_equals_cpu(monkeypatch):
-    """On CUDA the order statistic runs as Triton kernels (kvpop.kernels.order; opt-in, turned on
-    here), on the CPU as its tensor twin: the same eviction times, up to the training lengths (16K and 32K)."""
+    """On CUDA the order statistic runs as Triton kernels (kvpop.kernels.order; the default, set
+    here explicitly), on the CPU as its tensor twin: the same eviction times, up to the training lengths (16K and 32K)."""
     monkeypatch.setenv("KVPOP_SELECTION_KERNELS", "1")
     for seed, S_ in ((0, 2048), (1, 4096), (2, 16384), (3, 32768)):
         _, doc, pos = packed_toy(B, S_, seed=seed)
@@ -199,8 +199,8 @@ def test_eviction_times_cuda_equals_cpu(monkeypatch):
 
 
 def test_block_mask_cuda_equals_cpu(monkeypatch):
-    """On CUDA the BlockMask's block lists come from a Triton kernel (kvpop.kernels.blockmask; opt-in,
-    turned on here), on the
+    """On CUDA the BlockMask's block lists come from a Triton kernel (kvpop.kernels.blockmask; the default,
+    set here explicitly), on the
     CPU from its tensor twin: the same KV-block counts and index lists, and the same transposed
     (query-side) lists BlockMask derives from them, at training lengths."""
     monkeypatch.setenv("KVPOP_SELECTION_KERNELS", "1")

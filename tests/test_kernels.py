@@ -231,7 +231,7 @@ GPU_KERNELS = [
      dict(keys_ptr="*bf16", values_ptr="*bf16", pos_ptr="*i64", prio_ptr="*fp64", newk_ptr="*bf16", newv_ptr="*bf16", p_ptr="*i64",
           at_ptr="*i64", w1_ptr="*fp32", b1_ptr="*fp32", w2_ptr="*fp32", b2_ptr="*fp32", lg_ptr="*fp64", Hk="i32", T="i32", lr="i32",
           k="i32", leave_from="i32", window="i32"),
-     [{"D": 128, "F": 64, "K": 2048, "MLP": mlp, "EVICT": evict} for mlp, evict in ((True, True), (False, True), (True, False))]),
+     [{"D": 128, "F": 64, "K": 2048, "MLP": mlp, "EVICT": evict, "BD": 128} for mlp, evict in ((True, True), (False, True), (True, False))]),
     ("order", "_build_kernel", dict(values_ptr="*i64", buf_ptr="*i32", zeros_ptr="*i32", n="i32", bits="i32"), [{"BLOCK": 4096}]),
     ("order", "_query_kernel", dict(zeros_ptr="*i32", prefix_ptr="*i64", kth_ptr="*i64", out_ptr="*i64", n="i32", m="i32", bits="i32"),
      [{"BQ": 1024}]),
@@ -265,14 +265,17 @@ def test_kernels_compile_for_the_gpu(module, kernel, types, specializations, arc
 
 
 
-def test_the_selection_kernels_are_opt_in(monkeypatch):
-    """kvpop.kernels.order and .blockmask run on CUDA only with KVPOP_SELECTION_KERNELS=1 until their
-    GPU tests have run on a GPU; unset or 0, the library takes the tensor twins."""
+def test_the_selection_kernels_switch(monkeypatch):
+    """kvpop.kernels.order and .blockmask run on CUDA by default (their GPU tests ran green on an
+    H200); KVPOP_SELECTION_KERNELS=0 takes the tensor twins, and any other value is refused by name."""
     from kvpop.kernels import selection_kernels_enabled
 
     monkeypatch.delenv("KVPOP_SELECTION_KERNELS", raising=False)
-    assert not selection_kernels_enabled()
+    assert selection_kernels_enabled()  # triton is installed wherever this file runs (importorskip above)
+    monkeypatch.setenv("KVPOP_SELECTION_KERNELS", "1")
+    assert selection_kernels_enabled()
     monkeypatch.setenv("KVPOP_SELECTION_KERNELS", "0")
     assert not selection_kernels_enabled()
-    monkeypatch.setenv("KVPOP_SELECTION_KERNELS", "1")
-    assert selection_kernels_enabled()  # triton is installed wherever this file runs (importorskip above)
+    monkeypatch.setenv("KVPOP_SELECTION_KERNELS", "yes")
+    with pytest.raises(ValueError, match="KVPOP_SELECTION_KERNELS must be 0"):
+        selection_kernels_enabled()

@@ -111,7 +111,7 @@ def test_full_prefix_ranks_are_the_sorted_row():
 @CUDA
 @pytest.mark.parametrize("kernels", ["0", "1"])
 def test_cuda_matches_cpu(monkeypatch, kernels):
-    """On CUDA: the tensor twin, and the Triton kernels (kvpop.kernels.order, opt-in) with a block boundary inside the row."""
+    """On CUDA: the tensor twin, and the Triton kernels (kvpop.kernels.order, the default) with a block boundary inside the row."""
     monkeypatch.setenv("KVPOP_SELECTION_KERNELS", kernels)
     values, prefix, kth = random_case(8, 5000, 300, 50, seed=5)
     cpu = prefix_kth_smallest(values, prefix, kth)

@@ -12,7 +12,9 @@
 * :mod:`kvpop.kernels.blockmask`: the training BlockMask's block lists, twin
   :func:`kvpop.masks.block_lists_reference`; tested under the interpreter too.
 
-The last two are opt-in (:func:`selection_kernels_enabled`) until their GPU tests have run.
+The last two are on by default on CUDA; ``KVPOP_SELECTION_KERNELS=0`` runs their twins instead
+(:func:`selection_kernels_enabled`). Their GPU tests (tests/test_gpu.py, tests/test_order.py) ran
+green on an H200 on 2026-12-02.
 
 tests/test_kernels.py also compiles every kernel to a cubin for sm_80 and sm_90 on the CPU.
 
@@ -30,9 +32,12 @@ SELECTION_KERNELS_ENV = "KVPOP_SELECTION_KERNELS"
 
 def selection_kernels_enabled() -> bool:
     """Whether the training selection's kernels (:mod:`kvpop.kernels.order`, :mod:`kvpop.kernels.blockmask`)
-    run on CUDA: opt-in (``KVPOP_SELECTION_KERNELS=1``) until their GPU tests and benchmark have run
-    on a GPU (tests/test_gpu.py, bench/bench_selection.py turn them on); their tensor twins otherwise."""
-    return os.environ.get(SELECTION_KERNELS_ENV, "0") == "1" and triton_available()
+    run on CUDA: yes where Triton is installed, unless ``KVPOP_SELECTION_KERNELS=0`` asks for their
+    tensor twins (to compare the two, as bench/bench_selection.py does, or to rule a kernel out)."""
+    value = os.environ.get(SELECTION_KERNELS_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{SELECTION_KERNELS_ENV} must be 0 (the tensor twins) or 1 (the Triton kernels), got {value!r}")
+    return value == "1" and triton_available()
 
 
 @functools.cache

@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 I64_MAX = tl.constexpr(9223372036854775807)  # a global a compiled kernel may read
-LAUNCH: dict[str, int] = {}  # an override of launch_config's "num_warps" (bench/bench_insert.py's grid)
+LAUNCH: dict[str, int] = {}  # overrides of launch_config's "block_d" / "num_warps" (bench/bench_insert.py's grid)
 
 
 @triton.jit
@@ -34,7 +34,7 @@ def _insert_kernel(
     keys_ptr, values_ptr, pos_ptr, prio_ptr, newk_ptr, newv_ptr, p_ptr, at_ptr,
     w1_ptr, b1_ptr, w2_ptr, b2_ptr, lg_ptr,
     Hk, T, lr, k, leave_from, window,
-    D: tl.constexpr, F: tl.constexpr, K: tl.constexpr, MLP: tl.constexpr, EVICT: tl.constexpr,
+    D: tl.constexpr, F: tl.constexpr, K: tl.constexpr, MLP: tl.constexpr, EVICT: tl.constexpr, BD: tl.constexpr,
 ):
     pid = tl.program_id(0)  # b * Hk + h
     h = pid % Hk
@@ -49,9 +49,16 @@ def _insert_kernel(
         if MLP:
             f = tl.arange(0, F)
             w1 = w1_ptr + h.to(tl.int64) * (2 * D * F)
-            hid = tl.sum(ko.to(tl.float32)[:, None] * tl.load(w1 + d[:, None] * F + f[None, :]), axis=0)
-            hid += tl.sum(vo.to(tl.float32)[:, None] * tl.load(w1 + (D + d[:, None]) * F + f[None, :]), axis=0)
-            hid += tl.load(b1_ptr + h * F + f)
+            hid = tl.load(b1_ptr + h * F + f)
+            # [key, value] @ w1 in (BD, F) tiles, the key and value loaded again per tile: converting the
+            # ko/vo already loaded instead made the step 0.1 ms slower at batch 1 (3.92 vs 3.82 ms on an
+            # H200, alternating runs: results/insert_reuse_ab_h200.json; why was not profiled)
+            for d0 in tl.static_range(0, D, BD):
+                e = d0 + tl.arange(0, BD)
+                ke = tl.load(keys_ptr + (row + at) * D + e).to(tl.float32)
+                ve = tl.load(values_ptr + (row + at) * D + e).to(tl.float32)
+                hid += tl.sum(ke[:, None] * tl.load(w1 + e[:, None] * F + f[None, :]), axis=0)
+                hid += tl.sum(ve[:, None] * tl.load(w1 + (D + e[:, None]) * F + f[None, :]), axis=0)
             hid = hid * tl.sigmoid(hid)  # SiLU
             r = tl.sum(hid * tl.load(w2_ptr + h * F + f), axis=0) + tl.load(b2_ptr + h)
             cand = r.to(tl.float64) - tok.to(tl.float64) * tl.load(lg_ptr + h)
@@ -95,16 +102,15 @@ def insert_token(
     _insert_kernel[(B * Hk,)](
         keys, values, pos, prio, k, v, p, at, w1, b1, w2, b2, log_gamma,
         Hk, T, lr, slots - lr, leave_from, window, D=D, F=F, K=K, MLP=mlp, EVICT=evict,
-        **launch_config(K),
+        **launch_config(K, D),
     )
 
 
-def launch_config(K: int) -> dict[str, int]:
-    """Warps per program for ``K`` long-range lanes: the fastest of bench/bench_insert.py's grid on an
-    H200 (4 warps up to 2,048 lanes, 8 above; whole-D tiles of the MLP's input beat 16-64-row tiles
-    everywhere, so the kernel loads the key and value once: results/bench_insert_h200.json), unless
-    ``LAUNCH`` overrides."""
-    return {"num_warps": LAUNCH.get("num_warps", 4 if K <= 2048 else 8)}
+def launch_config(K: int, D: int) -> dict[str, int]:
+    """The MLP's key/value tile rows ``BD`` and the warps per program for ``K`` long-range lanes: the
+    fastest of bench/bench_insert.py's grid on an H200 (tiles of 16-128 rows, 4-16 warps; whole-D tiles,
+    4 warps up to 2,048 lanes and 8 above: results/bench_insert_h200.json), unless ``LAUNCH`` overrides."""
+    return {"BD": min(LAUNCH.get("block_d", D), D), "num_warps": LAUNCH.get("num_warps", 4 if K <= 2048 else 8)}
 
 
 @insert_token.register_fake
