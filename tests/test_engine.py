@@ -6,6 +6,8 @@ and the plain dense forward. The compiled/CUDA-graph step is checked against the
 GPU in tests/test_gpu.py.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -261,8 +263,6 @@ def test_compile_cache_folder(monkeypatch, tmp_path):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert use_compile_cache() == tmp_path / "home" / ".cache" / "kvpop" / "compile"
-    import os
-
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "home" / ".cache" / "kvpop" / "compile" / "triton")
     for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         monkeypatch.delenv(var)
@@ -273,6 +273,28 @@ def test_compile_cache_folder(monkeypatch, tmp_path):
         monkeypatch.delenv(var)
     assert use_compile_cache(tmp_path / "arg") == tmp_path / "arg"
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "arg" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "user"))  # the user's folder wins
+    assert use_compile_cache(tmp_path / "arg") == tmp_path
+
+
+def test_compile_cache_folder_after_importing_dynamo(tmp_path):
+    """A fresh process that has imported torch._dynamo (as transformers and the engine do) holds
+    torch's default folder in TORCHINDUCTOR_CACHE_DIR, written by that import: the compile cache
+    still goes to kvpop's folder, not to /tmp (which the morning's cold-start measurements reused)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, torch._dynamo\n"
+        "from torch._inductor.runtime.cache_dir_utils import default_cache_dir\n"
+        "assert os.environ['TORCHINDUCTOR_CACHE_DIR'] == default_cache_dir(), os.environ.get('TORCHINDUCTOR_CACHE_DIR')\n"
+        "from kvpop.decode.engine import use_compile_cache\n"
+        "print(use_compile_cache(), os.environ['TORCHINDUCTOR_CACHE_DIR'], os.environ['TRITON_CACHE_DIR'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    env["KVPOP_COMPILE_CACHE"] = str(tmp_path / "kv")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(tmp_path / "kv"), str(tmp_path / "kv" / "inductor"), str(tmp_path / "kv" / "triton")]
 
 
 @pytest.mark.parametrize("name", ["dense", "streaming_llm", "kvpop_mlp", "kvpop", "dms"])

@@ -93,11 +93,19 @@ def use_compile_cache(folder: str | Path | None = None) -> Path:
     ``folder``, else ``$KVPOP_COMPILE_CACHE``, else ``~/.cache/kvpop/compile``: inductor's caches
     (FX graphs, generated kernels, autotuning) go to ``<folder>/inductor`` and Triton's compiled
     kernels to ``<folder>/triton``, unless ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR`` are set
-    already (the user's choice, or an earlier compile in this process, wins). Without this they
+    already (the user's choice, or an earlier call in this process, wins). Without this they
     live in ``/tmp``, which a reboot or a fresh container empties. Returns the parent of the inductor
-    cache folder in use (the chosen folder, unless a ``TORCHINDUCTOR_CACHE_DIR`` was set before)."""
+    cache folder in use (the chosen folder, unless a ``TORCHINDUCTOR_CACHE_DIR`` was set before).
+
+    Importing ``torch._dynamo`` (which transformers and this module do) writes torch's default
+    folder (``/tmp/torchinductor_<user>``) into ``TORCHINDUCTOR_CACHE_DIR``, so that value counts
+    as unset here: otherwise every process would compile into ``/tmp`` whatever this folder says."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     root = Path(folder or os.environ.get(COMPILE_CACHE_ENV) or COMPILE_CACHE_DEFAULT).expanduser()
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).parent
 
