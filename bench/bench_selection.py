@@ -20,7 +20,6 @@ Rows (ratio = baseline / ours, > 1 means ours is faster, except (iv) where it is
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import math
@@ -28,6 +27,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.nn import functional as F
@@ -38,20 +38,8 @@ from kvpop.masks import block_mask_from_eviction_times, make_eviction_mask_mod
 from kvpop.selection import eviction_times
 from kvpop.target import future_attention_target
 
-
-@contextlib.contextmanager
-def tensor_twins():
-    """The library's selection runs its tensor twins instead of the Triton kernels inside the block
-    (its own switch, KVPOP_SELECTION_KERNELS=0, read at every call)."""
-    before = os.environ.get(SELECTION_KERNELS_ENV)
-    os.environ[SELECTION_KERNELS_ENV] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[SELECTION_KERNELS_ENV]
-        else:
-            os.environ[SELECTION_KERNELS_ENV] = before
+# the library's selection on its tensor twins inside the block (its own switch, read at every call)
+TENSOR_TWINS = mock.patch.dict(os.environ, {SELECTION_KERNELS_ENV: "0"})
 
 
 def timeit(fn, *, warmup: int, reps: int, cuda: bool) -> float:
@@ -110,7 +98,7 @@ def bench_size(S: int, args, dev: str, res: dict) -> dict:
     t_ours = timeit(lambda: eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=k), warmup=W, reps=R, cuda=cuda)
     row["i_order_statistic"] = "triton kernels" if cuda and selection_kernels_enabled() else "tensor twin"
     if row["i_order_statistic"] == "triton kernels":
-        with tensor_twins():
+        with TENSOR_TWINS:
             t_twin = timeit(lambda: eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=k), warmup=W, reps=R, cuda=cuda)
             e_twin = eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=k)
         row["i_kernels_equal_twin"] = torch.equal(e_twin, eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=k))
@@ -139,7 +127,7 @@ def bench_size(S: int, args, dev: str, res: dict) -> dict:
     bm = block_mask_from_eviction_times(doc, pos, evict, sinks=sinks, num_heads=H)
     row["ii_blockmask_ours_s"] = t_bm
     if cuda and selection_kernels_enabled():  # the block lists from the kernel (kvpop.kernels.blockmask) vs its tensor twin
-        with tensor_twins():
+        with TENSOR_TWINS:
             t_twin = timeit(lambda: block_mask_from_eviction_times(doc, pos, evict, sinks=sinks, num_heads=H), warmup=W, reps=R, cuda=cuda)
             twin = block_mask_from_eviction_times(doc, pos, evict, sinks=sinks, num_heads=H)
         row["ii_blockmask_kernel_equal_twin"] = all(torch.equal(getattr(twin, n), getattr(bm, n)) for n in ("kv_num_blocks", "kv_indices",

@@ -199,10 +199,10 @@ def test_eviction_times_cuda_equals_cpu(monkeypatch):
 
 
 def test_block_mask_cuda_equals_cpu(monkeypatch):
-    """On CUDA the BlockMask's block lists come from a Triton kernel (kvpop.kernels.blockmask; the default,
-    set here explicitly), on the
-    CPU from its tensor twin: the same KV-block counts and index lists, and the same transposed
-    (query-side) lists BlockMask derives from them, at training lengths."""
+    """On CUDA the BlockMask's block lists come from a Triton kernel (kvpop.kernels.blockmask; the
+    default, set here explicitly), on the CPU from its tensor twin: the same KV-block counts and
+    index lists, and the same transposed (query-side) lists BlockMask derives from them, at training
+    lengths."""
     monkeypatch.setenv("KVPOP_SELECTION_KERNELS", "1")
     for seed, S_ in ((0, 2048), (1, 16384)):
         _, doc, pos = packed_toy(B, S_, seed=seed)
