@@ -1,0 +1,132 @@
+"""Where a measured result comes from: one envelope for every file under ``results/``.
+
+Every result file is a JSON object whose first key is ``"provenance"``::
+
+    {"provenance": {"command": "...", "git_commit": "<40 hex>", "device": "NVIDIA H200",
+                    "versions": {"python": "3.12.3", "torch": "2.11.0+cu130", ...}, "date": "<UTC ISO 8601>"},
+     ...the payload...}
+
+``command`` is the command line that wrote the file, ``git_commit`` the commit of the code that ran
+(``KVPOP_GIT_COMMIT`` where the machine has no git checkout, as on the device; ``git rev-parse HEAD``
+otherwise), ``device`` the accelerator (or the CPU's model name), ``versions`` the packages that shape
+the figures. :func:`write_result` writes payload and envelope atomically; :func:`check_envelope`
+names what an envelope lacks (``tests/test_results.py`` walks ``results/`` with it).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+#: the keys every envelope holds
+ENVELOPE_KEYS = ("command", "git_commit", "device", "versions", "date")
+#: packages whose versions travel in the envelope (those installed)
+VERSIONED = ("torch", "transformers", "triton", "lightning")
+
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def git_commit(root: str | Path | None = None) -> str | None:
+    """The commit of the code that runs: ``KVPOP_GIT_COMMIT``, else ``git rev-parse HEAD`` in ``root``
+    (default: this package's checkout), else None."""
+    env = os.environ.get("KVPOP_GIT_COMMIT", "").strip()
+    if env:
+        if not _COMMIT.match(env):
+            raise ValueError(f"KVPOP_GIT_COMMIT must be a 40-digit hex commit, got {env!r}")
+        return env
+    root = Path(root) if root is not None else Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    sha = out.stdout.strip()
+    return sha if _COMMIT.match(sha) else None
+
+
+def device_name() -> str:
+    """The accelerator that ran (``torch.cuda.get_device_name``; ``"<n> x <name>"`` for several), else the CPU."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            n = torch.cuda.device_count()
+            name = torch.cuda.get_device_name(0)
+            return name if n == 1 else f"{n} x {name}"
+    except ImportError:
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"CPU: {line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return f"CPU: {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+def versions() -> dict[str, str]:
+    """Python and the installed packages of :data:`VERSIONED`."""
+    out = {"python": platform.python_version()}
+    for name in VERSIONED:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    try:  # the torch that runs, with its build tag (+cpu, +cu130), over the distribution's metadata
+        import torch
+
+        out["torch"] = torch.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def envelope(command: str | None = None) -> dict:
+    """The provenance of a result written now by this process (module docstring)."""
+    return {
+        "command": command if command is not None else shlex.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "git_commit": git_commit(),
+        "device": device_name(),
+        "versions": versions(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def check_envelope(doc: object) -> list[str]:
+    """What a result document's envelope lacks, as messages (empty: complete)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("provenance"), dict):
+        return ['no "provenance" object at the top level']
+    env = doc["provenance"]
+    problems = [f"provenance.{k} missing or empty" for k in ENVELOPE_KEYS if not env.get(k)]
+    if env.get("git_commit") and not _COMMIT.match(str(env["git_commit"])):
+        problems.append(f"provenance.git_commit {env['git_commit']!r} is not a 40-digit hex commit")
+    if env.get("versions") and not isinstance(env["versions"], dict):
+        problems.append("provenance.versions must be an object of package -> version")
+    return problems
+
+
+def write_result(path: str | Path, payload: dict, *, command: str | None = None, provenance: dict | None = None) -> Path:
+    """Write ``{"provenance": ..., **payload}`` to ``path`` atomically (a temp file, then a rename):
+    an interrupted write leaves the previous file whole. ``provenance`` defaults to :func:`envelope`."""
+    if "provenance" in payload:
+        raise ValueError("the payload has its own 'provenance' key; pass it as provenance=")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"provenance": provenance if provenance is not None else envelope(command), **payload}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(doc, indent=2) + "\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
