@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from kvpop import tracking
-from kvpop.evaluate import Candidate, evaluate_fidelity, keep_map, one_pool_twin, score_positions
+from kvpop.evaluate import Candidate, evaluate_fidelity, keep_map, one_pool_twin, pad_records, score_positions
 from kvpop.export import CheckpointError, load_export
 from kvpop.filter import read_jsonl
 from kvpop.modeling import load_model, model_shape
@@ -28,11 +28,11 @@ from report import print_table
 from common import Progress, console, fail, params, write_json
 
 
-def candidates(p, base: str, exports: Path, precision: str):
-    """(teacher, tokenizer, [Candidate]) for every evaluated policy."""
+def candidates(p, base: str, exports: Path, precision: str, device: str):
+    """(teacher, tokenizer, [Candidate]) for every evaluated policy, on ``device``."""
     from transformers import AutoTokenizer
 
-    teacher = load_model(base, precision).eval()
+    teacher = load_model(base, precision).to(device).eval()
     tok = AutoTokenizer.from_pretrained(base)
     shape = {k: v for k, v in model_shape(teacher).items() if k != "num_heads"}
     out = []
@@ -53,7 +53,7 @@ def candidates(p, base: str, exports: Path, precision: str):
                  f"params say {p.budget}/{p.sinks}/{p.window}")
         if pol.name != name:
             fail(f"{exports / name} holds policy {pol.name!r}, not {name!r}")
-        out.append(Candidate(name, model.eval(), pol))
+        out.append(Candidate(name, model.to(device).eval(), pol.to(device)))
         if p.evaluate.one_pool and (twin := one_pool_twin(out[-1])):  # its own priorities, one pool for the whole model
             out.append(twin)
     return teacher, tok, out
@@ -62,7 +62,7 @@ def candidates(p, base: str, exports: Path, precision: str):
 def plot_keep_maps(cands, record: dict, path: Path, *, budget: int, sinks: int, window: int) -> None:
     """The per-head keep map of every policy with a full-sequence pattern (dense, the rules without
     attention, the trained ones; not the oracles, which read the trace's future) on one trace."""
-    ids = torch.tensor(record["input_ids"])[None]
+    ids = torch.tensor(record["input_ids"], device=next(cands[0].model.parameters()).device)[None]
     maps = {}
     for c in cands:
         if c.policy.oracle or c.policy.needs_attention:
@@ -92,7 +92,11 @@ def main() -> None:
     if not records:
         fail(f"{args.data} holds no traces")
     torch.manual_seed(p.seed)
-    teacher, tok, cands = candidates(p, args.base, Path(args.exports), cfg.precision)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    if device == "cuda" and not torch.cuda.is_available():
+        fail("evaluate.device is 'cuda' but no CUDA device is visible")
+    torch.set_float32_matmul_precision(cfg.matmul_precision)  # CUDA's float32 products (TF32 at 'high'); no effect on the CPU
+    teacher, tok, cands = candidates(p, args.base, Path(args.exports), cfg.precision, device)
     fid_records = records[: cfg.max_traces]
     eval_tokens = sum(score_positions(r)[0].numel() for r in fid_records)
     lengths = [len(r["input_ids"]) for r in fid_records]
@@ -103,8 +107,13 @@ def main() -> None:
         say = lambda msg: console.print(msg, highlight=False)  # noqa: E731
         say(f"[bold]evaluate[/]: budget {p.budget}, policies {[c.name for c in cands]}")
         say(f"fidelity on {len(fid_records)} traces ({min(lengths)}-{max(lengths)} tokens)")
+        scored_records = fid_records
+        if device == "cuda":  # one shape: compiled FlexAttention compiles once (kvpop.evaluate.pad_records)
+            torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)  # a mask per policy
+            pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+            scored_records = pad_records(fid_records, max(p.train.seq_len, *lengths), pad_id)
         with Progress("fidelity: traces", len(fid_records)) as bar:
-            results = evaluate_fidelity(fid_records, teacher, cands, **common, progress=lambda i, n: bar.update(i))
+            results = evaluate_fidelity(scored_records, teacher, cands, **common, device=device, progress=lambda i, n: bar.update(i))
 
         rc = cfg.rollouts
         # prefer prompts longer than the budget (eviction happens); a budget above every prompt uses them all
@@ -123,7 +132,8 @@ def main() -> None:
                     r = pass_at_1(c.model, tok, c.policy, problems, n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
                                   max_new_tokens=rc.max_new_tokens, seed=p.seed, **common)
                     results[c.name].update(pass_at_1=r["pass_at_1"], peak_cache_mb=r["peak_cache_mb"], tokens_per_s=r["tokens_per_s"])
-                curves[c.name] = memory_curve(c.model, tok, c.policy, curve_prompt, lengths=cfg.memory_lengths, rows=rc.n, **common)
+                if cfg.memory_lengths:
+                    curves[c.name] = memory_curve(c.model, tok, c.policy, curve_prompt, lengths=cfg.memory_lengths, rows=rc.n, **common)
             bar.update(len(decoded))
         dense_p1 = results.get("dense", {}).get("pass_at_1")
         for m in results.values():
@@ -153,7 +163,7 @@ def main() -> None:
         write_json(args.out, out)
         points = [{"budget": p.budget, "policy": n, **{k: v for k, v in m.items() if k != "occupancy_map"}} for n, m in results.items()]
         write_json(plots / "budget_points.json", points)  # DVC plot: compare budgets across experiments
-        plot_memory_curve(curves, plots / "cache_memory.png")
+        plot_memory_curve(curves, plots / "cache_memory.png")  # no lines where evaluate.memory_lengths is []
         say("keep map: which positions each layer's KV heads keep over the first held-out trace")
         plot_keep_maps(cands, fid_records[0], plots / "keep_map.png", budget=p.budget, sinks=p.sinks, window=p.window)
         by_name = {c.name: c.policy for c in cands}

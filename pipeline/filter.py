@@ -31,10 +31,12 @@ def main() -> None:
     with tracking.stage_run("filter", {"seed": p.seed, "filter": cfg.model_dump()}) as run:
         if cfg.source == "synthetic":
             s = cfg.synthetic
+            shape = dict(min_chars=s.min_chars, max_chars=s.max_chars, num_values=s.num_values, num_recalls=s.num_recalls,
+                         min_quote_distance_chars=s.min_quote_distance_chars)
             splits = {
-                "train": generate_traces(s.train_traces, p.seed, min_chars=s.min_chars, max_chars=s.max_chars),
-                # held out: another seed, so no evaluation trace was trained on
-                "eval": generate_traces(s.eval_traces, p.seed + 10_000, min_chars=s.min_chars, max_chars=s.max_chars),
+                "train": generate_traces(s.train_traces, p.seed, **shape),
+                # held out: another seed (filter.synthetic.eval_seed), so no evaluation trace was trained on
+                "eval": generate_traces(s.eval_traces, p.eval_seed, **shape),
             }
             results = {name: filter_rows(rows, tok, max_tokens=cfg.max_tokens) for name, rows in splits.items()}
         else:

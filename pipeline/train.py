@@ -80,6 +80,7 @@ def main() -> None:
         fail(f"packed training data not found: {args.data} (run the pack stage)")
     if not (Path(args.base) / "config.json").is_file():
         fail(f"base model not found: {args.base} (run the base_model stage)")
+    torch.set_float32_matmul_precision(cfg.matmul_precision)  # CUDA's float32 products (TF32 at 'high'); no effect on the CPU
     packed = load_packed(args.data)
     resume_dir = Path(args.resume_dir or f"checkpoints/train/{args.policy}")
     run_config = {  # "precision": train.precision "auto" may resolve differently on other hardware

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvpop.boundary import BoundaryWeight
+from kvpop.data.synthetic import DEFAULT_MIN_QUOTE_DISTANCE_CHARS, DEFAULT_NUM_RECALLS, DEFAULT_NUM_VALUES
 from kvpop.policies import OnePool, names, policy_class
 from kvpop.target import TargetKind, TargetPool
 
@@ -77,6 +78,14 @@ class SyntheticConfig(_Section):
     eval_traces: int = Field(24, gt=0, description="held-out traces (another seed) for evaluation")
     min_chars: int = Field(800, gt=0, description="shortest assistant reasoning, in characters")
     max_chars: int = Field(1450, gt=0, description="longest assistant reasoning, in characters")
+    num_values: int = Field(DEFAULT_NUM_VALUES, gt=0, description="named values a trace defines (and later quotes)")
+    num_recalls: int = Field(DEFAULT_NUM_RECALLS, ge=0, description="steps of a trace that quote a value defined far back")
+    min_quote_distance_chars: int = Field(
+        DEFAULT_MIN_QUOTE_DISTANCE_CHARS, ge=0, description="least distance, in characters, from a definition to its quote"
+    )
+    eval_seed: int | None = Field(
+        None, description="seed of the held-out traces; null: seed + 10000 (any value other than the training seed)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> SyntheticConfig:
@@ -196,6 +205,10 @@ class TrainConfig(_Section):
         "AVX512_BF16/AMX), 32-true elsewhere"
     )
     accelerator: Literal["auto", "cpu", "cuda"] = "auto"
+    matmul_precision: Literal["highest", "high", "medium"] = Field(
+        "highest", description="float32 matrix products on CUDA (torch.set_float32_matmul_precision): 'highest' (full "
+        "float32), 'high' (TF32 tensor cores), 'medium' (bf16); no effect on the CPU"
+    )
     strategy: Literal["single", "ddp", "fsdp"] = Field(
         "single",
         description="'single' (one device), 'ddp' (replicated student and teacher, averaged gradients) or "
@@ -257,9 +270,14 @@ class EvaluateConfig(_Section):
         3, gt=0, description="of those, how many score the decode-only rules (TOVA, H2O: token-by-token decoding)"
     )
     precision: Literal["float32", "bfloat16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the models run: 'auto' takes CUDA when there is one")
+    matmul_precision: Literal["highest", "high", "medium"] = Field(
+        "highest", description="float32 matrix products on CUDA (torch.set_float32_matmul_precision): 'highest' (full "
+        "float32), 'high' (TF32 tensor cores), 'medium' (bf16); no effect on the CPU"
+    )
     rollouts: RolloutConfig = RolloutConfig()
     memory_lengths: list[int] = Field(
-        default_factory=lambda: [0, 32, 64, 128], description="generated lengths of the cache-memory curve"
+        default_factory=lambda: [0, 32, 64, 128], description="generated lengths of the cache-memory curve ([]: no curve)"
     )
     benchmarks: dict[str, str] = Field(
         default_factory=dict,
@@ -289,6 +307,12 @@ class Params(_Section):
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
 
+    @property
+    def eval_seed(self) -> int:
+        """Seed of the synthetic held-out traces (``filter.synthetic.eval_seed``, default seed + 10000)."""
+        s = self.filter.synthetic.eval_seed
+        return self.seed + 10_000 if s is None else s
+
     @model_validator(mode="after")
     def _check_budget(self) -> Params:
         if self.budget <= self.sinks + self.window:
@@ -296,6 +320,8 @@ class Params(_Section):
                 f"budget ({self.budget}) must exceed sinks + window ({self.sinks} + {self.window}) "
                 "so that at least one long-range slot exists"
             )
+        if self.filter.source == "synthetic" and self.eval_seed == self.seed:
+            raise ValueError(f"filter.synthetic.eval_seed equals seed ({self.seed}): the held-out traces would be the training traces")
         if self.evaluate.one_pool and not any(OnePool.accepts(policy_class(n)) for n in self.train.policies):  # class attributes only
             raise ValueError(f"evaluate.one_pool ranks a trained kvpop_mlp with one pool; train.policies {self.train.policies} has none")
         return self

@@ -269,6 +269,22 @@ def score_positions(record: dict) -> tuple[Tensor, Tensor]:
     return scored, quotes
 
 
+def pad_records(records: Sequence[dict], length: int, pad_id: int) -> list[dict]:
+    """Records right-padded to ``length`` tokens: one shape for every trace, so that a compiled
+    FlexAttention on CUDA compiles once (a compile per length would run into dynamo's recompile
+    limit). The padding is never scored (``loss_mask`` 0) and causal attention keeps it out of every
+    real position; ``trace_tokens`` tells the target and the oracles where the trace ends. A record
+    longer than ``length`` is a ValueError naming it."""
+    out = []
+    for r in records:
+        n = len(r["input_ids"])
+        if n > length:
+            raise ValueError(f"record {r.get('id', '?')!r} has {n} tokens, more than the padded length {length}")
+        pad = length - n
+        out.append({**r, "input_ids": r["input_ids"] + [pad_id] * pad, "loss_mask": r["loss_mask"] + [0] * pad, "trace_tokens": n})
+    return out
+
+
 @torch.no_grad()
 def evaluate_fidelity(
     records: Sequence[dict],

@@ -5,6 +5,10 @@ absolute location: ``<repo>/mlflow.db`` (SQLite), unless ``MLFLOW_TRACKING_URI``
 Runs carry the DVC experiment name (``DVC_EXP_NAME``, set by ``dvc exp run``; ``workspace``
 for a plain ``dvc repro``) as the tag ``dvc_exp`` so the MLflow UI can compare experiments.
 Launch the UI with ``mlflow ui --backend-store-uri sqlite:///$PWD/mlflow.db``.
+
+``KVPOP_TRACKING=off`` runs the stages without MLflow (a machine without it, such as a GPU host
+that runs the stage scripts by ``pipeline/run_stages.py``): nothing is logged, the stage says so once, and
+every output file is written as usual. Any other value than ``on`` (the default) or ``off`` is refused.
 """
 
 from __future__ import annotations
@@ -53,9 +57,22 @@ def _quiet() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def tracking_enabled() -> bool:
+    """Whether stages log to MLflow: ``KVPOP_TRACKING`` ``on`` (default) or ``off``; other values are a ValueError."""
+    value = os.environ.get("KVPOP_TRACKING", "on").strip().lower()
+    if value not in ("on", "off"):
+        raise ValueError(f"KVPOP_TRACKING must be 'on' or 'off', got {value!r}")
+    return value == "on"
+
+
 @contextlib.contextmanager
 def stage_run(stage: str, params: Mapping[str, Any], run_name: str | None = None) -> Iterator[StageRun]:
-    """One MLflow run for one stage execution; params flattened with dotted keys."""
+    """One MLflow run for one stage execution; params flattened with dotted keys. With tracking off
+    (``KVPOP_TRACKING=off``) an :class:`UntrackedRun` that logs nothing."""
+    if not tracking_enabled():
+        logging.getLogger(__name__).warning("KVPOP_TRACKING=off: stage %s is not logged to MLflow", run_name or stage)
+        yield UntrackedRun(stage)
+        return
     import mlflow
 
     _quiet()
@@ -114,10 +131,36 @@ class StageRun:
         return MLFlowLogger(experiment_name=EXPERIMENT, tracking_uri=tracking_uri(), run_id=self.run_id, log_model=False)
 
 
+class UntrackedRun:
+    """A stage run with tracking off (``KVPOP_TRACKING=off``): the interface of :class:`StageRun`, logging nothing."""
+
+    def __init__(self, stage: str = ""):
+        self.run_id = None
+        self.stage = stage
+
+    @contextlib.contextmanager
+    def child(self, name: str, params: Mapping[str, Any], tags: Mapping[str, str] | None = None) -> Iterator[UntrackedRun]:
+        yield self
+
+    def metrics(self, metrics: Mapping[str, Any], step: int | None = None, prefix: str = "") -> None:
+        pass
+
+    def tags(self, tags: Mapping[str, Any]) -> None:
+        pass
+
+    def artifact(self, path: str | Path) -> None:
+        pass
+
+    def lightning_logger(self):
+        return False  # Lightning's "no logger"
+
+
 def evaluated_points(metric: str, *, stage: str = "evaluate") -> dict[str, dict[int, float]]:
     """``{policy: {budget: value}}`` of ``metric`` from every earlier evaluate run's child runs in
     the store (every experiment, every budget); where several runs evaluated a policy at one budget,
-    the latest counts. Empty when the store holds none (or cannot be read)."""
+    the latest counts. Empty when the store holds none (or cannot be read), or with tracking off."""
+    if not tracking_enabled():
+        return {}
     import mlflow
 
     _quiet()
