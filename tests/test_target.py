@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from kvpop.target import TARGET_KINDS, future_attention_target, pool_targets
+from kvpop.target import TARGET_KINDS, TargetSpec, future_attention_target, scope_targets
 
 B, H, HK, S, D = 2, 6, 2, 70, 16
 WINDOW = 5
@@ -304,28 +304,108 @@ def test_cuda_flex_matches_chunked(shape, kind, many_compiles):
     torch.testing.assert_close(chunked.cpu(), cpu, atol=1e-4, rtol=0)
 
 
-def test_pool_targets():
-    """group: unchanged; layer: max over the layer's KV heads; model: max over every layer and head."""
+def test_scope_targets():
+    """group: unchanged; layer: max over the layer's KV heads; model: max over every layer and head; a scope or weight
+    no TargetSpec takes is refused with the spec's message."""
     g = torch.Generator().manual_seed(0)
     ts = [torch.randn(2, 3, 7, generator=g) for _ in range(4)]  # 4 layers of (B, Hk, S)
-    assert all(a is b for a, b in zip(pool_targets(ts, "group"), ts, strict=True))
-    for L, t in enumerate(pool_targets(ts, "layer")):
+    assert all(a is b for a, b in zip(scope_targets(ts, "group"), ts, strict=True))
+    for L, t in enumerate(scope_targets(ts, "layer")):
         for b in range(2):
             for h in range(3):
                 for s in range(7):
                     assert t[b, h, s] == max(ts[L][b, g2, s] for g2 in range(3))
-    for t in pool_targets(ts, "model"):
+    for t in scope_targets(ts, "model"):
         for b in range(2):
             for h in range(3):
                 for s in range(7):
                     assert t[b, h, s] == max(ts[L2][b, g2, s] for L2 in range(4) for g2 in range(3))
-    with pytest.raises(ValueError, match="pool"):
-        pool_targets(ts, "heads")
+    with pytest.raises(ValueError, match="(?s)scope.*'group', 'layer', 'model' or 'blend'"):
+        scope_targets(ts, "heads")
     # blend: weight 0 is the group's targets, 1 the model's; 0.25 a quarter of the way
-    for w, ends in ((0.0, ts), (1.0, pool_targets(ts, "model"))):
-        assert all(torch.equal(a, b.expand_as(a)) for a, b in zip(pool_targets(ts, "blend", w), ends, strict=True))
-    model = pool_targets(ts, "model")
-    for L, t in enumerate(pool_targets(ts, "blend", 0.25)):
+    for w, ends in ((0.0, ts), (1.0, scope_targets(ts, "model"))):
+        assert all(torch.equal(a, b.expand_as(a)) for a, b in zip(scope_targets(ts, "blend", w), ends, strict=True))
+    model = scope_targets(ts, "model")
+    for L, t in enumerate(scope_targets(ts, "blend", 0.25)):
         assert torch.allclose(t, 0.75 * ts[L] + 0.25 * model[L])
-    with pytest.raises(ValueError, match="blend weight"):
-        pool_targets(ts, "blend", 1.5)
+    with pytest.raises(ValueError, match="(?s)blend.*less than or equal to 1"):
+        scope_targets(ts, "blend", 1.5)
+
+
+# Canonical compact forms: str(parse(text)) == text, and the fields each one sets.
+CANONICAL = {
+    "mean": dict(kind="mean"),
+    "max": dict(kind="max"),
+    "power:16": dict(kind="power", beta=16.0),
+    "power:0.5": dict(kind="power", beta=0.5),
+    "power:1e-05": dict(kind="power", beta=1e-5),
+    "max.layer": dict(kind="max", scope="layer"),
+    "max.model": dict(kind="max", scope="model"),
+    "mean.model": dict(kind="mean", scope="model"),
+    "max.blend:0.75": dict(kind="max", scope="blend", blend=0.75),
+    "max.blend:0": dict(kind="max", scope="blend", blend=0.0),
+    "power:4.blend:0.5": dict(kind="power", beta=4.0, scope="blend", blend=0.5),
+    "power:2.5.layer": dict(kind="power", beta=2.5, scope="layer"),
+}
+
+
+@pytest.mark.parametrize("text", CANONICAL)
+def test_target_spec_round_trip(text):
+    """Every canonical form parses to the spec of its fields (the rest at their defaults) and prints back as itself."""
+    spec = TargetSpec.parse(text)
+    assert spec == TargetSpec(**CANONICAL[text])
+    assert str(spec) == text
+    assert TargetSpec.parse(str(spec)) == spec
+    assert TargetSpec.model_validate(text) == spec  # the compact string wherever pydantic validates a spec
+    assert TargetSpec.model_validate(spec.model_dump()) == spec  # and the mapping of fields
+
+
+def test_target_spec_default_and_shorthands():
+    """One default (params.yaml's: max, beta 8, group, blend 0.5); shorthands print their canonical form."""
+    assert TargetSpec() == TargetSpec(kind="max", beta=8.0, scope="group", blend=0.5) == TargetSpec.parse("max")
+    for text, canonical in (("max.group", "max"), ("power", "power:8"), ("max.blend", "max.blend:0.5"),
+                            (" power:16.0 ", "power:16"), ("power:1e1.model", "power:10.model")):
+        assert str(TargetSpec.parse(text)) == canonical
+    # str drops what the target does not read: beta off power, blend off scope blend
+    assert str(TargetSpec(kind="max", beta=3.0, blend=0.9)) == "max"
+    assert str(TargetSpec(kind="power", beta=3.0, scope="model", blend=0.9)) == "power:3.model"
+    assert [TargetSpec.parse(t).spans_layers for t in ("max", "max.layer", "max.model", "max.blend")] == [False, False, True, True]
+    spec = TargetSpec()
+    with pytest.raises(Exception, match="frozen"):
+        spec.kind = "mean"
+    assert len({TargetSpec(), TargetSpec.parse("max"), TargetSpec.parse("max.model")}) == 2  # hashable, by value
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("", "empty target spec"),
+        ("maxx", "unknown target kind 'maxx'"),
+        ("max.pool", "unknown target scope 'pool'"),
+        ("max.model.layer", "at most two"),
+        ("mean:3", "kind 'mean' takes no number"),
+        ("max.group:0.3", "scope 'group' takes no number"),
+        ("power:x", "beta of 'power:x' .* not a number"),
+        ("power:0", "beta of 'power:0' .* finite number > 0"),
+        ("power:-2", "finite number > 0"),
+        ("power:inf", "finite number > 0"),
+        ("power:nan", "finite number > 0"),
+        ("max.blend:1.5", "blend weight of 'blend:1.5' .* \\[0, 1\\]"),
+        ("max.blend:w", "blend of 'blend:w' .* not a number"),
+    ],
+)
+def test_target_spec_rejects(text, match):
+    """Bad text: a ValueError naming the bad part and listing the accepted forms."""
+    with pytest.raises(ValueError, match=match) as err:
+        TargetSpec.parse(text)
+    assert "KIND[.SCOPE]" in str(err.value) and "power[:BETA]" in str(err.value) and "blend[:W]" in str(err.value)
+
+
+def test_target_spec_fields_are_checked():
+    """The fields themselves are validated like the text: beta finite > 0, blend in [0, 1], known kind and scope."""
+    for bad in (dict(beta=0.0), dict(beta=float("inf")), dict(blend=1.5), dict(blend=float("nan")),
+                dict(kind="min"), dict(scope="pool"), dict(window=3)):
+        with pytest.raises(ValueError):
+            TargetSpec(**bad)
+    with pytest.raises(ValueError, match="a target spec is text"):
+        TargetSpec.parse(3)

@@ -34,16 +34,19 @@ The target is the maximum over the ``G`` query heads sharing KV head ``h`` (quer
 
 Padding tokens and tokens with an empty ``U_t`` get ``log(eps)``.
 
-*Pooling* (:func:`pool_targets`, ``train.target_pool``) widens that maximum beyond the query
-group: ``"group"`` (the paper's) keeps ``r_tgt(h, t)`` per KV head; ``"layer"`` takes the maximum
-over every KV head of the layer; ``"model"`` over every layer and KV head, so that each token gets
-one label, the strongest need any head of the model has for it (every head then learns to keep
-what some head will need: a copy needs the source in the heads that find it and in the heads
-that read it, which the per-head target splits apart); ``"blend"`` weighs the group's and the
-model's (log) targets, ``(1 - w) r_tgt(h, t) + w max_{l, g} r_tgt(l, g, t)`` with ``w =
-train.target_blend`` (0.5: their mean; 0 is ``"group"``, 1 is ``"model"``): a head ranks what it
-reads itself and what any head needs (pooling over the model keeps more far facts at more KL;
+The *scope* (:func:`scope_targets`, ``train.target.scope``) widens that maximum beyond the
+query group: ``"group"`` (the paper's) keeps ``r_tgt(h, t)`` per KV head; ``"layer"`` takes the
+maximum over every KV head of the layer; ``"model"`` over every layer and KV head, so that each
+token gets one label, the strongest need any head of the model has for it (every head then learns
+to keep what some head will need: a copy needs the source in the heads that find it and in the
+heads that read it, which the per-head target splits apart); ``"blend"`` weighs the group's and
+the model's (log) targets, ``(1 - w) r_tgt(h, t) + w max_{l, g} r_tgt(l, g, t)`` with ``w =
+train.target.blend`` (0.5: their mean; 0 is ``"group"``, 1 is ``"model"``): a head ranks what it
+reads itself and what any head needs (scope model keeps more far facts at more KL;
 BENCHMARKS.md).
+
+:class:`TargetSpec` holds the four choices (kind, beta, scope, blend) as one value, written
+compactly as ``max``, ``power:16``, ``max.model``, ``max.blend:0.75`` (``train.target``).
 
 Shapes: ``B`` batch, ``H`` query heads, ``Hk`` KV heads, ``G = H / Hk``,
 ``S`` sequence length, ``D`` head dim.
@@ -77,51 +80,149 @@ stay in log space throughout.  Two executors compute ``L_t``:
 from __future__ import annotations
 
 import math
-from typing import Literal, get_args
+import re
+from typing import Any, Literal, get_args
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvpop.selection import document_spans
 
-__all__ = ["TARGET_KINDS", "TARGET_POOLS", "TargetKind", "TargetPool", "check_pool", "future_attention_target", "pool_targets",
-           "pools_across_layers"]
+__all__ = ["TARGET_KINDS", "TARGET_SCOPES", "TargetKind", "TargetScope", "TargetSpec", "future_attention_target", "scope_targets"]
 
 #: How the future attention a token receives is aggregated (see the module docstring).
 TargetKind = Literal["mean", "power", "max"]
 TARGET_KINDS: tuple[str, ...] = get_args(TargetKind)
 #: Over which heads the target takes its maximum (see the module docstring).
-TargetPool = Literal["group", "layer", "model", "blend"]
-TARGET_POOLS: tuple[str, ...] = get_args(TargetPool)
+TargetScope = Literal["group", "layer", "model", "blend"]
+TARGET_SCOPES: tuple[str, ...] = get_args(TargetScope)
+
+_GRAMMAR = ("KIND[.SCOPE], KIND one of mean, max, power[:BETA] and SCOPE one of group, layer, model, blend[:W] "
+            "(e.g. max, power:16, max.model, max.blend:0.75)")
 
 
-def check_pool(pool: str, blend: float = 0.5) -> None:
-    """A ValueError naming the problem unless ``pool`` is one of :data:`TARGET_POOLS` and ``blend`` lies in [0, 1]."""
-    if pool not in TARGET_POOLS:
-        raise ValueError(f"unknown target pool {pool!r}; one of {', '.join(TARGET_POOLS)}")
-    if not 0.0 <= blend <= 1.0:
-        raise ValueError(f"target blend weight must lie in [0, 1], got {blend}")
+def _number(x: float) -> str:
+    """The shortest text that reads back as ``x``, without a trailing ``.0`` (``16.0`` -> ``16``)."""
+    r = repr(float(x))
+    return r[:-2] if r.endswith(".0") else r
 
 
-def pool_targets(targets: list[torch.Tensor], pool: TargetPool, blend: float = 0.5) -> list[torch.Tensor]:
-    """Per-layer targets ``(B, Hk, S)`` -> the same list pooled by ``pool`` (module docstring).
+class TargetSpec(BaseModel):
+    """The scorer's training target, one immutable value: its kind, beta, scope and blend.
+
+    Fields (module docstring for the formulas):
+
+    * ``kind``: ``"mean"`` (the paper's), ``"power"`` (power mean of order ``beta``) or ``"max"``;
+    * ``beta``: the power mean's order, finite and ``> 0`` (read by kind ``power`` only);
+    * ``scope``: over which heads the target takes its maximum, ``"group"`` (the paper's: the
+      KV head's query group), ``"layer"``, ``"model"`` or ``"blend"``;
+    * ``blend``: the weight ``w`` in [0, 1] of the model-wide target (read by scope ``blend`` only).
+
+    The default, ``TargetSpec()``, is ``max`` (kind max, beta 8, scope group, blend 0.5).
+
+    Compact form, read by :meth:`parse` and written by ``str(spec)``::
+
+        KIND[.SCOPE]      KIND  = mean | max | power[:BETA]
+                          SCOPE = group | layer | model | blend[:W]
+
+    ``BETA`` and ``W`` are decimal numbers (``16``, ``0.75``, ``1e-3``); a missing ``BETA`` is
+    8 and a missing ``W`` 0.5 (the defaults). Canonical rules of ``str(spec)``: the kind always;
+    ``:BETA`` only for kind ``power``, always there; the scope only when it is not ``group``;
+    ``:W`` only for scope ``blend``, always there; numbers as the shortest text that reads back
+    exactly, with no trailing ``.0`` (``power:16``, ``max.blend:0.75``, ``power:4.blend:0.5``).
+    So ``str`` drops the fields the target does not read: two specs of the same ``str`` compute
+    the same target, and ``parse(str(spec)) == spec`` whenever the unread fields hold their
+    defaults. Bad text raises a ValueError naming the bad part and the accepted forms.
+
+    Anywhere pydantic validates a ``TargetSpec`` (``train.target`` in params), the compact
+    string is accepted as well as the mapping of fields.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: TargetKind = Field("max", description="'mean' (the paper's), 'power' (power mean of order beta) or 'max'")
+    beta: float = Field(8.0, gt=0, allow_inf_nan=False, description="order of the power mean (kind 'power' only; "
+                        "1: the mean; large: toward the max)")
+    scope: TargetScope = Field("group", description="over which heads the target is maximized: 'group' (the paper's: "
+                               "each KV head's query group), 'layer' (every KV head of the layer), 'model' (every layer "
+                               "and KV head: one label per token) or 'blend' (the group's and the model's, weighed by blend)")
+    blend: float = Field(0.5, ge=0, le=1, allow_inf_nan=False, description="scope 'blend': the weight of the model-wide "
+                         "target (0.5: the mean of the two log targets; 0 is 'group', 1 is 'model')")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_text(cls, data: Any) -> Any:
+        return cls._fields_of(data) if isinstance(data, str) else data
+
+    @classmethod
+    def parse(cls, text: str) -> TargetSpec:
+        """The spec written ``text`` in the compact form (class docstring); a ValueError naming the bad part."""
+        return cls(**cls._fields_of(text))
+
+    @staticmethod
+    def _fields_of(text: str) -> dict[str, Any]:
+        if not isinstance(text, str):
+            raise ValueError(f"a target spec is text, got {type(text).__name__}; {_GRAMMAR}")
+        raw = text.strip()
+        if not raw:
+            raise ValueError(f"empty target spec; {_GRAMMAR}")
+        parts = re.split(r"\.(?=[A-Za-z])", raw)  # a dot before a letter ends a part; a number's dot does not
+        if len(parts) > 2:
+            raise ValueError(f"target spec {raw!r} has {len(parts)} parts {parts}, at most two; {_GRAMMAR}")
+        fields: dict[str, Any] = {}
+        for part, what, names, numbered, number_field in (
+            (parts[0], "kind", TARGET_KINDS, "power", "beta"),
+            (parts[1] if len(parts) > 1 else None, "scope", TARGET_SCOPES, "blend", "blend"),
+        ):
+            if part is None:
+                continue
+            name, colon, arg = part.partition(":")
+            if name not in names:
+                raise ValueError(f"unknown target {what} {name!r} in {raw!r}; {_GRAMMAR}")
+            fields[what] = name
+            if not colon:
+                continue
+            if name != numbered:
+                raise ValueError(f"{what} {name!r} takes no number, got {part!r} in {raw!r}; {_GRAMMAR}")
+            try:
+                value = float(arg)
+            except ValueError:
+                raise ValueError(f"{number_field} of {part!r} in {raw!r} is not a number; {_GRAMMAR}") from None
+            if number_field == "beta" and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"beta of {part!r} in {raw!r} must be a finite number > 0; {_GRAMMAR}")
+            if number_field == "blend" and not 0.0 <= value <= 1.0:
+                raise ValueError(f"blend weight of {part!r} in {raw!r} must lie in [0, 1]; {_GRAMMAR}")
+            fields[number_field] = value
+        return fields
+
+    def __str__(self) -> str:
+        text = f"power:{_number(self.beta)}" if self.kind == "power" else self.kind
+        if self.scope == "blend":
+            return f"{text}.blend:{_number(self.blend)}"
+        return text if self.scope == "group" else f"{text}.{self.scope}"
+
+    @property
+    def spans_layers(self) -> bool:
+        """Whether a layer's scoped target needs every layer's (the loss then waits for the whole forward)."""
+        return self.scope in ("model", "blend")
+
+
+def scope_targets(targets: list[torch.Tensor], scope: TargetScope, blend: float = 0.5) -> list[torch.Tensor]:
+    """Per-layer targets ``(B, Hk, S)`` -> the same list widened to ``scope`` (module docstring).
 
     ``"group"`` returns the targets as they are; ``"layer"`` the maximum over each layer's KV heads;
     ``"model"`` the maximum over every layer and KV head (layers must agree in ``(B, Hk, S)``);
-    ``"blend"`` ``(1 - blend) * target + blend * that model-wide maximum``."""
-    check_pool(pool, blend)
-    if pool == "group":
+    ``"blend"`` ``(1 - blend) * target + blend * that model-wide maximum``. A ``scope`` or ``blend``
+    that no :class:`TargetSpec` accepts raises its ValueError (a pydantic ValidationError)."""
+    TargetSpec(scope=scope, blend=blend)  # the spec's checks, naming the bad field
+    if scope == "group":
         return list(targets)
-    if pool == "layer":
+    if scope == "layer":
         return [t.amax(dim=1, keepdim=True).expand_as(t) for t in targets]
     m = torch.stack(list(targets)).amax(dim=(0, 2), keepdim=True)[0]  # (B, 1, S)
-    if pool == "blend":
+    if scope == "blend":
         return [(1 - blend) * t + blend * m for t in targets]
     return [m.expand_as(t) for t in targets]
-
-
-def pools_across_layers(pool: TargetPool) -> bool:
-    """Whether a layer's pooled target needs every layer's (the loss then waits for the whole forward)."""
-    return pool in ("model", "blend")
 
 _compiled_flex_attention = None
 
