@@ -107,3 +107,34 @@ def test_it_refuses_what_it_cannot_rank(name):
     with pytest.raises(ValueError, match="one_pool ranks"):
         one_pool(policy)
     assert OnePool.accepts(scorer()) and not OnePool.accepts(one_pool(scorer()))
+
+
+def one_pool_oracle(**kw):
+    """oracle_target ranked with one pool for the whole model."""
+    return make_policy("oracle_target").configure(**kw, shared=True)
+
+
+@pytest.mark.parametrize("kw", [dict(target="max", target_beta=8.0), dict(target="mean", target_beta=8.0, recency=0.01)])
+def test_a_one_pool_oracle_is_the_pools_rule_on_its_per_head_priorities(llama, kw):
+    """The one-pool ceiling: the per-head oracle's own priorities (fitted to the same targets) through the
+    pool's rule (:func:`kvpop.selection.global_decaying_eviction_times`, ``decays=False``); its scores do
+    not depend on the pattern, so the fixed point is the second forward."""
+    from kvpop.evaluate import pool_fixed_point, teacher_targets
+
+    ids = torch.randint(0, 96, (2, 90), generator=torch.Generator().manual_seed(11))
+    pool, per_head = one_pool_oracle(**kw), make_policy("oracle_target").configure(**kw)
+    for row in range(2):
+        one = ids[row : row + 1]
+        t = teacher_targets(llama, one, window=WINDOW, target=kw["target"])  # a random model's: alike in every head
+        t[1] = t[1] + torch.tensor([0.0, 2.0]).view(1, 2, 1)  # so layer 1 head 1's tokens rank higher, by design
+        for o in (pool, per_head):
+            o.fit_trace(input_ids=one, record={}, targets={(kw["target"], 8.0): t})
+        _, evict = captured_forward(llama, pool, one, sinks=SINKS, window=WINDOW, long_range=K)
+        prio = torch.stack([per_head.scores(layer, torch.zeros(1, 2, 90, 16), None, torch.arange(90)[None]).prio for layer in range(2)])
+        pos = torch.arange(90)[None]
+        want = global_decaying_eviction_times(prio, torch.zeros_like(pos), pos, sinks=SINKS, window=WINDOW, long_range=K, decays=False)
+        assert torch.equal(evict, want[:, 0])
+        held = (evict > 89).sum(-1)  # (L, Hk)
+        assert held.sum() == 2 * 2 * BUDGET and held[1, 1] > BUDGET  # the pool is full; the raised head holds more
+        fixed, _ = pool_fixed_point(llama, pool, one, sinks=SINKS, window=WINDOW, long_range=K)
+        assert torch.equal(fixed[:, 0], evict)
