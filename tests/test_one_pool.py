@@ -78,8 +78,8 @@ def test_one_pair_is_the_per_head_rule():
             torch.randint(0, levels, (2, 1, S), generator=g).double()
         for k in (0, 1, 7):
             per_head = eviction_times(prio, doc, pos, sinks=SINKS, window=WINDOW, long_range=k)
-            pooled = global_decaying_eviction_times(prio[None], doc, pos, sinks=SINKS, window=WINDOW, long_range=k, decays=False)
-            assert torch.equal(pooled[0].clamp(max=S), per_head.clamp(max=S)), (levels, k)  # at or past S: never, in the trace
+            pool = global_decaying_eviction_times(prio[None], doc, pos, sinks=SINKS, window=WINDOW, long_range=k, decays=False)
+            assert torch.equal(pool[0].clamp(max=S), per_head.clamp(max=S)), (levels, k)  # at or past S: never, in the trace
 
 
 def test_evaluate_fidelity_scores_it_as_a_one_pool_policy(llama):

@@ -19,8 +19,8 @@ from kvpop.policies.dms import Dms
 from kvpop.policies.h2o import H2O
 from kvpop.policies.kvpop import Kvpop
 from kvpop.policies.kvpop_mlp import KvpopMLP
-from kvpop.policies.oracle import OracleSources, OracleTarget
 from kvpop.policies.one_pool import OnePool
+from kvpop.policies.oracle import OracleSources, OracleTarget
 from kvpop.policies.streaming_llm import StreamingLLM, StreamingLLMPlus
 from kvpop.policies.tova import TOVA
 from kvpop.policies.trimkv import TrimKV, TrimKVJoint
