@@ -22,8 +22,8 @@ invocation:
   :class:`kvpop.decode.BoundedCache` where it does not (``trimkv``: its ranks fall with age), with the
   allocated cache beside a dense cache's size at that context. Every policy holds the same
   fixed per-head pool (``dms`` caps its gate at it; ``kvpop`` adds its recurrent state), except
-  ``dbtrimkv``: one pool of the same total size shared by every layer and head
-  (:class:`kvpop.decode.pool.SharedPoolCache`, allocated whole at the first token), which takes its
+  ``dbtrimkv``: one pool of the same total size for every layer and head
+  (:class:`kvpop.decode.one_pool.OnePoolCache`, allocated whole at the first token), which takes its
   first ``budget`` prompt tokens and then ``steps`` decoded ones (its memory does not change with
   the context).
 
@@ -374,7 +374,7 @@ def policy_row(name: str, model, *, budget: int, ctx: int, steps: int, warmup: i
         return r
     enable(model)
     cache = new_cache(model, pol, budget=budget, sinks=4, window=256)
-    # a shared pool (dbtrimkv) takes at most `budget` prompt tokens at once (the rest would go one at a time); its
+    # one pool (dbtrimkv) takes at most `budget` prompt tokens at once (the rest would go one at a time); its
     # buffers are allocated whole at the first token and never change with the context, so the memory after
     # `budget` tokens is the memory at any longer context
     fed = min(ctx, cache.max_prefill or ctx)

@@ -21,7 +21,7 @@ from kvpop.export import CheckpointError, load_export
 from kvpop.filter import read_jsonl
 from kvpop.modeling import load_model, model_shape
 from kvpop.plots import plot_accuracy_vs_budget, plot_keep_map, plot_memory_curve, plot_occupancy
-from kvpop.policies import OnePool, make_policy, policy_class
+from kvpop.policies import make_policy, policy_class
 from kvpop.rollouts import BenchmarkUnavailable, Problem, chat_prompt_ids, load_benchmark, memory_curve, pass_at_1, rollout_problems
 from report import print_table
 
@@ -178,8 +178,7 @@ def main() -> None:
         # and budgets; the parent keeps the stage's own figures and the artifacts
         for name, m in results.items():
             pol = by_name[name]
-            trained = name in p.train.policies or isinstance(pol, OnePool)  # a trained policy, or one ranked with one pool
-            kind = "ceiling" if pol.oracle else "trained" if trained else "rule" if pol.evicts else "reference"
+            kind = "ceiling" if pol.oracle else "trained" if pol.trained else "rule" if pol.evicts else "reference"
             with run.child(name, {"policy": name, **common}, tags={"policy": name, "kind": kind}) as child:
                 child.metrics(m)
         run.metrics({"budget": p.budget, "eval_tokens": eval_tokens})

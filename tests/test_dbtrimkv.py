@@ -4,7 +4,7 @@ Twins: :func:`kvpop.selection.global_decaying_eviction_times` against a plain-Py
 rule, and (one layer, one head) against the per-head rule
 :func:`kvpop.selection.decaying_eviction_times_reference`; the fixed-point forward
 (:func:`kvpop.evaluate.captured_forward`) against token-by-token decoding with the pool
-(:class:`kvpop.decode.pool.SharedPoolCache`), and ``kvpop.decode.generate`` against a greedy loop
+(:class:`kvpop.decode.one_pool.OnePoolCache`), and ``kvpop.decode.generate`` against a greedy loop
 over the fixed-point forward; :func:`kvpop.policies.dbtrimkv.global_capacity_loss` against a loop
 and (one layer, one head) against trimkv's per-head capacity loss. Plus the pool's budget and its
 uneven split, the fixed point's number of forwards, the cache's size, the tied gate, training and export.
@@ -18,7 +18,7 @@ import torch
 
 from kvpop.attention import SparseContext
 from kvpop.decode import BoundedCache, enable, engine_refusal, generate, new_cache, teacher_forced_logits
-from kvpop.decode.pool import SharedPoolCache
+from kvpop.decode.one_pool import OnePoolCache
 from kvpop.evaluate import Candidate, captured_forward, evaluate_fidelity, pool_fixed_point
 from kvpop.policies import make_policy
 from kvpop.policies.dbtrimkv import global_capacity_loss
@@ -114,7 +114,7 @@ def test_a_run_continued_where_the_scores_change_equals_a_fresh_run(j0, levels):
 @pytest.mark.parametrize("k", [0, 2, 5])
 @pytest.mark.parametrize("levels", [None, 3])
 def test_a_pool_of_static_priorities_matches_the_literal_rule(k, levels):
-    """``decays=False`` (a shared pool ranked by static priorities: oracle_target's ``shared``), ties
+    """``decays=False`` (one pool ranked by static priorities: ``OnePool``), ties
     included, against the literal rule; with one pair it is :func:`eviction_times`'s per-head rule."""
     L, Hk, S = 2, 2, 70
     g = torch.Generator().manual_seed(200 + k + (levels or 0))
@@ -129,45 +129,6 @@ def test_a_pool_of_static_priorities_matches_the_literal_rule(k, levels):
         one = global_decaying_eviction_times(prio[:1, :, h : h + 1], doc, p1, sinks=SINKS, window=WINDOW, long_range=k, decays=False)
         ref = eviction_times(prio[0, :, h : h + 1], doc, p1, sinks=SINKS, window=WINDOW, long_range=k)
         assert torch.equal(one[0].long().clamp(max=S), ref.long().clamp(max=S)), h  # a time >= S: never evicted in the row
-
-
-def test_the_target_ceiling_with_one_pool(llama):
-    """oracle_target with ``shared``: the pool's pattern by the teacher's targets (no fixed point needed
-    beyond the first: its scores do not depend on the pattern), the pool full and split unevenly, and
-    evaluate_fidelity scores it one trace at a time (its targets are the trace's own)."""
-    from kvpop.evaluate import teacher_targets
-
-    ids = torch.randint(0, 96, (2, 80), generator=torch.Generator().manual_seed(8))
-    per_head = make_policy("oracle_target").configure(target="max")
-    shared = make_policy("oracle_target").configure(target="max", shared=True)
-    assert shared.global_budget and not per_head.global_budget and not type(shared).global_budget
-    for row in range(2):
-        one = ids[row : row + 1]
-        t = teacher_targets(llama, one, window=WINDOW, kind="max")  # a random model's: alike in every head
-        t[0] = t[0] + torch.tensor([0.0, 3.0]).view(1, 2, 1)  # so one head's tokens rank higher, by design
-        targets = {("max", 8.0): t}
-        for o in (per_head, shared):
-            o.fit_trace(input_ids=one, record={}, targets=targets)
-        _, evict = captured_forward(llama, shared, one, sinks=SINKS, window=WINDOW, long_range=K)
-        prio = torch.stack([shared.scores(layer, torch.zeros(1, 2, 80, 16), None, torch.arange(80)[None]).prio
-                            for layer in range(2)])  # (L, 1, Hk, S)
-        want = literal_global_eviction_times(prio, torch.zeros(1, 80, dtype=torch.long), torch.arange(80)[None], SINKS, WINDOW, K,
-                                             decays=False)
-        assert torch.equal(evict.long(), want[:, 0])
-        held = (evict > 79).sum(-1)
-        assert held.sum() == 2 * 2 * BUDGET and held.max() > BUDGET
-    recs = [{"input_ids": r.tolist(), "loss_mask": [0] + [1] * 79} for r in ids]
-    res = evaluate_fidelity(recs, llama, [Candidate("per_head", llama, per_head), Candidate("shared", llama, shared)],
-                            budget=BUDGET, sinks=SINKS, window=WINDOW)
-    kl, n = 0.0, 0  # the same by hand: each trace's own targets, its pool's pattern, KL over the scored positions
-    for rec in recs:
-        one = torch.tensor([rec["input_ids"]])
-        shared.fit_trace(input_ids=one, record={}, targets={("max", 8.0): teacher_targets(llama, one, window=WINDOW, kind="max")})
-        logits, _ = captured_forward(llama, shared, one, sinks=SINKS, window=WINDOW, long_range=K)
-        ref = torch.log_softmax(llama(input_ids=one).logits[0].float(), -1)
-        kl += (ref.exp() * (ref - torch.log_softmax(logits, -1))).sum(-1)[:-1].sum().item()
-        n += 79
-    assert res["shared"]["traces"] == 2 and res["shared"]["kl"] == pytest.approx(kl / n, rel=1e-4)
 
 
 def test_one_pair_is_the_per_head_rule():
@@ -335,11 +296,11 @@ def test_generate_equals_a_greedy_loop_over_the_fixed_point(llama, tiny_tokenize
     assert new[0].tolist() == seq[40:]
 
 
-def test_the_shared_pool_cache(llama):
+def test_the_one_pool_cache(llama):
     policy = random_gate(seed=1)
     ids = torch.randint(0, 96, (2, 60), generator=torch.Generator().manual_seed(6))
     cache = new_cache(llama, policy, budget=BUDGET, sinks=SINKS, window=WINDOW)
-    assert isinstance(cache, SharedPoolCache)
+    assert isinstance(cache, OnePoolCache)
     with pytest.raises(NotImplementedError, match=rf"budget \({BUDGET}\)"), torch.no_grad():
         llama(input_ids=ids[:, : BUDGET + 1], past_key_values=cache)
     cache = new_cache(llama, policy, budget=BUDGET, sinks=SINKS, window=WINDOW)
@@ -362,13 +323,13 @@ def test_the_shared_pool_cache(llama):
 
 def test_the_per_head_cache_is_not_offered_for_the_pool(llama):
     """The engine's refusal names the cache that decodes the pool; the per-head BoundedCache refuses the
-    policy (as SharedPoolCache refuses a per-head one) instead of decoding it as trimkv."""
+    policy (as OnePoolCache refuses a per-head one) instead of decoding it as trimkv."""
     policy = random_gate(seed=1)
-    assert "SharedPoolCache" in engine_refusal(llama, policy)
+    assert "OnePoolCache" in engine_refusal(llama, policy)
     with pytest.raises((ValueError, NotImplementedError)):
         BoundedCache(llama.config, policy, budget=BUDGET, sinks=SINKS, window=WINDOW)
     with pytest.raises(ValueError, match="per-head budget"):
-        SharedPoolCache(llama.config, make_policy("streaming_llm"), budget=BUDGET, sinks=SINKS, window=WINDOW)
+        OnePoolCache(llama.config, make_policy("streaming_llm"), budget=BUDGET, sinks=SINKS, window=WINDOW)
 
 
 def loop_capacity_loss(log_beta, doc, pos, sinks, window, k):
@@ -435,7 +396,7 @@ def test_the_tied_gate():
     L, Hk, D, F = 3, 2, 16, 8
     policy = make_policy("dbtrimkv", num_layers=L, num_kv_heads=Hk, head_dim=D, scorer_hidden=F)
     assert sum(p.numel() for p in policy.parameters()) == L * Hk * (2 * D * F + F) + F + 1
-    assert (policy.gated, policy.decays, policy.global_budget, policy.trains_model) == (True, True, True, False)
+    assert (policy.gated, policy.decays, policy.one_pool, policy.trains_model) == (True, True, True, False)
     gate = policy.scorer
     assert gate.w2.shape == (F,)
     g = torch.Generator().manual_seed(0)

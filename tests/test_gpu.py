@@ -281,13 +281,13 @@ def test_bounded_cache_decoding_equals_flex_training_forward(model_type, policy_
 
 @pytest.mark.parametrize("policy_name", ["dbtrimkv", "kvpop_mlp, one pool"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-def test_shared_pool_decoding_equals_the_flex_fixed_point(model_type, policy_name, tiny_model):
-    """The global-budget policies on CUDA (dbtrimkv's decaying retentions, one_pool's static priorities):
+def test_one_pool_decoding_equals_the_flex_fixed_point(model_type, policy_name, tiny_model):
+    """The one-pool policies on CUDA (dbtrimkv's decaying retentions, OnePool's static priorities):
     the fixed-point forward (FlexAttention under the pool's eviction times) equals token-by-token
-    decoding through the shared pool, and the pool really moved slots between heads."""
+    decoding through the pool (kvpop.decode.one_pool), and the pool really moved slots between heads."""
     from kvpop.decode import enable, teacher_forced_logits
     from kvpop.evaluate import captured_forward
-    from kvpop.policies import make_policy, one_pool
+    from kvpop.policies import OnePool, make_policy
 
     dev = torch.device("cuda")
     model = enable(tiny_model(model_type).to(dev))
@@ -305,7 +305,7 @@ def test_shared_pool_decoding_equals_the_flex_fixed_point(model_type, policy_nam
             for mlp in scorer.scorer.layers:
                 mlp.w2.normal_(std=1.0)
             scorer.scorer.layers[1].b2[1] += 3.0  # one head's tokens score higher: it takes slots from the others
-        policy = one_pool(scorer)
+        policy = OnePool(scorer)
     policy.to(dev)
     sinks, window, budget, S = 2, 8, 20, 160
     ids = torch.randint(0, 96, (1, S), generator=torch.Generator().manual_seed(1)).to(dev)

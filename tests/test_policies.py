@@ -35,7 +35,7 @@ def test_declared_capabilities():
     assert names(trained=True) == ("streaming_llm_plus", "kvpop_mlp", "kvpop", "dms", "trimkv", "trimkv_joint", "dbtrimkv")
     assert names(gated=True) == ("dms", "trimkv", "trimkv_joint", "dbtrimkv")
     assert names(decays=True) == ("trimkv", "trimkv_joint", "dbtrimkv")
-    assert names(global_budget=True) == ("dbtrimkv",)
+    assert names(one_pool=True) == ("dbtrimkv",)
     assert [n for n, cls in REGISTRY.items() if not cls.trains_model] == ["trimkv", "dbtrimkv"]
     assert names(needs_attention=True) == ("tova", "h2o")
     assert names(scores_on_exit=True) == ("kvpop",)
@@ -48,7 +48,7 @@ def test_declared_capabilities():
         assert cls.chunked_prefill <= cls.scores_on_exit
         assert cls.gated <= cls.learned and not (c["gated"] and c["scores_on_exit"])
         assert not (c["decays"] and (c["needs_attention"] or c["scores_on_exit"] or c["layer_independent"]))
-        assert c["global_budget"] <= c["decays"]  # the pool's simulation is the decaying one
+        assert c["one_pool"] <= c["decays"]  # registered in the pool: trained in it (dbtrimkv); static priorities: OnePool
         assert not (c["oracle"] and (c["trained"] or c["needs_attention"] or c["scores_on_exit"]))  # evaluation only
     with pytest.raises(ValueError, match="unknown capability 'fast'"):
         names(fast=True)

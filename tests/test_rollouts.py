@@ -198,8 +198,8 @@ def test_memory_curve_dense_grows_bounded_flat(model, tiny_tokenizer):
     assert bounded[0][1] < dense[0][1]
     cfg = model.config  # one pool for all layers: its 40-token prompt goes past the budget token by token
     pool = make_policy("dbtrimkv", num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
-    shared = memory_curve(model, tiny_tokenizer, pool, prompt, **kw)
-    assert [x for x, _ in shared] == lengths and len({y for _, y in shared}) == 1 and shared[0][1] < dense[0][1]
+    one_pool = memory_curve(model, tiny_tokenizer, pool, prompt, **kw)
+    assert [x for x, _ in one_pool] == lengths and len({y for _, y in one_pool}) == 1 and one_pool[0][1] < dense[0][1]
     with pytest.raises(ValueError):
         memory_curve(model, tiny_tokenizer, resolve_policy("dense"), prompt, budget=24, sinks=2, window=8, lengths=[])
 

@@ -102,7 +102,7 @@ def random_gate(name="trimkv", seed=0):
 def test_beta_one_is_standard_attention(name):
     """The untrained gate (beta = 0.99995) and, in the limit, beta = 1: the training forward is dense
     (for the one pool of dbtrimkv too: its training has the same retention bias and no eviction)."""
-    from test_dbtrimkv import random_gate as pooled_gate
+    from test_dbtrimkv import random_gate as one_pool_gate
 
     _, student = tiny_pair()
     ids, doc, pos = packed_toy(2, 64)
@@ -118,7 +118,7 @@ def test_beta_one_is_standard_attention(name):
         ctx = SparseContext.for_rows(policy, doc, pos, sinks=SINKS, window=WINDOW, long_range=K, gate_training=GateTraining())
         diffs.append((student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits - dense).abs().max().item())
     assert diffs[1] < 1e-6 and diffs[0] < 1e-2
-    gated = random_gate() if name == "trimkv" else pooled_gate()
+    gated = random_gate() if name == "trimkv" else one_pool_gate()
     ctx = SparseContext.for_rows(gated, doc, pos, sinks=SINKS, window=WINDOW, long_range=K, gate_training=GateTraining())
     out = student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits
     assert (out - dense).abs().max() > 1e-2  # a real decay changes the output

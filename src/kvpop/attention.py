@@ -200,8 +200,8 @@ class SparseContext:
     losses: list[Tensor] = field(default_factory=list)  # boundary loss per layer (see finish_scorer_losses)
     gate_relaxations: list[GateRelaxation] = field(default_factory=list)  # gated policy in training: one per layer
     stats: list[dict[str, Tensor]] = field(default_factory=list)
-    #: ``global_budget`` policies: every layer's eviction times (L, B, Hk, S) from outside (None: no eviction, the
-    #: first pass of the fixed point of :func:`kvpop.evaluate.captured_forward`), and each layer's priorities as scored
+    #: ``one_pool`` policies: every layer's eviction times (L, B, Hk, S) from outside (None: no eviction, the
+    #: first pass of the fixed point of :func:`kvpop.evaluate.pool_fixed_point`), and each layer's priorities as scored
     global_evict: Tensor | None = None
     global_prio: dict[int, Tensor] = field(default_factory=dict)
     _pending: list[tuple[Tensor, Tensor, Tensor]] = field(default_factory=list)  # (r_hat, r_tgt, log_gamma) awaiting the model-wide pool
@@ -219,11 +219,11 @@ class SparseContext:
             return self._cache["evict"], None
         with torch.autocast(device_type=k.device.type, enabled=False):  # scorers compute in fp32
             scores = self.policy.scores(layer, k.float(), v.float(), self.pos, doc_ids=self.doc_ids, window=self.window)
-        if scores is not None and self.policy.global_budget:  # the pool's pattern needs every layer's scores: given
+        if scores is not None and self.policy.one_pool:  # the pool's pattern needs every layer's scores: given
             self.global_prio[layer] = scores.prio
             if self.global_evict is not None:
                 return self.global_evict[layer], scores
-        if scores is None or self.policy.global_budget:
+        if scores is None or self.policy.one_pool:
             evict = torch.full((B, Hk, S), NEVER, dtype=torch.int64, device=k.device)
         else:
             times = decaying_eviction_times if self.policy.decays else eviction_times  # ranks that fall with age: a simulation

@@ -11,9 +11,9 @@ the base folder as ``--checkpoint`` and each export with ``--export``. Usage err
 checkpoint, an unknown policy and an empty input exit with status 2 and a message naming it.
 
 ``--one-pool`` ranks a trained ``kvpop_mlp``'s own priorities with one pool of slots for the whole
-model (:func:`kvpop.policies.one_pool`: the same number of cached entries, shared between layers and
-heads): ``generate`` decodes with it (:class:`kvpop.decode.pool.SharedPoolCache`, the reference
-path), ``score`` adds a ``<name>, one pool`` row for every policy it can rank so.
+model (:class:`kvpop.policies.OnePool`: the same number of cached entries, split between layers and
+heads by the priorities): ``generate`` decodes with it (:class:`kvpop.decode.one_pool.OnePoolCache`,
+the reference path), ``score`` adds a ``<name>, one pool`` row for every policy it can rank so.
 """
 
 from __future__ import annotations
@@ -105,18 +105,18 @@ def load(args, policy: str | None = None) -> Loaded:
     except ValueError as e:
         raise UsageError(str(e)) from None
     if getattr(args, "one_pool", False) and args.command == "generate":
-        resolved = pooled(resolved)
+        resolved = with_one_pool(resolved)
     return Loaded(model.eval(), tok, resolved, sinks, window, args.budget, trained)
 
 
-def pooled(policy):
+def with_one_pool(policy):
     """``policy`` ranked with one pool for the whole model (``--one-pool``); a UsageError naming the
     policy if it has no static per-head priorities to rank so."""
-    from kvpop.policies import OnePool, one_pool
+    from kvpop.policies import OnePool
 
     if not OnePool.accepts(policy):
-        raise UsageError(f"--one-pool ranks a trained kvpop_mlp's static priorities, not {policy.name!r}")
-    return one_pool(policy)
+        raise UsageError(f"--one-pool ranks a trained kvpop_mlp's static priorities, not {policy.name!r}: {OnePool.refusal(policy)}")
+    return OnePool(policy)
 
 
 def read_prompt(args, tokenizer) -> list[int]:
@@ -309,7 +309,7 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--window", type=int, default=None, help=f"default: the export's, else {DEFAULT_WINDOW}")
         sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
         sp.add_argument("--one-pool", action="store_true", help="rank a trained kvpop_mlp's priorities with one pool of slots for the whole "
-                        "model (the same number of cached entries, shared between layers and heads)"
+                        "model (the same number of cached entries, split between layers and heads by the priorities)"
                         + (": adds a row per policy that can be ranked so" if several else ""))
         sp.add_argument("--threads", default=None, help="CPU threads: a count or 'auto' (default: $KVPOP_THREADS, else auto = "
                         "the cores free at start; kvpop.threads)")

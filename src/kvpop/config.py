@@ -276,7 +276,7 @@ class EvaluateConfig(_Section):
     one_pool: bool = Field(
         False,
         description="also rank every trained kvpop_mlp's priorities with one pool of slots for the whole model "
-        "(kvpop.policies.one_pool): a '<name>, one pool' row, decoded by the reference pool cache",
+        "(kvpop.policies.OnePool): a '<name>, one pool' row, decoded by the reference pool cache",
     )
 
     @field_validator("policies")

@@ -12,7 +12,7 @@ policy's pattern at the run's budget and is compared with the dense teacher on t
   below 1 for a gate that evicts more than the budget needs (``dms``), ``S / budget`` for dense;
 * ``occupancy_map`` (policies with a full-sequence pattern): the same per layer and KV head,
   ``[layer][head]``, mean over traces (its mean is ``occupancy``): 1 everywhere for a top-k rule, below 1
-  where a gate evicts more than it must (``dms``), above 1 where a ``global_budget`` policy
+  where a gate evicts more than it must (``dms``), above 1 where a ``one_pool`` policy
   (``dbtrimkv``) gave a head more of its one pool than the per-head budget.
 
 Scored positions are the next-token predictions of assistant tokens (the trace's loss mask).
@@ -33,7 +33,7 @@ from torch import Tensor
 
 from kvpop.attention import SparseContext
 from kvpop.modeling import model_shape
-from kvpop.policies import Dense, OnePool, Policy, one_pool
+from kvpop.policies import Dense, OnePool, Policy
 from kvpop.selection import NEVER, global_decaying_eviction_times
 from kvpop.target import TargetKind, future_attention_target
 
@@ -56,9 +56,10 @@ class Candidate:
 
 
 def one_pool_twin(c: Candidate) -> Candidate | None:
-    """``c``'s policy ranked with one pool of slots for the whole model (:func:`kvpop.policies.one_pool`),
-    on the same model, named ``"<name>, one pool"``; None if its priorities cannot be ranked so."""
-    return Candidate(f"{c.name}, one pool", c.model, one_pool(c.policy), c.max_traces) if OnePool.accepts(c.policy) else None
+    """``c``'s policy ranked with one pool of slots for the whole model (:class:`kvpop.policies.OnePool`),
+    on the same model, named ``"<name>, one pool"``; None if its priorities cannot be ranked so
+    (:meth:`~kvpop.policies.OnePool.accepts`: a learned ``kvpop_mlp`` or an oracle, whose twin is a ceiling)."""
+    return Candidate(f"{c.name}, one pool", c.model, OnePool(c.policy), c.max_traces) if OnePool.accepts(c.policy) else None
 
 
 @dataclass
@@ -154,17 +155,10 @@ def captured_forward(model, policy: Policy, input_ids: Tensor, *, sinks: int, wi
     """One trace (1, S) under a policy's full-sequence pattern -> (logits (S, V) float32, every layer's
     eviction times (L, Hk, S); dense: ``NEVER``).
 
-    A ``global_budget`` policy's pattern in one layer depends on every layer's scores: it is the fixed
-    point of "forward under the eviction times E, simulate the pool
-    (:func:`kvpop.selection.global_decaying_eviction_times`) on the scores that forward gives",
-    started from no eviction. The pattern at query ``t`` reads only scores of tokens ``<= t - window``,
-    which only patterns at queries ``<= t - window`` change; so if an iteration's pattern is right for
-    queries ``< T`` the next one's is right for queries ``< T + window``. Nothing is evicted before the
-    pool is full (query ``budget = sinks + window + k``), so the fixed point is unique, and the
-    ``ceil((S - budget) / window) + 1``-th forward at the latest finds the times unchanged (a trace of
-    at most ``budget`` tokens: the first)."""
+    A ``one_pool`` policy's pattern in one layer depends on every layer's scores: it is the fixed point
+    of :func:`pool_fixed_point`."""
     S = input_ids.shape[1]
-    if not policy.global_budget:
+    if not policy.one_pool:
         pos = torch.arange(S, device=input_ids.device)[None]
         kw = dict(sinks=sinks, window=window, long_range=long_range, executor="flex" if input_ids.is_cuda else "sdpa")
         ctx = EvictionCapture.for_rows(policy, torch.zeros_like(pos), pos, **kw)
@@ -176,7 +170,7 @@ def captured_forward(model, policy: Policy, input_ids: Tensor, *, sinks: int, wi
 
 def _pool_forward(model, policy: Policy, input_ids: Tensor, evict: Tensor | None, *, sinks: int, window: int, long_range: int,
                   logits: bool) -> tuple[SparseContext, Tensor | None]:
-    """One forward of B traces (B, S), one document per row, under a ``global_budget`` policy's eviction
+    """One forward of B traces (B, S), one document per row, under a ``one_pool`` policy's eviction
     times (L, B, Hk, S) (None: no eviction); (its context, which recorded every layer's scores, and the
     logits (B, S, V) float32, or None: ``logits=False`` computes the last position's only)."""
     B, S = input_ids.shape
@@ -191,8 +185,10 @@ def _pool_forward(model, policy: Policy, input_ids: Tensor, evict: Tensor | None
 def pool_fixed_point(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: int, long_range: int,
                      keep_logits: bool = False) -> tuple[Tensor, Tensor | None]:
     """(Eviction times (L, B, Hk, S), logits (B, S, V) under them if ``keep_logits``, else None) of a
-    ``global_budget`` policy on B traces of one length (B, S) at once, one trace per row: the fixed
-    point of :func:`captured_forward` (see there), with the pool's simulation vectorized over the rows.
+    ``one_pool`` policy on B traces of one length (B, S) at once, one trace per row: the fixed point of
+    "forward under E, simulate the pool on the recorded priorities", started from no eviction (why it
+    is unique, reached within ``ceil((S - budget) / window) + 1`` forwards and equal to decoding:
+    :mod:`kvpop.decode.one_pool`), with the pool's simulation vectorized over the rows.
     The simulation is sequential over queries and costs about as much for 16 rows as for one, so
     batching the traces divides the fixed point's cost by about B (without ``keep_logits`` the
     forwards skip the vocabulary projection but the last position's: :func:`forward_under` then)."""
@@ -214,7 +210,7 @@ def pool_fixed_point(model, policy: Policy, input_ids: Tensor, *, sinks: int, wi
 
 @torch.no_grad()
 def forward_under(model, policy: Policy, input_ids: Tensor, evict: Tensor, *, sinks: int, window: int, long_range: int) -> Tensor:
-    """Logits (B, S, V) float32 of B traces (B, S) under a ``global_budget`` policy's eviction times (L, B, Hk, S)."""
+    """Logits (B, S, V) float32 of B traces (B, S) under a ``one_pool`` policy's eviction times (L, B, Hk, S)."""
     return _pool_forward(model, policy, input_ids, evict, sinks=sinks, window=window, long_range=long_range, logits=True)[1]
 
 
@@ -243,11 +239,11 @@ def teacher_targets(model, input_ids: Tensor, *, window: int, kind: TargetKind =
 
 
 def _pool_patterns(records, candidates, slots, *, sinks: int, window: int, device, pool_batch: int | None) -> dict[tuple[str, int], Tensor]:
-    """(candidate name, record index) -> eviction times (L, Hk, S) of every ``global_budget`` candidate,
+    """(candidate name, record index) -> eviction times (L, Hk, S) of every ``one_pool`` candidate,
     from batched fixed points over records of equal length."""
     out = {}
     for c in candidates:
-        if c.policy.needs_attention or not c.policy.global_budget or c.policy.oracle:  # an oracle reads one trace at a time
+        if c.policy.needs_attention or not c.policy.one_pool or c.policy.oracle:  # an oracle reads one trace at a time
             continue
         by_len: dict[int, list[int]] = {}
         for n, rec in enumerate(records[: c.max_traces]):
@@ -301,7 +297,7 @@ def evaluate_fidelity(
 ) -> dict[str, dict[str, float]]:
     """Per-policy fidelity metrics over the records at one nominal budget (see module docstring).
 
-    A ``global_budget`` policy's eviction times come first, from :func:`pool_fixed_point` on up to
+    A ``one_pool`` policy's eviction times come first, from :func:`pool_fixed_point` on up to
     ``pool_batch`` traces of one length at a time (default: 16 on CUDA; on the CPU, whose attention
     mask is dense, as many as keep ``B x S x S`` under 2**27); its logits then from one forward per trace.
 
@@ -314,7 +310,7 @@ def evaluate_fidelity(
     }
     acc = {c.name: _Acc() for c in candidates}
     dense = Dense()
-    pooled = _pool_patterns(records, candidates, slots, sinks=sinks, window=window, device=device, pool_batch=pool_batch)
+    pool_times = _pool_patterns(records, candidates, slots, sinks=sinks, window=window, device=device, pool_batch=pool_batch)
     # the oracles' teacher targets come with the reference forward
     kinds = tuple(sorted({k for c in candidates if (k := c.policy.teacher_target()) is not None}))
     for n, rec in enumerate(records):
@@ -345,8 +341,8 @@ def evaluate_fidelity(
             elif c.policy.name == "dense" and c.model is teacher:
                 logits, occupancy = ref, ids.shape[1] / budget
             else:
-                if (c.name, n) in pooled:
-                    evict = pooled[c.name, n]  # (L, Hk, S)
+                if (c.name, n) in pool_times:
+                    evict = pool_times[c.name, n]  # (L, Hk, S)
                     logits = forward_under(c.model, c.policy, ids, evict[:, None], sinks=sinks, window=window, long_range=slots[c.name])[0]
                 else:
                     logits, evict = captured_forward(c.model, c.policy, ids, sinks=sinks, window=window, long_range=slots[c.name])

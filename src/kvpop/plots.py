@@ -1,6 +1,6 @@
 """Small PNG plots for the evaluate stage (matplotlib, Agg backend): curves with one line per policy
-(identical curves share one line, named together), the per-head keep map, and the occupancy of a
-shared pool per layer and KV head."""
+(identical curves share one line, named together), the per-head keep map, and the occupancy of
+one pool per layer and KV head."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def plot_keep_map(maps: Mapping[str, Any], path: str | Path, *, marks: Mapping[s
 def plot_occupancy(maps: Mapping[str, Any], path: str | Path, *, title: str = "") -> Path:
     """One panel per policy: the entries each (layer, KV head) held at the traces' last token over the
     per-head budget (``occupancy_map`` of :func:`kvpop.evaluate.evaluate_fidelity`, ``[layer][head]``):
-    how a ``global_budget`` policy split its one pool (1 everywhere: the per-head split of every other
+    how a ``one_pool`` policy split its pool (1 everywhere: the per-head split of every other
     policy)."""
     from matplotlib.colors import TwoSlopeNorm
 

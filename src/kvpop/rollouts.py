@@ -333,7 +333,7 @@ def memory_curve(
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
     ids = (ids[None] if ids.dim() == 1 else ids[:1]).expand(rows, -1)
     cache = new_cache(model, policy, budget=budget, sinks=sinks, window=window)
-    logits = feed(model, cache, ids, prefill=ids.shape[1])[:, -1]  # a shared pool takes the prompt past its budget token by token
+    logits = feed(model, cache, ids, prefill=ids.shape[1])[:, -1]  # one pool takes the prompt past its budget token by token
     want = set(lengths)
     curve = []
     for step in range(lengths[-1] + 1):

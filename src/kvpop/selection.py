@@ -350,10 +350,10 @@ def global_decaying_eviction_times(
     keep_run: bool = False,
     decays: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, PoolRun]:
-    """Eviction times of one pool of long-range slots shared by every layer and KV head (``dbtrimkv``).
+    """Eviction times of one pool of long-range slots for every layer and KV head (``one_pool``: ``dbtrimkv``, ``OnePool``).
 
     The rule of :func:`decaying_eviction_times_reference`, with the ``k`` slots of each of the ``F = L
-    x Hk`` (layer, head) pairs pooled into ``P = F x k``: at query ``q`` token ``j = q - window``
+    x Hk`` (layer, head) pairs in one pool of ``P = F x k``: at query ``q`` token ``j = q - window``
     leaves the window of every pair at once; the ``F`` leavers and the pool's entries compete by
     their retention at ``q``, ``(q - i) * log_beta[f, i]``, and the ``F`` lowest go (empty entries
     first), so the pool never holds more than ``P``. Ties: among equal retentions the older token
@@ -364,7 +364,7 @@ def global_decaying_eviction_times(
     Queries before ``j0 + window`` read only scores of tokens before ``j0``; so with ``previous`` (a
     :class:`PoolRun` of the same rows, from ``keep_run=True``) whose scores equal these before token
     ``j0``, the run starts from the previous pool at the last kept query at or before ``j0 + window``
-    (the fixed point of :func:`kvpop.evaluate.captured_forward` re-simulates only what changed).
+    (the fixed point of :mod:`kvpop.decode.one_pool` re-simulates only what changed).
 
     ``decays=False``: ``log_beta`` holds static priorities (any real; higher is kept), compared as they
     are instead of as retentions; with ``F = 1`` this is :func:`eviction_times`'s rule (a pool of one
@@ -425,11 +425,11 @@ def global_decaying_eviction_times(
 
 def pool_leavers(pos: torch.Tensor, pair: torch.Tensor, log_beta: torch.Tensor, q: int, pairs: int, n: int, *,
                  decays: bool = True) -> torch.Tensor:
-    """Which ``n`` candidates of a shared pool go at query ``q``: their token positions ``pos`` (B, N)
+    """Which ``n`` candidates of one pool go at query ``q``: their token positions ``pos`` (B, N)
     (``-1``: an empty entry, which goes first), pairs ``pair`` (B, N) (``layer * Hk + head`` of
     ``pairs``) and ``log_beta`` (B, N) float64 -> (B, N) bool, ``n`` True per row. The lowest retention
     ``(q - pos) * log_beta`` goes; among equal retentions the older token, then the higher pair. The
-    rule of :func:`global_decaying_eviction_times` and of :class:`kvpop.decode.pool.SharedPoolCache`.
+    rule of :func:`global_decaying_eviction_times` and of :class:`kvpop.decode.one_pool.OnePoolCache`.
 
     A selection, not a sort: the ``n``-th lowest retention ``v``; every candidate below it goes, and
     of those at ``v`` the ones first by the tie order make up the ``n``."""

@@ -3,8 +3,9 @@
 * :mod:`~kvpop.decode.layout` -- the cache geometry (sinks, ring, long-range slots) and the home slot;
 * :mod:`~kvpop.decode.cache` -- :class:`BoundedCache`, the reference (slow twin) cache for
   ``model.generate``, and the only path of the attention rules (TOVA, H2O);
-* :mod:`~kvpop.decode.pool` -- :class:`SharedPoolCache`, the reference cache of one pool of long-range
-  entries for every layer and KV head (``global_budget``: ``dbtrimkv``);
+* :mod:`~kvpop.decode.one_pool` -- :class:`OnePoolCache`, the reference cache of one pool of long-range
+  entries for every layer and KV head (``one_pool``: ``dbtrimkv``, ``OnePool(...)``), and why decoding
+  with it equals the teacher-forced fixed point;
 * :mod:`~kvpop.decode.engine` -- :class:`DecodeEngine`, the fast path (chunked prefill, static
   step, CUDA graphs);
 * :mod:`~kvpop.decode.generate` -- :func:`generate` on the fastest path that supports the policy.
@@ -14,9 +15,9 @@ from kvpop.decode.cache import BoundedCache, BoundedLayer, cache_bytes, enable
 from kvpop.decode.engine import DecodeEngine, engine_refusal
 from kvpop.decode.generate import GenerationStats, choose_path, feed, generate, model_device, new_cache, teacher_forced_logits
 from kvpop.decode.layout import CacheLayout
-from kvpop.decode.pool import SharedPoolCache
+from kvpop.decode.one_pool import OnePoolCache
 
 __all__ = [
     "BoundedCache", "BoundedLayer", "CacheLayout", "DecodeEngine", "GenerationStats", "cache_bytes", "choose_path", "enable",
-    "SharedPoolCache", "engine_refusal", "feed", "generate", "model_device", "new_cache", "teacher_forced_logits",
+    "OnePoolCache", "engine_refusal", "feed", "generate", "model_device", "new_cache", "teacher_forced_logits",
 ]

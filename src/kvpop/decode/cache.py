@@ -365,9 +365,9 @@ class BoundedCache(Cache):
             raise ValueError(f"policy {policy.name!r} never evicts: decode it with a DynamicCache")
         if policy.oracle:
             raise ValueError(f"policy {policy.name!r} is an oracle (it reads the trace's future): teacher-forced evaluation only")
-        if policy.global_budget and not self.pooled:
-            raise ValueError(f"policy {policy.name!r} shares one pool between all layers: decode it with kvpop.decode.SharedPoolCache")
-        if self.pooled and not policy.global_budget:
+        if policy.one_pool and not self.one_pool:
+            raise ValueError(f"policy {policy.name!r} ranks with one pool for all layers: decode it with kvpop.decode.OnePoolCache")
+        if self.one_pool and not policy.one_pool:
             raise ValueError(f"policy {policy.name!r} has a per-head budget: decode it with kvpop.decode.BoundedCache")
         if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
             raise NotImplementedError(f"{type(self).__name__} does not support sliding-window attention layers")
@@ -377,8 +377,8 @@ class BoundedCache(Cache):
         self.long_range, self.slots = self.layout.long_range, self.layout.slots
         super().__init__(layers=self._make_layers(cfg))
 
-    #: one pool of long-range entries for every layer (:class:`kvpop.decode.pool.SharedPoolCache`)
-    pooled = False
+    #: one pool of long-range entries for every layer (:class:`kvpop.decode.one_pool.OnePoolCache`)
+    one_pool = False
 
     def _make_layers(self, cfg) -> list[CacheLayerMixin]:
         return [BoundedLayer(i, self.policy, self.layout) for i in range(cfg.num_hidden_layers)]

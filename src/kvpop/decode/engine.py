@@ -153,8 +153,8 @@ def engine_refusal(model, policy: Policy | None) -> str | None:
         return f"policy {policy.name!r} is an oracle (it reads the trace's future): teacher-forced evaluation only"
     if policy is not None and policy.needs_attention:
         return f"policy {policy.name!r} needs attention weights: decode it with kvpop.decode.BoundedCache"
-    if policy is not None and policy.global_budget:
-        return f"policy {policy.name!r} shares one pool between all layers: decode it with kvpop.decode.SharedPoolCache"
+    if policy is not None and policy.one_pool:
+        return f"policy {policy.name!r} ranks with one pool for all layers: decode it with kvpop.decode.OnePoolCache"
     if policy is not None and policy.decays:
         return f"policy {policy.name!r} re-ranks its slots by age at every step: decode it with kvpop.decode.BoundedCache"
     return None

@@ -29,28 +29,28 @@ from torch import Tensor
 
 from kvpop.decode.cache import BoundedCache, cache_bytes, enable
 from kvpop.decode.engine import DecodeEngine, engine_refusal
-from kvpop.decode.pool import SharedPoolCache
+from kvpop.decode.one_pool import OnePoolCache
 from kvpop.policies import Policy
 
 Path = Literal["auto", "engine", "reference"]
 
 
 def new_cache(model, policy: Policy, *, budget: int, sinks: int, window: int):
-    """The reference cache of a policy: a DynamicCache for dense, a SharedPoolCache for a global budget
-    (``dbtrimkv``), else a BoundedCache (``budget`` nominal: the cache takes the policy's k)."""
+    """The reference cache of a policy: a DynamicCache for dense, a OnePoolCache for a ``one_pool`` policy
+    (``dbtrimkv``, ``OnePool(...)``), else a BoundedCache (``budget`` nominal: the cache takes the policy's k)."""
     from transformers import DynamicCache
 
     if not policy.evicts:
         return DynamicCache(config=model.config)
-    if policy.global_budget:
-        return SharedPoolCache(model.config, policy, budget=budget, sinks=sinks, window=window)
+    if policy.one_pool:
+        return OnePoolCache(model.config, policy, budget=budget, sinks=sinks, window=window)
     return BoundedCache(model.config, policy, budget=budget, sinks=sinks, window=window)
 
 
 def feed(model, cache, input_ids: Tensor, *, prefill: int) -> Tensor:
     """Feed ``input_ids`` (B, S) into an empty reference cache: the first ``prefill`` tokens at once,
     then one at a time -> logits (B, S, V). ``prefill`` is capped at the cache's ``max_prefill``
-    (:class:`kvpop.decode.pool.SharedPoolCache`: its budget)."""
+    (:class:`kvpop.decode.one_pool.OnePoolCache`: its budget)."""
     prefill = min(prefill, getattr(cache, "max_prefill", None) or prefill)
     B, S = input_ids.shape
     first = model(input_ids=input_ids[:, :prefill], past_key_values=cache).logits

@@ -19,8 +19,8 @@ from kvpop.policies.dms import Dms
 from kvpop.policies.h2o import H2O
 from kvpop.policies.kvpop import Kvpop
 from kvpop.policies.kvpop_mlp import KvpopMLP
+from kvpop.policies.one_pool import OnePool
 from kvpop.policies.oracle import OracleSources, OracleTarget
-from kvpop.policies.pooled import OnePool, one_pool
 from kvpop.policies.streaming_llm import StreamingLLM, StreamingLLMPlus
 from kvpop.policies.tova import TOVA
 from kvpop.policies.trimkv import TrimKV, TrimKVJoint
@@ -76,5 +76,5 @@ def resolve_policy(name: str, exported: Policy | None = None) -> Policy:
 __all__ = [
     "REGISTRY", "DBTrimKV", "Dense", "Dms", "FusedScorer", "H2O", "Kvpop", "KvpopMLP", "OnePool", "OracleSources", "OracleTarget",
     "Policy", "Scores", "ScorerSpec", "StreamingLLM", "StreamingLLMPlus", "TOVA", "TrimKV", "TrimKVJoint",
-    "make_policy", "names", "one_pool", "policy_class", "resolve_policy",
+    "make_policy", "names", "policy_class", "resolve_policy",
 ]

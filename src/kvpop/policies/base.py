@@ -25,11 +25,12 @@ capability                    meaning
                               ``(t - pos) * prio`` (``prio = log beta <= 0``), re-ranked at every step, so
                               no static order exists; its pattern comes from a simulation of the cache
                               (:func:`kvpop.selection.decaying_eviction_times`; ``trimkv``)
-``global_budget``             (with ``decays``) one pool of ``L x Hk x k`` long-range slots shared by every
-                              layer and KV head: the pattern is a simulation over all layers at once
+``one_pool``                  one pool of ``L x Hk x k`` long-range slots for every layer and KV head
+                              instead of ``k`` per head: the pattern is a simulation over all layers at once
                               (:func:`kvpop.selection.global_decaying_eviction_times`), a teacher-forced
-                              forward its fixed point (:func:`kvpop.evaluate.captured_forward`), decoding
-                              :class:`kvpop.decode.pool.SharedPoolCache` (``dbtrimkv``)
+                              forward its fixed point, decoding :class:`kvpop.decode.one_pool.OnePoolCache`
+                              (:mod:`kvpop.decode.one_pool`); ``dbtrimkv`` (trained in it), or any policy
+                              with static priorities wrapped in :class:`kvpop.policies.OnePool`
 ============================  ==========================================================================
 
 Hooks:
@@ -105,9 +106,9 @@ class Policy(nn.Module):
     chunked_prefill: ClassVar[bool] = False
     gated: ClassVar[bool] = False
     decays: ClassVar[bool] = False
-    #: (with ``decays``) the long-range slots of every layer and KV head form one pool: a layer's pattern
-    #: depends on every layer's scores (``dbtrimkv``)
-    global_budget: ClassVar[bool] = False
+    #: the long-range slots of every layer and KV head form one pool: a layer's pattern depends on every
+    #: layer's scores (``dbtrimkv``, :class:`kvpop.policies.OnePool`)
+    one_pool: ClassVar[bool] = False
     #: False: training leaves the student model frozen (the gate alone learns; ``trimkv``)
     trains_model: ClassVar[bool] = True
     #: priorities from the evaluated trace's own future (a ceiling): teacher-forced evaluation only,
@@ -116,7 +117,7 @@ class Policy(nn.Module):
 
     #: the capabilities, in the order the registry and the README list them
     CAPABILITIES: ClassVar[tuple[str, ...]] = (
-        "evicts", "learned", "trained", "layer_independent", "needs_attention", "scores_on_exit", "gated", "decays", "global_budget", "oracle",
+        "evicts", "learned", "trained", "layer_independent", "needs_attention", "scores_on_exit", "gated", "decays", "one_pool", "oracle",
     )
 
     @classmethod

@@ -18,12 +18,9 @@ another holds fewer.
   ``t``, the ``L x Hk`` leavers and the pool's entries compete by their retention at ``t``,
   ``(t - i) log beta``; the lowest go (:func:`kvpop.selection.global_decaying_eviction_times`).
   A layer's pattern then depends on the later layers' gates, which depend on the earlier layers'
-  patterns: a teacher-forced forward is the fixed point of "forward under a pattern, simulate the
-  pool on the resulting gates" (:func:`kvpop.evaluate.captured_forward`), unique and reached in at
-  most ``ceil((S - budget) / window) + 1`` forwards, since the pattern at query ``t`` only reads
-  gates of tokens ``<= t - window``.
-* **Decoding**: :class:`kvpop.decode.pool.SharedPoolCache`, the pool itself (entries tagged with
-  their layer and head), token by token; a test proves it equal to the fixed-point forward.
+  patterns: a teacher-forced forward is a fixed point (:func:`kvpop.evaluate.pool_fixed_point`).
+* **Decoding**: :class:`kvpop.decode.one_pool.OnePoolCache`, the pool itself (entries tagged with
+  their layer and head), token by token; why it equals the fixed point: :mod:`kvpop.decode.one_pool`.
 
 Shapes: B batch, Hk KV heads, S sequence, D head dim, L layers, F hidden width.
 """
@@ -61,7 +58,7 @@ class TiedRetentionGate(nn.Module):
 
 class DBTrimKV(TrimKV):
     name = "dbtrimkv"
-    global_budget = True
+    one_pool = True
 
     def __init__(self, gate: TiedRetentionGate):
         super().__init__(gate)

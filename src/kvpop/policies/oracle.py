@@ -12,12 +12,15 @@ would give if the scorer fitted it perfectly, and what the budget allows at all.
   ``r_tgt + recency * pos``, the
   fixed age decay of :mod:`kvpop.scorer`, or with ``space="share"`` ``exp(r_tgt) + recency * pos``,
   the decay against the attention share itself): the best a perfectly fitted scorer of that target
-  could do. With ``shared``, one pool of ``L x Hk x k`` slots for the whole model instead of ``k`` per head
-  (``global_budget``, as ``dbtrimkv``'s): the ceiling of the same ranking under one budget.
+  could do.
 * ``oracle_sources``: on synthetic traces, keeps the recorded source tokens of every long-range
   quote (the definition digits, ``quote_source_positions`` of the filter's records; with ``lead``,
   also that many tokens before each, e.g. the name) ahead of every other token, the others by
   recency. The same pattern in every layer and KV head.
+
+Their priorities are fixed per trace, so either ranks with one pool of ``L x Hk x k`` slots for the
+whole model as :class:`kvpop.policies.OnePool` (``OnePool(oracle)``, as ``dbtrimkv``'s budget): the
+ceiling of the same ranking under one budget.
 
 :meth:`Policy.fit_trace` hands each one the trace before its forward pass, with the dense
 teacher's targets that :meth:`Policy.teacher_target` asked for, recorded during the evaluation's
@@ -50,26 +53,19 @@ class OracleTarget(_Oracle):
     name = "oracle_target"
     layer_independent = False
 
-    def __init__(self, target: TargetSpec | str | None = None, recency: float = 0.0, space: str = "log", shared: bool = False):
+    def __init__(self, target: TargetSpec | str | None = None, recency: float = 0.0, space: str = "log"):
         super().__init__()
-        self.configure(target=TargetSpec() if target is None else target, recency=recency, space=space, shared=shared)
+        self.configure(target=TargetSpec() if target is None else target, recency=recency, space=space)
         self.r_tgt: list[Tensor] = []  # per layer (1, Hk, S)
 
-    def configure(self, *, target: TargetSpec | str, recency: float = 0.0, space: str = "log", shared: bool = False) -> OracleTarget:
+    def configure(self, *, target: TargetSpec | str, recency: float = 0.0, space: str = "log") -> OracleTarget:
         """The training target to rank by (``train.target``: a :class:`~kvpop.target.TargetSpec` or its
         compact form, ``"max.model"``), the fixed age decay per token on top (``train.scorer_recency``)
         and what it is added to: ``"log"``, the target (a log attention share), or ``"share"``, its exp;
-        returns self.
-
-        ``shared``: the long-range slots of every layer and KV head form one pool (``global_budget``, as
-        ``dbtrimkv``'s): the leavers and the pool's entries compete by these priorities across layers and
-        heads (:func:`kvpop.selection.global_decaying_eviction_times` with ``decays=False``), so a head
-        whose tokens the target ranks higher holds more than ``k``. The ceiling of a ranking by the same
-        target under one budget for the whole model."""
+        returns self. (With one pool for the whole model: ``OnePool(oracle)``, module docstring.)"""
         self.target = TargetSpec.model_validate(target)  # checked at configure time, not at the first trace
         check_space(space)
         self.recency, self.space = check_recency(recency), space
-        self.global_budget = bool(shared)  # shadows the class's False
         return self
 
     def teacher_target(self) -> tuple[str, float]:

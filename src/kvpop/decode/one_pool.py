@@ -1,19 +1,51 @@
-"""One pool of long-range entries shared by every layer and KV head (``global_budget`` policies: ``dbtrimkv``, ``one_pool``).
+"""One pool of long-range entries for every layer and KV head (``one_pool`` policies: ``dbtrimkv``, ``OnePool(...)``).
 
-The reference cache of a global budget, the decoding twin of
-:func:`kvpop.selection.global_decaying_eviction_times` (a test proves decoding through it equal to
-the fixed-point forward of :func:`kvpop.evaluate.captured_forward`). Per layer and KV head it
-keeps the ``sinks`` first tokens and a ring over the ``window`` most recent ones, as
-:class:`kvpop.decode.BoundedCache` does; the long-range entries of *all* of them live in one pool of
-``P = L x Hk x k`` entries, each tagged with its token's position and its pair ``f = layer * Hk +
-head``. Total entries: ``budget x L x Hk``, as for every policy; how they split between layers
-and heads is the policy's choice (:meth:`SharedPoolCache.occupancy`).
+Per layer and KV head a policy keeps the ``sinks`` first tokens, the ``window`` most recent ones and
+``k`` long-range tokens. With one pool, the long-range entries of *all* layers and KV heads live
+together: ``P = L x Hk x k`` entries, each tagged with its token's position and its pair ``f = layer
+* Hk + head``. Total entries: ``budget x L x Hk``, as for every policy; how they split between layers
+and heads is the policy's choice (:meth:`OnePoolCache.occupancy`). At query ``p`` token ``p - window``
+leaves the window of every layer and head: the ``L x Hk`` leavers and the pool's entries compete by
+their rank at ``p`` (a decaying retention ``(p - i) * log beta``, ``dbtrimkv``; else the static
+priority, :class:`kvpop.policies.OnePool`), and the ``L x Hk`` lowest go
+(:func:`kvpop.selection.pool_leavers`, with its tie rules).
 
-When token ``p`` arrives (at layer 0, before any layer writes it), token ``p - window`` leaves the
-window of every layer and head: the ``L x Hk`` leavers and the pool's entries compete by their
-retention at ``p``, ``(p - i) * log beta``, and the ``L x Hk`` lowest go, with the simulation's
-tie rules. Then each layer writes token ``p`` into its ring and attends over its sinks, ring and the
-pool's entries tagged with its layer, per head.
+The fixed point (the argument every other docstring refers to)
+---------------------------------------------------------------
+A layer's pattern depends on every layer's priorities, and a later layer's priorities on the earlier
+layers' patterns, so a teacher-forced forward cannot compute the pattern layer by layer. It is the
+fixed point of "forward under eviction times E, recording every layer's priorities; simulate the
+pool on them (:func:`kvpop.selection.global_decaying_eviction_times`) to get the next E", started
+from no eviction (:func:`kvpop.evaluate.pool_fixed_point`). Why it exists, is unique, is reached and
+equals decoding:
+
+1. *Causality.* The priority of token ``i`` reads only the hidden states at positions ``<= i``
+   (fixed when the token enters; an oracle's are fixed per trace and read no pattern at all), so it
+   depends only on the patterns at queries ``<= i``. The pattern at query ``t`` reads only the
+   priorities of tokens that have left the window, ``<= t - window``.
+2. *Induction.* If an iteration's times are right for queries ``< T``, its forward gives the right
+   priorities for tokens ``< T`` and its simulation the right times for queries ``< T + window``.
+   Nothing is evicted before the pool is full (query ``budget = sinks + window + k``), so the first
+   iteration (no eviction) is right for queries ``< budget``. Hence the fixed point is unique, and the
+   ``ceil((S - budget) / window) + 1``-th forward at the latest finds the times unchanged (a trace of
+   at most ``budget`` tokens: the first). A simulation re-runs only from the first token whose
+   priority changed (``previous=`` of :func:`kvpop.selection.global_decaying_eviction_times`).
+3. *Decoding.* :class:`OnePoolCache` takes the tokens in order: at token ``p`` it runs the
+   competition for the leaver ``p - window`` (at layer 0, before any layer writes token ``p``) with
+   the rule of the simulation, on the priorities each entry got when it entered, then every layer
+   attends over its sinks, ring and pool entries. By induction over ``p`` those priorities are the
+   fixed point's (1.), so each query attends to the fixed point's pattern, and the logits agree up to
+   float rounding (``tests/test_dbtrimkv.py`` and ``tests/test_one_pool.py`` on the CPU,
+   ``tests/test_gpu.py`` with FlexAttention). An oracle reads the trace's future and is never decoded.
+
+The priorities must be computable from the token itself: the delayed mLSTM (``kvpop``) scores a
+token from its whole window, which breaks 1., so :class:`kvpop.policies.OnePool` refuses it.
+
+The cache
+---------
+The reference cache of the pool, the decoding twin of the simulation. Per layer and KV head it keeps
+the ``sinks`` first tokens and a ring over the ``window`` most recent ones, as
+:class:`kvpop.decode.BoundedCache` does (:class:`PoolLayer`); the long-range entries in the pool.
 
 Prefill: a prompt of at most ``budget`` tokens fills no pool beyond its size, so nothing is evicted
 in it: it attends causally and its tokens past the window go to the pool. A longer prompt must be
@@ -44,7 +76,7 @@ class PoolLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, layer_idx: int, cache: SharedPoolCache):
+    def __init__(self, layer_idx: int, cache: OnePoolCache):
         super().__init__()
         self.layer_idx, self.cache = layer_idx, cache
         self.seen = 0
@@ -65,21 +97,21 @@ class PoolLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self._pending is not None:
-            raise RuntimeError("SharedPoolCache: the previous step's attention did not run through the cache; call kvpop.decode.enable(model)")
+            raise RuntimeError("OnePoolCache: the previous step's attention did not run through the cache; call kvpop.decode.enable(model)")
         S = key_states.shape[-2]
         c = self.cache
         lb = c.policy.token_scores(self.layer_idx, key_states, value_states, torch.arange(self.seen, self.seen + S, device=self.device)[None])
         if self.seen == 0:
             if S > c.max_prefill:
                 raise NotImplementedError(
-                    f"SharedPoolCache: a {S}-token prompt is longer than the budget ({c.budget}); feed the first {c.max_prefill} "
+                    f"OnePoolCache: a {S}-token prompt is longer than the budget ({c.budget}); feed the first {c.max_prefill} "
                     "at once and the rest one at a time (kvpop.decode.feed, generate and teacher_forced_logits do)"
                 )
             self._prefill_store(key_states, value_states, lb)
             self._pending = ("prefill", key_states, value_states)
             return key_states, value_states
         if S != 1:
-            raise NotImplementedError(f"SharedPoolCache: a {S}-token forward on a non-empty cache is not supported; feed tokens one at a time")
+            raise NotImplementedError(f"OnePoolCache: a {S}-token forward on a non-empty cache is not supported; feed tokens one at a time")
         p = self.seen
         if self.layer_idx == 0:
             c._compete(p)  # token p - window leaves every layer's window: before any layer overwrites it
@@ -115,7 +147,7 @@ class PoolLayer(CacheLayerMixin):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         pending, self._pending = self._pending, None
         if pending is None:
-            raise RuntimeError("SharedPoolCache.attend without a preceding update")
+            raise RuntimeError("OnePoolCache.attend without a preceding update")
         if pending[0] == "prefill":  # no eviction inside a prompt of at most `budget` tokens
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2)
         c = self.cache
@@ -155,11 +187,11 @@ class PoolLayer(CacheLayerMixin):
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.lb, self.pos))
 
 
-class SharedPoolCache(BoundedCache):
-    """The cache of a ``global_budget`` policy: per layer its sinks and ring (:class:`PoolLayer`), and one
-    pool of ``L x Hk x k`` long-range entries shared by every layer and KV head (see the module docstring)."""
+class OnePoolCache(BoundedCache):
+    """The cache of a ``one_pool`` policy: per layer its sinks and ring (:class:`PoolLayer`), and one
+    pool of ``L x Hk x k`` long-range entries for every layer and KV head (see the module docstring)."""
 
-    pooled = True
+    one_pool = True
 
     def _make_layers(self, cfg) -> list[PoolLayer]:
         self.num_layers, self.num_kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
@@ -180,8 +212,7 @@ class SharedPoolCache(BoundedCache):
     @torch.no_grad()
     def _compete(self, p: int) -> None:
         """Token ``p - window`` leaves every layer's window: it and the pool compete, the ``L x Hk``
-        lowest by retention at ``p`` go (:func:`kvpop.selection.global_decaying_eviction_times`'s rule;
-        a policy that does not decay, :class:`kvpop.policies.OnePool`: the lowest static priorities)."""
+        lowest by rank at ``p`` go (module docstring)."""
         j = p - self.window
         if j < self.sinks:
             return
@@ -195,7 +226,7 @@ class SharedPoolCache(BoundedCache):
         cand_pos = torch.cat([self.pool_pos, torch.full((B, Fp), j, dtype=torch.int64, device=lk.device)], 1)  # (B, P + F)
         cand_f = torch.cat([self.pool_f, torch.arange(Fp, device=lk.device).expand(B, Fp)], 1)
         cand_lb = torch.cat([self.pool_lb, llb], 1)
-        out = pool_leavers(cand_pos, cand_f, cand_lb, p, Fp, Fp, decays=self.policy.decays)  # (B, P + F); static priorities: one_pool
+        out = pool_leavers(cand_pos, cand_f, cand_lb, p, Fp, Fp, decays=self.policy.decays)  # (B, P + F); static priorities: OnePool
         keep = out.to(torch.uint8).sort(dim=1, stable=True).indices[:, : self.pool_size]  # (B, P) the entries that stay
         self.pool_keys = torch.cat([self.pool_keys, lk], 1).gather(1, keep[..., None].expand(-1, -1, lk.shape[-1]))
         self.pool_values = torch.cat([self.pool_values, lv], 1).gather(1, keep[..., None].expand(-1, -1, lv.shape[-1]))
