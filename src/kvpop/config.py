@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvpop.boundary import BoundaryWeight
+from kvpop.geometry import CacheLayout, check_budget
 from kvpop.policies import OnePool, names, policy_class
 from kvpop.target import TargetKind, TargetPool
 
@@ -291,19 +292,15 @@ class Params(_Section):
 
     @model_validator(mode="after")
     def _check_budget(self) -> Params:
-        if self.budget <= self.sinks + self.window:
-            raise ValueError(
-                f"budget ({self.budget}) must exceed sinks + window ({self.sinks} + {self.window}) "
-                "so that at least one long-range slot exists"
-            )
+        check_budget(self.budget, self.sinks, self.window)  # the message names budget, sinks and window
         if self.evaluate.one_pool and not any(OnePool.accepts(policy_class(n)) for n in self.train.policies):  # class attributes only
             raise ValueError(f"evaluate.one_pool ranks a trained kvpop_mlp with one pool; train.policies {self.train.policies} has none")
         return self
 
     @property
-    def long_range(self) -> int:
-        """Long-range slots per KV head at the nominal budget (a stateful policy may take fewer)."""
-        return self.budget - self.sinks - self.window
+    def layout(self) -> CacheLayout:
+        """The nominal cache geometry (``layout.for_policy`` gives a stateful policy's, with fewer long-range slots)."""
+        return CacheLayout(self.budget, self.sinks, self.window)
 
 
 class ParamsError(ValueError):
