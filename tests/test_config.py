@@ -16,7 +16,7 @@ def raw():
 
 def test_repo_params_are_valid():
     p = load_params(ROOT / "params.yaml")
-    assert p.long_range == p.budget - p.sinks - p.window > 0
+    assert p.layout.long_range == p.budget - p.sinks - p.window > 0
 
 
 def test_train_stage_depends_on_every_key_that_changes_a_training():
@@ -82,7 +82,7 @@ def test_target_reaches_scorer_training(target, beta):
     if beta is not None:
         r["train"]["target_beta"] = beta
     p = parse_params(r)
-    st = TrainSettings.from_config(p.train, sinks=p.sinks, window=p.window, long_range=p.long_range, seed=0).scorer_training
+    st = TrainSettings.from_config(p.train, layout=p.layout, seed=0).scorer_training
     assert (st.target, st.target_beta) == (target, beta if beta is not None else 8.0)
 
 
@@ -96,7 +96,7 @@ def test_boundary_weight_reaches_scorer_training(weighting):
     assert parse_params(r).train.boundary_weight == "tie"
     r["train"]["boundary_weight"] = weighting
     p = parse_params(r)
-    st = TrainSettings.from_config(p.train, sinks=p.sinks, window=p.window, long_range=p.long_range, seed=0).scorer_training
+    st = TrainSettings.from_config(p.train, layout=p.layout, seed=0).scorer_training
     assert st.weighting == weighting
 
 
@@ -110,7 +110,7 @@ def test_target_pool_reaches_scorer_training(pool):
     assert parse_params(r).train.target_pool == "group"
     r["train"]["target_pool"] = pool
     p = parse_params(r)
-    st = TrainSettings.from_config(p.train, sinks=p.sinks, window=p.window, long_range=p.long_range, seed=0).scorer_training
+    st = TrainSettings.from_config(p.train, layout=p.layout, seed=0).scorer_training
     assert st.pool == pool
     r["train"]["target_pool"] = "heads"
     with pytest.raises(Exception, match="target_pool"):
@@ -124,7 +124,7 @@ def test_target_blend_reaches_scorer_training_and_is_bounded():
     r = raw()
     r["train"].update(target_pool="blend", target_blend=0.8)
     p = parse_params(r)
-    assert TrainSettings.from_config(p.train, sinks=p.sinks, window=p.window, long_range=p.long_range, seed=0).scorer_training.blend == 0.8
+    assert TrainSettings.from_config(p.train, layout=p.layout, seed=0).scorer_training.blend == 0.8
     for bad in (-0.1, 1.5):
         r["train"]["target_blend"] = bad
         with pytest.raises(Exception, match="target_blend"):

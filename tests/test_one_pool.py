@@ -15,7 +15,7 @@ from kvpop.decode import enable, teacher_forced_logits
 from kvpop.evaluate import Candidate, captured_forward, evaluate_fidelity
 from kvpop.policies import OnePool, make_policy, one_pool
 from kvpop.selection import eviction_times, global_decaying_eviction_times
-from test_dbtrimkv import BUDGET, SINKS, WINDOW, K, literal_global_eviction_times
+from test_dbtrimkv import BUDGET, LAYOUT, SINKS, WINDOW, K, literal_global_eviction_times
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def scorer(seed=0, lift=3.0):
 def recorded_priorities(model, policy, ids, evict):
     """Every layer's priorities (L, 1, Hk, S) from one forward of ids (1, S) under eviction times (L, Hk, S)."""
     pos = torch.arange(ids.shape[1])[None]
-    ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, sinks=SINKS, window=WINDOW, long_range=K, global_evict=evict[:, None])
+    ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, layout=LAYOUT, global_evict=evict[:, None])
     with torch.no_grad():
         model(input_ids=ids, position_ids=pos, kvpop_ctx=ctx)
     return torch.stack([ctx.global_prio[i] for i in sorted(ctx.global_prio)])
@@ -46,7 +46,7 @@ def recorded_priorities(model, policy, ids, evict):
 def test_the_fixed_point_is_the_pools_rule_on_its_own_priorities(llama):
     policy = one_pool(scorer())
     ids = torch.randint(0, 96, (1, 80), generator=torch.Generator().manual_seed(2))
-    _, evict = captured_forward(llama, policy, ids, sinks=SINKS, window=WINDOW, long_range=K)
+    _, evict = captured_forward(llama, policy, ids, layout=LAYOUT)
     prio = recorded_priorities(llama, policy, ids, evict)
     pos = torch.arange(80)[None]
     want = literal_global_eviction_times(prio, torch.zeros_like(pos), pos, SINKS, WINDOW, K, decays=False)
@@ -58,11 +58,11 @@ def test_the_fixed_point_is_the_pools_rule_on_its_own_priorities(llama):
 def test_decoding_equals_the_fixed_point(llama):
     policy = one_pool(scorer(seed=1))
     ids = torch.randint(0, 96, (1, 80), generator=torch.Generator().manual_seed(3))
-    ref, _ = captured_forward(llama, policy, ids, sinks=SINKS, window=WINDOW, long_range=K)
+    ref, _ = captured_forward(llama, policy, ids, layout=LAYOUT)
     for prefill in (1, 13, BUDGET):  # BUDGET: the cache takes the first budget tokens at once, the rest one at a time
-        got = teacher_forced_logits(llama, policy, ids, budget=BUDGET, sinks=SINKS, window=WINDOW, prefill=prefill)
+        got = teacher_forced_logits(llama, policy, ids, layout=LAYOUT, prefill=prefill)
         assert (got[0] - ref).abs().max() < 1e-4, prefill
-    per_head, _ = captured_forward(llama, policy.policy, ids, sinks=SINKS, window=WINDOW, long_range=K)
+    per_head, _ = captured_forward(llama, policy.policy, ids, layout=LAYOUT)
     assert (per_head - ref).abs().max() > 1e-3  # the pool's pattern is not the per-head one
 
 
@@ -86,11 +86,11 @@ def test_evaluate_fidelity_scores_it_as_a_global_budget_policy(llama):
     ids = torch.randint(0, 96, (2, 70), generator=torch.Generator().manual_seed(4))
     recs = [{"input_ids": r.tolist(), "loss_mask": [0] + [1] * 69} for r in ids]
     cands = [Candidate("per head", llama, base), Candidate("one pool", llama, one_pool(base))]
-    res = evaluate_fidelity(recs, llama, cands, budget=BUDGET, sinks=SINKS, window=WINDOW)
+    res = evaluate_fidelity(recs, llama, cands, layout=LAYOUT)
     kl, n = 0.0, 0  # by hand: each trace's fixed point, KL over the scored positions
     for rec in recs:
         one = torch.tensor([rec["input_ids"]])
-        logits, _ = captured_forward(llama, one_pool(base), one, sinks=SINKS, window=WINDOW, long_range=K)
+        logits, _ = captured_forward(llama, one_pool(base), one, layout=LAYOUT)
         ref = torch.log_softmax(llama(input_ids=one).logits[0].float(), -1)
         kl += (ref.exp() * (ref - torch.log_softmax(logits, -1))).sum(-1)[:-1].sum().item()
         n += 69
