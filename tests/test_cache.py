@@ -146,7 +146,7 @@ def test_unsupported_uses_fail_clearly(model):
         model(input_ids=ids, past_key_values=cache)
         with pytest.raises(NotImplementedError, match="one at a time"):
             model(input_ids=ids[:, :2], past_key_values=cache)
-    with pytest.raises(ValueError, match="budget >= sinks \\+ window"):
+    with pytest.raises(ValueError, match=r"budget \(5\) must be >= sinks \+ window = 2 \+ 8"):
         BoundedCache(model.config, StreamingLLM(), layout=CacheLayout(5, 2, 8))
     with pytest.raises(ValueError, match="never evicts"):
         BoundedCache(model.config, Dense(), layout=LAYOUT)
