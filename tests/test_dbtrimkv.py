@@ -410,7 +410,8 @@ def test_global_capacity_loss_matches_a_loop():
     policy = make_policy("dbtrimkv", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
     x = [torch.special.logit(lb.detach().exp()) for lb in lbs]  # gate logits whose log beta are lbs
     loss, logs = policy.gate_loss(
-        [policy.relax(xi) for xi in x], doc_ids=doc, pos=pos, layout=CacheLayout.of(sinks=SINKS, window=WINDOW, long_range=k), weight=0.5, ramp=0.5, progress=1.0
+        [policy.relax(xi) for xi in x], doc_ids=doc, pos=pos, layout=CacheLayout.of(sinks=SINKS, window=WINDOW, long_range=k),
+        weight=0.5, ramp=0.5, progress=1.0,
     )
     assert math.isclose(loss.item(), 0.5 * want, rel_tol=1e-6) and math.isclose(logs["capacity_loss"].item(), want, rel_tol=1e-6)
 
