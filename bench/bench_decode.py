@@ -61,6 +61,7 @@ import torch
 from kvpop.decode.cache import enable
 from kvpop.decode.engine import COMPILE_MODES, DecodeEngine, engine_refusal, kv_bytes_per_token, weight_bytes
 from kvpop.decode.generate import new_cache
+from kvpop.geometry import CacheLayout
 from kvpop.policies import make_policy
 
 GB = 1e9
@@ -284,7 +285,7 @@ def main() -> None:
         for mode, fused, budget in ((m, f, b) for m in modes for f in fuse for b in budgets):
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
-            eng = DecodeEngine(model, policy, budget=budget, sinks=4, window=256, batch_size=1, chunk=args.chunk, compile_mode=mode, fused=fused)
+            eng = DecodeEngine(model, policy, layout=CacheLayout(budget, 4, 256), batch_size=1, chunk=args.chunk, compile_mode=mode, fused=fused)
             for ctx in contexts:
                 pre = grow(eng, ctx, vocab, ctx)
                 timed = time_steps(eng, args.steps, args.warmup)
@@ -312,7 +313,7 @@ def main() -> None:
             for budget in budgets:
                 if dev.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(dev)
-                eng = DecodeEngine(model, policy, budget=budget, sinks=4, window=256, batch_size=B, chunk=args.chunk, compile_mode=modes[0],
+                eng = DecodeEngine(model, policy, layout=CacheLayout(budget, 4, 256), batch_size=B, chunk=args.chunk, compile_mode=modes[0],
                                    fused=fuse[-1])
                 pre = grow(eng, ctx, vocab, ctx + B) if args.batch_fill == "prefill" else fill(eng, ctx, ctx + B)
                 timed = time_steps(eng, args.steps, args.warmup)
@@ -365,7 +366,7 @@ def policy_row(name: str, model, *, budget: int, ctx: int, steps: int, warmup: i
         torch.cuda.reset_peak_memory_stats(dev)
     extra = {"policy": name, "dense_kv_gb_at_context": round(ctx * per_tok / GB, 3)}
     if engine_refusal(model, pol) is None:
-        eng = DecodeEngine(model, pol, budget=budget, sinks=4, window=256, batch_size=1, chunk=chunk, compile=False)
+        eng = DecodeEngine(model, pol, layout=CacheLayout(budget, 4, 256), batch_size=1, chunk=chunk, compile=False)
         pre = grow(eng, ctx, cfg.vocab_size, ctx)
         r = row("bounded", B=1, ctx=ctx, budget=budget, timed=time_steps(eng, steps, warmup), eng=eng,
                 floor_bytes=wbytes + min(ctx, eng.slots) * per_tok, bw=bw, base_bytes=base, dev=dev, prefill_s=pre,
@@ -373,7 +374,7 @@ def policy_row(name: str, model, *, budget: int, ctx: int, steps: int, warmup: i
         del eng
         return r
     enable(model)
-    cache = new_cache(model, pol, budget=budget, sinks=4, window=256)
+    cache = new_cache(model, pol, layout=CacheLayout(budget, 4, 256))
     # one pool (dbtrimkv) takes at most `budget` prompt tokens at once (the rest would go one at a time); its
     # buffers are allocated whole at the first token and never change with the context, so the memory after
     # `budget` tokens is the memory at any longer context

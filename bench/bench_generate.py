@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from kvpop.decode import generate
+from kvpop.geometry import CacheLayout
 from kvpop.modeling import load_model, model_shape
 from kvpop.policies import make_policy
 
@@ -95,7 +96,7 @@ def main() -> None:
     print(f"{'policy':<16}{'path':<11}{'tokens/s':>10}{'vs hf':>8}  same greedy tokens as reference")
     print(f"{'dense':<16}{'hf':<11}{hf_tps:>10.1f}{1.0:>8.2f}")
     shape = {k: v for k, v in model_shape(model).items() if k != "num_heads"}
-    geo = dict(budget=args.budget, sinks=args.sinks, window=args.window, max_new_tokens=N)
+    geo = dict(layout=CacheLayout(args.budget, args.sinks, args.window), max_new_tokens=N)
     for name in args.policies:
         policy = make_policy(name, **shape)
         got = {}

@@ -23,12 +23,13 @@ import torch
 
 from kvpop.decode import generate
 from kvpop.export import load_export
+from kvpop.geometry import CacheLayout
 from kvpop.threads import auto_threads, usable_cores
 
 
 def tokens_per_s(model, tok, pol, meta, ids, threads: int) -> float:
     torch.set_num_threads(threads)
-    kw = dict(budget=meta["budget"], sinks=meta["sinks"], window=meta["window"], max_new_tokens=48)
+    kw = dict(layout=CacheLayout(meta["budget"], meta["sinks"], meta["window"]), max_new_tokens=48)
     generate(model, tok, pol, ids, **kw)  # warm-up
     return generate(model, tok, pol, ids, **kw)[1].tokens_per_s
 

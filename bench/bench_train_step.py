@@ -56,6 +56,7 @@ import torch
 import kvpop.attention as kv_attention
 from kvpop.attention import register
 from kvpop.config import TrainConfig
+from kvpop.geometry import CacheLayout
 from kvpop.policies import Dense, make_policy
 from kvpop.train import PackedDataset, build_training
 
@@ -226,7 +227,7 @@ def run_variant(label: str, teacher, student, policy, rows: PackedDataset, args,
         steps=1000, seq_len=args.tokens, batch_size=1, model_lr=1e-6, scorer_lr=1e-4, top_logits=args.top_logits,
         precision="bf16-mixed" if cuda else "32-true", accelerator="cuda" if cuda else "cpu", activation_checkpointing=True,
     )  # steps: the scorer's schedule length (only the first steps run)
-    training = build_training(teacher, policy, rows, cfg=cfg, budget=args.budget, sinks=args.sinks, window=args.window, seed=0, student=student)
+    training = build_training(teacher, policy, rows, cfg=cfg, layout=CacheLayout(args.budget, args.sinks, args.window), seed=0, student=student)
     timer = Timer(cuda)
     cb = StepTimer(timer, label, args.warmup, cuda)
     saved = {n: getattr(kv_attention, n) for n in WRAPPED}

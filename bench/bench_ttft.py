@@ -54,6 +54,7 @@ def child(args) -> dict:
     import torch
 
     from kvpop.decode.engine import DecodeEngine
+    from kvpop.geometry import CacheLayout
     from kvpop.policies import make_policy
 
     from bench_decode import qwen3_4b, random_ids, sync
@@ -73,7 +74,7 @@ def child(args) -> dict:
     policy.to(dev)
     sync(dev)
     t["model_s"] = time.time() - t0
-    eng = DecodeEngine(model, policy, budget=args.budget, sinks=4, window=256, batch_size=1, compile=args.child != "eager",
+    eng = DecodeEngine(model, policy, layout=CacheLayout(args.budget, 4, 256), batch_size=1, compile=args.child != "eager",
                        compile_mode=args.compile_mode)
     ids = random_ids(1, args.prompt, cfg.vocab_size, 1, dev)
     t0 = time.time()

@@ -18,6 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvpop.decode.engine import DecodeEngine
+from kvpop.geometry import CacheLayout
 from kvpop.policies import make_policy
 
 from bench_decode import fill, qwen3_4b, random_ids
@@ -46,7 +47,7 @@ def main() -> None:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     policy = make_policy("kvpop_mlp", num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim).to(dev)
     fused = {"auto": None, "off": False, "on": True}[args.fused]
-    eng = DecodeEngine(model, policy, budget=2048, sinks=4, window=256, batch_size=args.batch, fused=fused)
+    eng = DecodeEngine(model, policy, layout=CacheLayout(2048, 4, 256), batch_size=args.batch, fused=fused)
     if args.batch == 1:
         eng.prefill(random_ids(1, args.context, cfg.vocab_size, 0, dev))
     else:

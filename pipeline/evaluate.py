@@ -19,6 +19,7 @@ from kvpop import tracking
 from kvpop.evaluate import Candidate, evaluate_fidelity, keep_map, one_pool_twin, pad_records, score_positions
 from kvpop.export import CheckpointError, load_export
 from kvpop.filter import read_jsonl
+from kvpop.geometry import CacheLayout
 from kvpop.modeling import load_model, model_shape
 from kvpop.plots import plot_accuracy_vs_budget, plot_keep_map, plot_memory_curve, plot_occupancy
 from kvpop.policies import make_policy, policy_class
@@ -59,7 +60,7 @@ def candidates(p, base: str, exports: Path, precision: str, device: str):
     return teacher, tok, out
 
 
-def plot_keep_maps(cands, record: dict, path: Path, *, budget: int, sinks: int, window: int) -> None:
+def plot_keep_maps(cands, record: dict, path: Path, *, layout: CacheLayout) -> None:
     """The per-head keep map of every policy with a full-sequence pattern (dense, the rules without
     attention, the trained ones; not the oracles, which read the trace's future) on one trace."""
     ids = torch.tensor(record["input_ids"], device=next(cands[0].model.parameters()).device)[None]
@@ -67,11 +68,10 @@ def plot_keep_maps(cands, record: dict, path: Path, *, budget: int, sinks: int, 
     for c in cands:
         if c.policy.oracle or c.policy.needs_attention:
             continue
-        k = c.policy.long_range_slots(budget=budget, sinks=sinks, window=window, head_dim=model_shape(c.model)["head_dim"])
-        maps[c.name] = keep_map(c.model, c.policy, ids, sinks=sinks, window=window, long_range=k)
+        maps[c.name] = keep_map(c.model, c.policy, ids, layout=layout.for_policy(c.policy, head_dim=model_shape(c.model)["head_dim"]))
     marks = {"definitions": record.get("quote_source_positions", []), "quotes": record.get("quote_positions", [])}
     plot_keep_map(maps, path, marks={k: v for k, v in marks.items() if v},
-                  title=f"KV entries kept per layer and head over one held-out trace ({ids.shape[1]} tokens, budget {budget})\n"
+                  title=f"KV entries kept per layer and head over one held-out trace ({ids.shape[1]} tokens, budget {layout.budget})\n"
                         "colour: share of the rest of the trace a token stays cached")
 
 
@@ -113,7 +113,7 @@ def main() -> None:
             pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
             scored_records = pad_records(fid_records, max(p.train.seq_len, *lengths), pad_id)
         with Progress("fidelity: traces", len(fid_records)) as bar:
-            results = evaluate_fidelity(scored_records, teacher, cands, **common, device=device, progress=lambda i, n: bar.update(i))
+            results = evaluate_fidelity(scored_records, teacher, cands, layout=p.layout, device=device, progress=lambda i, n: bar.update(i))
 
         rc = cfg.rollouts
         # prefer prompts longer than the budget (eviction happens); a budget above every prompt uses them all
@@ -130,10 +130,10 @@ def main() -> None:
                 bar.update(i, policy=c.name)
                 if problems:
                     r = pass_at_1(c.model, tok, c.policy, problems, n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
-                                  max_new_tokens=rc.max_new_tokens, seed=p.seed, **common)
+                                  max_new_tokens=rc.max_new_tokens, seed=p.seed, layout=p.layout)
                     results[c.name].update(pass_at_1=r["pass_at_1"], peak_cache_mb=r["peak_cache_mb"], tokens_per_s=r["tokens_per_s"])
                 if cfg.memory_lengths:
-                    curves[c.name] = memory_curve(c.model, tok, c.policy, curve_prompt, lengths=cfg.memory_lengths, rows=rc.n, **common)
+                    curves[c.name] = memory_curve(c.model, tok, c.policy, curve_prompt, lengths=cfg.memory_lengths, rows=rc.n, layout=p.layout)
             bar.update(len(decoded))
         dense_p1 = results.get("dense", {}).get("pass_at_1")
         for m in results.values():
@@ -151,7 +151,7 @@ def main() -> None:
             probs = [Problem(id=str(r["id"]), prompt_ids=chat_prompt_ids(tok, r["problem"]), gold=str(r["answer"])) for r in rows]
             benchmarks[bench] = {
                 c.name: pass_at_1(c.model, tok, c.policy, probs, n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
-                                  max_new_tokens=rc.max_new_tokens, seed=p.seed, **common)["pass_at_1"]
+                                  max_new_tokens=rc.max_new_tokens, seed=p.seed, layout=p.layout)["pass_at_1"]
                 for c in cands
                 if not c.policy.oracle
             }
@@ -165,7 +165,7 @@ def main() -> None:
         write_json(plots / "budget_points.json", points)  # DVC plot: compare budgets across experiments
         plot_memory_curve(curves, plots / "cache_memory.png")  # no lines where evaluate.memory_lengths is []
         say("keep map: which positions each layer's KV heads keep over the first held-out trace")
-        plot_keep_maps(cands, fid_records[0], plots / "keep_map.png", budget=p.budget, sinks=p.sinks, window=p.window)
+        plot_keep_maps(cands, fid_records[0], plots / "keep_map.png", layout=p.layout)
         by_name = {c.name: c.policy for c in cands}
         plot_occupancy({n: m["occupancy_map"] for n, m in results.items() if "occupancy_map" in m and by_name[n].evicts},
                        plots / "occupancy.png", title=f"entries held per layer and KV head at the traces' end, over the budget {p.budget}")

@@ -50,7 +50,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.base)
     logged = {"policy": args.policy, "budget": p.budget, "sinks": p.sinks, "window": p.window}
     with tracking.stage_run("export", logged, run_name=f"export/{args.policy}") as run:
-        export(model, tok, policy, Path(args.out), budget=p.budget, sinks=p.sinks, window=p.window)
+        export(model, tok, policy, Path(args.out), layout=p.layout)
         run.artifact(Path(args.out) / "kvpop.json")
     console.print(f"exported {args.policy} -> {args.out}")
 

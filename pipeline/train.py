@@ -99,7 +99,7 @@ def main() -> None:
             console.print(f"resuming from {ckpt}")
 
     teacher = load_model(args.base)
-    training = build_training(teacher, args.policy, packed, cfg=cfg, budget=p.budget, sinks=p.sinks, window=p.window, seed=p.seed)
+    training = build_training(teacher, args.policy, packed, cfg=cfg, layout=p.layout, seed=p.seed)
     saver = ResumeCheckpoint(resume_dir, cfg.checkpoint_every)
     out = Path(args.out)
     logged = {"seed": p.seed, "budget": p.budget, "sinks": p.sinks, "window": p.window, "k": training.long_range, "policy": args.policy,

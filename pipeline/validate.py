@@ -45,12 +45,11 @@ def policy_errors(p, base: Path) -> list[str]:
     from kvpop.policies import make_policy
 
     shape = model_shape(SimpleNamespace(config=AutoConfig.from_pretrained(base)))
-    geometry = dict(budget=p.budget, sinks=p.sinks, window=p.window, head_dim=shape["head_dim"])
     errors = []
     for name in p.train.policies:
         pol = make_policy(name, **{k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}, scorer_hidden=p.train.scorer_hidden)
         try:
-            k = pol.long_range_slots(**geometry)
+            k = pol.long_range_slots(p.layout, head_dim=shape["head_dim"])
         except ValueError as err:
             errors.append(f"  budget: {err} (train.policies: {name})")
             continue

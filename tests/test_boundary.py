@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvpop.boundary import boundary_labels, boundary_loss
+from kvpop.geometry import CacheLayout
 from kvpop.scorer import static_priority
 
 from conftest import packed_toy
@@ -39,7 +40,7 @@ def test_labels_match_brute_force(ties, k):
     log_gamma = torch.log(torch.tensor([0.999, 0.9999, 0.999999], dtype=torch.float64))
     if ties:
         log_gamma = torch.zeros(3, dtype=torch.float64)  # keep exact ties in the priority
-    lab = boundary_labels(r, log_gamma, doc, pos, sinks=sinks, window=window, long_range=k)
+    lab = boundary_labels(r, log_gamma, doc, pos, layout=CacheLayout.of(sinks=sinks, window=window, long_range=k))
     got = {(int(a), int(t)): (int(bd), float(y)) for a, t, bd, y in zip(lab.row, lab.t_new, lab.t_bnd, lab.y)}
     ref = brute_labels(r, log_gamma, doc, pos, sinks, window, k)
     assert ref, "the toy must have decided queries"
@@ -53,7 +54,7 @@ def test_loss_gradients_reach_only_scorer_inputs_and_decay():
     theta = torch.zeros(Hk, dtype=torch.float64, requires_grad=True)
     log_gamma = torch.log(0.999 + 0.000999 * torch.sigmoid(theta))
     r_tgt = torch.randn(B, Hk, S)
-    loss, stats = boundary_loss(r_hat, r_tgt, log_gamma, doc, pos, sinks=2, window=4, long_range=3)
+    loss, stats = boundary_loss(r_hat, r_tgt, log_gamma, doc, pos, layout=CacheLayout.of(sinks=2, window=4, long_range=3))
     loss.backward()
     assert stats["decisions"] > 0
     assert r_hat.grad.abs().sum() > 0 and theta.grad.abs().sum() > 0
@@ -64,8 +65,8 @@ def test_loss_is_small_when_student_matches_teacher():
     _, doc, pos = packed_toy(B, S)
     r_tgt = torch.randn(B, Hk, S)
     lg = torch.full((Hk,), -1e-4, dtype=torch.float64)
-    good, s_good = boundary_loss(r_tgt * 50, r_tgt, lg, doc, pos, sinks=2, window=4, long_range=3, tie_margin=0.0)
-    bad, s_bad = boundary_loss(-r_tgt * 50, r_tgt, lg, doc, pos, sinks=2, window=4, long_range=3, tie_margin=0.0)
+    good, s_good = boundary_loss(r_tgt * 50, r_tgt, lg, doc, pos, layout=CacheLayout.of(sinks=2, window=4, long_range=3), tie_margin=0.0)
+    bad, s_bad = boundary_loss(-r_tgt * 50, r_tgt, lg, doc, pos, layout=CacheLayout.of(sinks=2, window=4, long_range=3), tie_margin=0.0)
     assert s_good["agreement"] > 0.95 and s_bad["agreement"] < 0.05
     assert good < 0.05 < bad
 
@@ -80,7 +81,7 @@ def test_regret_weights_are_the_attention_mass_a_wrong_decision_costs():
     r_tgt = torch.randn(B, Hk, S, generator=g) - 3
     r_hat = torch.randn(B, Hk, S, generator=g)
     log_gamma = torch.log(torch.tensor([0.99, 0.999], dtype=torch.float64))
-    loss, _ = boundary_loss(r_hat, r_tgt, log_gamma, doc, pos, sinks=sinks, window=window, long_range=k, tau=0.7, weighting="regret")
+    loss, _ = boundary_loss(r_hat, r_tgt, log_gamma, doc, pos, layout=CacheLayout.of(sinks=sinks, window=window, long_range=k), tau=0.7, weighting="regret")
     lab = brute_labels(r_tgt, log_gamma, doc, pos, sinks, window, k)
     per_head: dict[int, list[tuple[float, float]]] = {}
     for (row, t_new), (t_bnd, y) in lab.items():
@@ -101,14 +102,14 @@ def test_uniform_weights_are_the_plain_mean_of_the_logistic_losses():
     g = torch.Generator().manual_seed(5)
     r_tgt, r_hat = torch.randn(B, Hk, S, generator=g), torch.randn(B, Hk, S, generator=g)
     log_gamma = torch.log(torch.tensor([0.99, 0.999], dtype=torch.float64))
-    loss, _ = boundary_loss(r_hat, r_tgt, log_gamma, doc, pos, sinks=sinks, window=window, long_range=k, tau=0.7, weighting="uniform")
+    loss, _ = boundary_loss(r_hat, r_tgt, log_gamma, doc, pos, layout=CacheLayout.of(sinks=sinks, window=window, long_range=k), tau=0.7, weighting="uniform")
     terms = []
     for (row, t_new), (t_bnd, y) in brute_labels(r_tgt, log_gamma, doc, pos, sinks, window, k).items():
         b, h = divmod(row, Hk)
         delta = r_hat[b, h, t_new].item() - r_hat[b, h, t_bnd].item() + (t_bnd - t_new) * log_gamma[h].item()
         terms.append(torch.nn.functional.softplus(torch.tensor(-y * delta / 0.7, dtype=torch.float64)).item())
     assert len(terms) > 10 and loss.item() == pytest.approx(sum(terms) / len(terms), rel=1e-5)
-    paper = boundary_loss(r_hat, r_tgt, log_gamma, doc, pos, sinks=sinks, window=window, long_range=k, tau=0.7)[0].item()
+    paper = boundary_loss(r_hat, r_tgt, log_gamma, doc, pos, layout=CacheLayout.of(sinks=sinks, window=window, long_range=k), tau=0.7)[0].item()
     assert loss.item() != pytest.approx(paper, rel=1e-3)  # not the paper's weights
 
 
@@ -127,7 +128,7 @@ def test_regret_weighting_keeps_a_rarely_but_badly_needed_token(weighting, direc
     doc, pos = torch.zeros(1, S, dtype=torch.long), torch.arange(S)[None]
     a = torch.zeros((), requires_grad=True)
     r_hat = a * is_a.float()[None, None]
-    loss, _ = boundary_loss(r_hat, r_tgt, torch.zeros(1, dtype=torch.float64), doc, pos, sinks=sinks, window=window, long_range=k,
+    loss, _ = boundary_loss(r_hat, r_tgt, torch.zeros(1, dtype=torch.float64), doc, pos, layout=CacheLayout.of(sinks=sinks, window=window, long_range=k),
                             weighting=weighting)
     loss.backward()
     assert torch.sign(-a.grad).item() == direction  # gradient descent moves a this way

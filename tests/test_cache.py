@@ -11,6 +11,7 @@ from kvpop.selection import eviction_times
 
 SINKS, WINDOW, K = 2, 8, 6
 BUDGET = SINKS + WINDOW + K
+LAYOUT = CacheLayout(BUDGET, SINKS, WINDOW)  # K long-range slots
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -38,7 +39,7 @@ def training_logits(model, policy, ids, *, sinks=SINKS, window=WINDOW, k=K):
     """The training-time masked forward: one document, pos = arange, SDPA executor."""
     B, S = ids.shape
     pos = torch.arange(S).expand(B, S)
-    ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, sinks=sinks, window=window, long_range=k, executor="sdpa")
+    ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, layout=CacheLayout.of(sinks=sinks, window=window, long_range=k), executor="sdpa")
     with torch.no_grad():
         return model(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits
 
@@ -49,7 +50,7 @@ def test_decoding_equals_training_pattern(model, policy_name, prefill):
     policy = policies()[policy_name]
     ids = torch.randint(0, 96, (2, 80), generator=torch.Generator().manual_seed(2))
     ref = training_logits(model, policy, ids)
-    got = teacher_forced_logits(model, policy, ids, budget=BUDGET, sinks=SINKS, window=WINDOW, prefill=prefill)
+    got = teacher_forced_logits(model, policy, ids, layout=LAYOUT, prefill=prefill)
     assert (got - ref).abs().max() < 1e-4
     # the pattern matters: dense attention gives other logits
     assert (training_logits(model, Dense(), ids) - ref).abs().max() > 1e-2
@@ -66,7 +67,7 @@ def test_budget_above_length_is_dense(model, prefill):
     for policy in policies().values():
         if policy.gated:  # a gate evicts at the window whatever the budget (covered by the other tests)
             continue
-        got = teacher_forced_logits(model, policy, ids, budget=48, sinks=SINKS, window=WINDOW, prefill=prefill)
+        got = teacher_forced_logits(model, policy, ids, layout=CacheLayout(48, SINKS, WINDOW), prefill=prefill)
         assert (got - dense).abs().max() < 1e-4
     assert (dense - plain).abs().max() < 1e-4
 
@@ -101,7 +102,7 @@ def test_stored_tokens_follow_eviction_times(prefill, sinks, window, k, tie_poli
 
 
 def test_memory_is_flat(model):
-    cache = BoundedCache(model.config, StreamingLLM(), budget=BUDGET, sinks=SINKS, window=WINDOW)
+    cache = BoundedCache(model.config, StreamingLLM(), layout=LAYOUT)
     ids = torch.randint(0, 96, (2, 4))
     sizes = {}
     with torch.no_grad():
@@ -119,15 +120,15 @@ def test_memory_is_flat(model):
 def test_model_generate_batch2_greedy(model):
     ids = torch.randint(0, 96, (2, 30), generator=torch.Generator().manual_seed(5))
     policy = policies()["mlp"]
-    cache = BoundedCache(model.config, policy, budget=BUDGET, sinks=SINKS, window=WINDOW)
+    cache = BoundedCache(model.config, policy, layout=LAYOUT)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=20,
                          do_sample=False, pad_token_id=0, eos_token_id=None)
     assert out.shape == (2, 50) and cache.get_seq_length() == 49
     # the generated tokens are the greedy choices under the same cache, token by token
-    logits = teacher_forced_logits(model, policy, out[:, :-1], budget=BUDGET, sinks=SINKS, window=WINDOW, prefill=30)
+    logits = teacher_forced_logits(model, policy, out[:, :-1], layout=LAYOUT, prefill=30)
     assert torch.equal(logits[:, 29:].argmax(-1), out[:, 30:])
     # with budget >= length the bounded cache generates exactly what the dense cache does
-    big = BoundedCache(model.config, policy, budget=64, sinks=SINKS, window=WINDOW)
+    big = BoundedCache(model.config, policy, layout=CacheLayout(64, SINKS, WINDOW))
     a = model.generate(ids, past_key_values=big, max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
     b = model.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
     assert torch.equal(a, b)
@@ -135,25 +136,25 @@ def test_model_generate_batch2_greedy(model):
 
 def test_unsupported_uses_fail_clearly(model):
     ids = torch.randint(0, 96, (2, 12))
-    cache = BoundedCache(model.config, StreamingLLM(), budget=BUDGET, sinks=SINKS, window=WINDOW)
+    cache = BoundedCache(model.config, StreamingLLM(), layout=LAYOUT)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     with pytest.raises(NotImplementedError, match="padded"), torch.no_grad():
         model(input_ids=ids, attention_mask=mask, past_key_values=cache)
-    cache = BoundedCache(model.config, StreamingLLM(), budget=BUDGET, sinks=SINKS, window=WINDOW)
+    cache = BoundedCache(model.config, StreamingLLM(), layout=LAYOUT)
     with torch.no_grad():
         model(input_ids=ids, past_key_values=cache)
         with pytest.raises(NotImplementedError, match="one at a time"):
             model(input_ids=ids[:, :2], past_key_values=cache)
-    with pytest.raises(ValueError, match="budget >= sinks \\+ window"):
-        BoundedCache(model.config, StreamingLLM(), budget=5, sinks=2, window=8)
+    with pytest.raises(ValueError, match=r"budget \(5\) must be >= sinks \+ window = 2 \+ 8"):
+        BoundedCache(model.config, StreamingLLM(), layout=CacheLayout(5, 2, 8))
     with pytest.raises(ValueError, match="never evicts"):
-        BoundedCache(model.config, Dense(), budget=BUDGET, sinks=SINKS, window=WINDOW)
+        BoundedCache(model.config, Dense(), layout=LAYOUT)
 
 
 def test_model_without_enable_is_rejected(tiny_model):
     plain = tiny_model("llama")  # sdpa, no hook
-    cache = BoundedCache(plain.config, StreamingLLM(), budget=BUDGET, sinks=SINKS, window=WINDOW)
+    cache = BoundedCache(plain.config, StreamingLLM(), layout=LAYOUT)
     ids = torch.randint(0, 96, (1, 5))
     with torch.no_grad():
         plain(input_ids=ids, past_key_values=cache)
@@ -177,11 +178,11 @@ def kvpop_policy():
 @pytest.mark.parametrize("prefill", [1, 30])  # 30 > KVPOP_BUDGET: the prompt already evicts
 def test_kvpop_decoding_equals_training_pattern(model, prefill):
     policy = kvpop_policy()
-    k = policy.long_range_slots(budget=KVPOP_BUDGET, sinks=SINKS, window=WINDOW, head_dim=16)
+    k = policy.long_range_slots(layout=CacheLayout(KVPOP_BUDGET, SINKS, WINDOW), head_dim=16)
     assert k == K
     ids = torch.randint(0, 96, (2, 80), generator=torch.Generator().manual_seed(2))
     ref = training_logits(model, policy, ids, k=k)
-    got = teacher_forced_logits(model, policy, ids, budget=KVPOP_BUDGET, sinks=SINKS, window=WINDOW, prefill=prefill)
+    got = teacher_forced_logits(model, policy, ids, layout=CacheLayout(KVPOP_BUDGET, SINKS, WINDOW), prefill=prefill)
     assert (got - ref).abs().max() < 1e-4
     # the learned scores matter: recency at the same k gives other logits
     assert (training_logits(model, StreamingLLM(), ids, k=k) - ref).abs().max() > 1e-2

@@ -29,12 +29,12 @@ def test_capabilities():
         mlp.init_state(0, 1, "cpu")  # a static rule has no delayed hooks
     cfg = tiny_config("llama")
     with pytest.raises(ValueError, match="never evicts"):
-        BoundedCache(cfg, make_policy("dense"), budget=20, sinks=2, window=8)
+        BoundedCache(cfg, make_policy("dense"), layout=CacheLayout(20, 2, 8))
     # the cache takes the policy's k at the nominal budget
-    assert BoundedCache(cfg, kvpop, budget=20, sinks=2, window=8).long_range == kvpop.long_range_slots(budget=20, sinks=2, window=8, head_dim=16) == 9
-    assert BoundedCache(cfg, mlp, budget=20, sinks=2, window=8).long_range == 10
+    assert BoundedCache(cfg, kvpop, layout=CacheLayout(20, 2, 8)).long_range == kvpop.long_range_slots(layout=CacheLayout(20, 2, 8), head_dim=16) == 9
+    assert BoundedCache(cfg, mlp, layout=CacheLayout(20, 2, 8)).long_range == 10
     with pytest.raises(ValueError, match="no long-range slot"):
-        BoundedCache(cfg, kvpop, budget=11, sinks=2, window=8)
+        BoundedCache(cfg, kvpop, layout=CacheLayout(11, 2, 8))
 
 
 def test_prompt_state_equals_stepping():
@@ -112,8 +112,8 @@ def test_memory_is_flat_and_matches_the_mlp_variant(tiny_model):
     budget, sinks, window = 25, 2, 8
     kvpop = kvpop_policy(16, gate_std=0.2, d=16)  # state 16 x 16 + 16 + 1 = 273 numbers = 9 slots' worth
     mlp = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
-    cache = BoundedCache(model.config, kvpop, budget=budget, sinks=sinks, window=window)
-    ref = BoundedCache(model.config, mlp, budget=budget, sinks=sinks, window=window)
+    cache = BoundedCache(model.config, kvpop, layout=CacheLayout(budget, sinks, window))
+    ref = BoundedCache(model.config, mlp, layout=CacheLayout(budget, sinks, window))
     ids = torch.randint(0, 96, (2, 4), generator=torch.Generator().manual_seed(0))
     sizes = {}
     with torch.no_grad():

@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from kvpop.attention import ScorerTraining, SparseContext, register
+from kvpop.geometry import CacheLayout
 from kvpop.policies import Dense, make_policy
 from kvpop.train import prediction_mask, topk_kl
 
 from conftest import packed_toy
 
 SINKS, WINDOW, K = 2, 6, 5
+LAYOUT = CacheLayout.of(sinks=SINKS, window=WINDOW, long_range=K)
 
 
 @dataclass
@@ -70,11 +72,11 @@ def train_step(teacher, student, policy, ids, doc, pos, *, checkpointing: bool):
     policy.scores = counted_scores
     mask = prediction_mask((doc >= 0).long(), doc)
     with torch.no_grad():
-        t_ctx = SparseContext.for_rows(Dense(), doc, pos, sinks=SINKS, window=WINDOW, long_range=K, executor=executor)
+        t_ctx = SparseContext.for_rows(Dense(), doc, pos, layout=LAYOUT, executor=executor)
         top_vals, top_idx = teacher(input_ids=ids, position_ids=pos, kvpop_ctx=t_ctx).logits.topk(16, dim=-1)
     gen = torch.Generator().manual_seed(7)
     st = ScorerTraining(query_samples=3, generator=gen) if policy.learned else None
-    ctx = CountingContext.for_rows(policy, doc, pos, sinks=SINKS, window=WINDOW, long_range=K, scorer_training=st, executor=executor)
+    ctx = CountingContext.for_rows(policy, doc, pos, layout=LAYOUT, scorer_training=st, executor=executor)
     logits = student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits
     loss = topk_kl(logits, top_vals, top_idx, mask)
     if ctx.losses:
@@ -128,7 +130,7 @@ def test_checkpointing_gives_the_same_loss_and_gradients(device, model_type, pol
 def test_a_context_serves_one_forward(tiny_models):
     ids, doc, pos = packed_toy(2, 32, seed=5)
     teacher, _ = tiny_models("qwen3")
-    ctx = SparseContext.for_rows(tiny_policy("kvpop_mlp"), doc, pos, sinks=SINKS, window=WINDOW, long_range=K)
+    ctx = SparseContext.for_rows(tiny_policy("kvpop_mlp"), doc, pos, layout=LAYOUT)
     with torch.no_grad():
         teacher(input_ids=ids, position_ids=pos, kvpop_ctx=ctx)
         with pytest.raises(RuntimeError, match="one forward pass"):
@@ -140,7 +142,7 @@ def test_reentrant_checkpointing_is_refused(tiny_models):
     _, student = tiny_models("qwen3")
     student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     policy = tiny_policy("kvpop_mlp")
-    ctx = SparseContext.for_rows(policy, doc, pos, sinks=SINKS, window=WINDOW, long_range=K, scorer_training=ScorerTraining())
+    ctx = SparseContext.for_rows(policy, doc, pos, layout=LAYOUT, scorer_training=ScorerTraining())
     logits = student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits
     with pytest.raises(RuntimeError, match="use_reentrant"):
         (logits.float().pow(2).mean() + torch.stack(ctx.losses).mean()).backward()

@@ -7,6 +7,7 @@ import torch
 
 from kvpop.cli import main
 from kvpop.export import export
+from kvpop.geometry import CacheLayout
 from kvpop.modeling import load_model
 from kvpop.policies import make_policy
 
@@ -19,7 +20,7 @@ def exported(tiny_llama_dir, tiny_tokenizer, tmp_path_factory):
     torch.manual_seed(3)
     policy = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
     out = tmp_path_factory.mktemp("cli") / "export"
-    export(model, tiny_tokenizer, policy, out, budget=24, sinks=2, window=8)
+    export(model, tiny_tokenizer, policy, out, layout=CacheLayout(24, 2, 8))
     return out
 
 
@@ -115,8 +116,9 @@ def test_errors_exit_2(exported, tmp_path, capsys):
         (["generate", "--checkpoint", str(exported), "--policy", "tova", "--budget", "16", "--prompt-file", str(empty)], "empty prompt"),
         (["generate", "--checkpoint", str(exported), "--policy", "tova", "--budget", "5", "--prompt", "x"], "--budget 5"),
         # budget = sinks + window (2 + 8): no long-range slot, which params.yaml rejects too
-        (["generate", "--checkpoint", str(exported), "--policy", "tova", "--budget", "10", "--prompt", "x"], "--budget 10 must exceed"),
-        (["score", "--checkpoint", str(exported), "--policy", "tova", "--budget", "16", "--window", "0", str(bad_rows)], "--window >= 1"),
+        (["generate", "--checkpoint", str(exported), "--policy", "tova", "--budget", "10", "--prompt", "x"],
+         "--budget 10 --sinks 2 --window 8: budget (10) must be >= sinks + window + 1"),
+        (["score", "--checkpoint", str(exported), "--policy", "tova", "--budget", "16", "--window", "0", str(bad_rows)], "--window 0: need window >= 1"),
         (["generate", "--checkpoint", str(exported), "--policy", "streaming_llm_plus", "--budget", "16", "--prompt", "x"],
          "needs an export folder trained with it"),
         (["generate", "--checkpoint", str(exported), "--policy", "tova", "--budget", "16", "--prompt", "x", "--path", "engine"],
@@ -164,7 +166,7 @@ def test_budget_error_comes_before_the_model_loads(exported, tmp_path, capsys):
     (ckpt / "model.safetensors").write_bytes(b"not a safetensors file")
     assert main(["generate", "--checkpoint", str(ckpt), "--policy", "tova", "--budget", "9", "--prompt", "x"]) == 2
     err = capsys.readouterr().err
-    assert "--budget 9 must exceed sinks + window = 2 + 8" in err and "model.safetensors" not in err
+    assert "--budget 9 --sinks 2 --window 8: budget (9) must be >= sinks + window + 1 = 2 + 8 + 1" in err and "model.safetensors" not in err
 
 
 def test_one_pool_generate_and_score(tiny_llama_dir, tiny_tokenizer, tmp_path, capsys):
@@ -175,7 +177,7 @@ def test_one_pool_generate_and_score(tiny_llama_dir, tiny_tokenizer, tmp_path, c
     for layer in policy.scorer.layers:  # a scorer that ranks (the untrained one gives every head the same order)
         torch.nn.init.normal_(layer.w2, std=2.0)
     exported = tmp_path / "export"
-    export(load_model(tiny_llama_dir), tiny_tokenizer, policy, exported, budget=24, sinks=2, window=8)
+    export(load_model(tiny_llama_dir), tiny_tokenizer, policy, exported, layout=CacheLayout(24, 2, 8))
     assert gen(exported, "kvpop_mlp", "--prompt", "Recall v1 =", "--one-pool") == 0
     err = capsys.readouterr().err
     assert "kvpop_mlp, one pool budget 16 (sinks 2, window 8)" in err and "reference path" in err

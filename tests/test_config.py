@@ -17,7 +17,7 @@ def raw():
 
 def test_repo_params_are_valid():
     p = load_params(ROOT / "params.yaml")
-    assert p.long_range == p.budget - p.sinks - p.window > 0
+    assert p.layout.long_range == p.budget - p.sinks - p.window > 0
 
 
 def test_train_stage_depends_on_every_key_that_changes_a_training():
@@ -106,7 +106,7 @@ def test_target_reaches_scorer_training(value, spec):
     r["train"]["target"] = value
     p = parse_params(r)
     assert p.train.target == spec
-    st = TrainSettings.from_config(p.train, sinks=p.sinks, window=p.window, long_range=p.long_range, seed=0).scorer_training
+    st = TrainSettings.from_config(p.train, layout=p.layout, seed=0).scorer_training
     assert st.target == spec
     assert p.train.model_dump()["target"] == spec.model_dump()  # the run's recorded params: the nested fields
 
@@ -121,7 +121,7 @@ def test_boundary_weight_reaches_scorer_training(weighting):
     assert parse_params(r).train.boundary_weight == "tie"
     r["train"]["boundary_weight"] = weighting
     p = parse_params(r)
-    st = TrainSettings.from_config(p.train, sinks=p.sinks, window=p.window, long_range=p.long_range, seed=0).scorer_training
+    st = TrainSettings.from_config(p.train, layout=p.layout, seed=0).scorer_training
     assert st.weighting == weighting
 
 

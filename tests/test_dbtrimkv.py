@@ -20,6 +20,7 @@ from kvpop.attention import SparseContext
 from kvpop.decode import BoundedCache, enable, engine_refusal, generate, new_cache, teacher_forced_logits
 from kvpop.decode.one_pool import OnePoolCache
 from kvpop.evaluate import Candidate, captured_forward, evaluate_fidelity, pool_fixed_point
+from kvpop.geometry import CacheLayout
 from kvpop.policies import make_policy
 from kvpop.policies.dbtrimkv import global_capacity_loss
 from kvpop.policies.trimkv import INIT_LOGIT, capacity_loss
@@ -31,6 +32,7 @@ from conftest import packed_toy
 
 SINKS, WINDOW, K = 2, 6, 5
 BUDGET = SINKS + WINDOW + K
+LAYOUT = CacheLayout(BUDGET, SINKS, WINDOW)  # K long-range slots
 
 
 def literal_global_eviction_times(log_beta, doc_ids, pos, sinks, window, k, decays=True):
@@ -200,11 +202,11 @@ def llama(tiny_model):
 def test_decoding_equals_the_fixed_point(llama, tied):
     policy = random_gate(seed=1, tied=tied)
     ids = torch.randint(0, 96, (1, 80), generator=torch.Generator().manual_seed(2))
-    ref, evict = captured_forward(llama, policy, ids, sinks=SINKS, window=WINDOW, long_range=K)
+    ref, evict = captured_forward(llama, policy, ids, layout=LAYOUT)
     for prefill in (1, 13, 30):  # 30: the cache takes the first budget tokens at once, the rest one at a time
-        got = teacher_forced_logits(llama, policy, ids, budget=BUDGET, sinks=SINKS, window=WINDOW, prefill=prefill)
+        got = teacher_forced_logits(llama, policy, ids, layout=LAYOUT, prefill=prefill)
         assert (got[0] - ref).abs().max() < 1e-4, prefill
-    recency, _ = captured_forward(llama, make_policy("streaming_llm"), ids, sinks=SINKS, window=WINDOW, long_range=K)
+    recency, _ = captured_forward(llama, make_policy("streaming_llm"), ids, layout=LAYOUT)
     assert (recency - ref).abs().max() > 1e-3  # not recency
     held = (evict > ids.shape[1] - 1).sum(-1)  # (L, Hk) entries attendable by the last query
     assert held.sum() == 2 * 2 * BUDGET and held.max() > BUDGET  # the pool is full and split unevenly
@@ -215,7 +217,7 @@ def counted_fixed_point(model, policy, ids):
     calls = []
     hook = model.register_forward_pre_hook(lambda *_: calls.append(1))
     try:
-        return pool_fixed_point(model, policy, ids, sinks=SINKS, window=WINDOW, long_range=K)[0][:, 0], calls
+        return pool_fixed_point(model, policy, ids, layout=LAYOUT)[0][:, 0], calls
     finally:
         hook.remove()
 
@@ -225,14 +227,14 @@ def test_the_fixed_point_is_reached_in_few_forwards_and_is_one(llama):
     S = 80
     ids = torch.randint(0, 96, (1, S), generator=torch.Generator().manual_seed(2))
     evict, calls = counted_fixed_point(llama, policy, ids)
-    logits, captured = captured_forward(llama, policy, ids, sinks=SINKS, window=WINDOW, long_range=K)
+    logits, captured = captured_forward(llama, policy, ids, layout=LAYOUT)
     assert torch.equal(captured, evict)
     assert 2 <= len(calls) <= math.ceil((S - BUDGET) / WINDOW) + 1
     pos = torch.arange(S)[None]
     doc = torch.zeros_like(pos)
     evict_n, forwards = None, 0  # the iteration, by hand: forward under E_n, simulate E_n+1, until E_n+1 = E_n
     while True:
-        ctx = SparseContext.for_rows(policy, doc, pos, sinks=SINKS, window=WINDOW, long_range=K, global_evict=evict_n)
+        ctx = SparseContext.for_rows(policy, doc, pos, layout=LAYOUT, global_evict=evict_n)
         with torch.no_grad():
             llama(input_ids=ids, position_ids=pos, kvpop_ctx=ctx)
         forwards += 1
@@ -242,7 +244,7 @@ def test_the_fixed_point_is_reached_in_few_forwards_and_is_one(llama):
             break
         evict_n = new
     assert torch.equal(evict_n[:, 0], evict) and len(calls) == forwards > 2  # no forward more than the iteration needs
-    ctx = SparseContext.for_rows(policy, doc, pos, sinks=SINKS, window=WINDOW, long_range=K, global_evict=evict[:, None])
+    ctx = SparseContext.for_rows(policy, doc, pos, layout=LAYOUT, global_evict=evict[:, None])
     with torch.no_grad():
         again = llama(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits[0]
     prio = torch.stack([ctx.global_prio[i] for i in sorted(ctx.global_prio)])  # (L, 1, Hk, S)
@@ -266,20 +268,20 @@ def test_the_batched_fixed_point_equals_one_trace_at_a_time(llama):
     evaluate_fidelity's batched patterns, equal each trace's own fixed point."""
     policy = random_gate(seed=3, tied=True)
     ids = torch.randint(0, 96, (3, 72), generator=torch.Generator().manual_seed(7))
-    batched, _ = pool_fixed_point(llama, policy, ids, sinks=SINKS, window=WINDOW, long_range=K)  # (L, 3, Hk, S)
-    singles = [captured_forward(llama, policy, ids[r : r + 1], sinks=SINKS, window=WINDOW, long_range=K) for r in range(3)]
+    batched, _ = pool_fixed_point(llama, policy, ids, layout=LAYOUT)  # (L, 3, Hk, S)
+    singles = [captured_forward(llama, policy, ids[r : r + 1], layout=LAYOUT) for r in range(3)]
     for r, (_, evict) in enumerate(singles):
         assert torch.equal(batched[:, r], evict), r
     assert not torch.equal(batched[:, 0], batched[:, 1])  # the rows' patterns are their own
     recs = [{"input_ids": row.tolist(), "loss_mask": [0] + [1] * (ids.shape[1] - 1)} for row in ids]
     recs.append({"input_ids": ids[0, :50].tolist(), "loss_mask": [0] + [1] * 49})  # another length: its own batch
     cand = [Candidate("dbtrimkv", llama, policy)]
-    got = {b: evaluate_fidelity(recs, llama, cand, budget=BUDGET, sinks=SINKS, window=WINDOW, pool_batch=b)["dbtrimkv"] for b in (1, 2, 8)}
+    got = {b: evaluate_fidelity(recs, llama, cand, layout=LAYOUT, pool_batch=b)["dbtrimkv"] for b in (1, 2, 8)}
     for b in (2, 8):
         for key in ("kl", "quote_accuracy", "top1_agreement", "occupancy"):
             assert got[b][key] == pytest.approx(got[1][key], rel=1e-5, abs=1e-7), (b, key)
     kl = 0.0
-    for rec, (logits, _) in zip(recs, singles + [captured_forward(llama, policy, ids[:1, :50], sinks=SINKS, window=WINDOW, long_range=K)]):
+    for rec, (logits, _) in zip(recs, singles + [captured_forward(llama, policy, ids[:1, :50], layout=LAYOUT)]):
         ref = torch.log_softmax(llama(input_ids=torch.tensor([rec["input_ids"]])).logits[0].float(), -1)
         kl += (ref.exp() * (ref - torch.log_softmax(logits, -1))).sum(-1)[:-1].sum().item()
     assert got[8]["kl"] == pytest.approx(kl / sum(len(r["input_ids"]) - 1 for r in recs), rel=1e-4)
@@ -288,10 +290,10 @@ def test_the_batched_fixed_point_equals_one_trace_at_a_time(llama):
 def test_generate_equals_a_greedy_loop_over_the_fixed_point(llama, tiny_tokenizer):
     policy = random_gate(seed=4)
     prompt = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(5))
-    new, _ = generate(llama, tiny_tokenizer, policy, prompt, budget=BUDGET, sinks=SINKS, window=WINDOW, max_new_tokens=6, path="reference")
+    new, _ = generate(llama, tiny_tokenizer, policy, prompt, layout=LAYOUT, max_new_tokens=6, path="reference")
     seq = prompt[0].tolist()
     for _ in range(6):
-        logits, _ = captured_forward(llama, policy, torch.tensor([seq]), sinks=SINKS, window=WINDOW, long_range=K)
+        logits, _ = captured_forward(llama, policy, torch.tensor([seq]), layout=LAYOUT)
         seq.append(int(logits[-1].argmax()))
     assert new[0].tolist() == seq[40:]
 
@@ -299,14 +301,14 @@ def test_generate_equals_a_greedy_loop_over_the_fixed_point(llama, tiny_tokenize
 def test_the_one_pool_cache(llama):
     policy = random_gate(seed=1)
     ids = torch.randint(0, 96, (2, 60), generator=torch.Generator().manual_seed(6))
-    cache = new_cache(llama, policy, budget=BUDGET, sinks=SINKS, window=WINDOW)
+    cache = new_cache(llama, policy, layout=LAYOUT)
     assert isinstance(cache, OnePoolCache)
     with pytest.raises(NotImplementedError, match=rf"budget \({BUDGET}\)"), torch.no_grad():
         llama(input_ids=ids[:, : BUDGET + 1], past_key_values=cache)
-    cache = new_cache(llama, policy, budget=BUDGET, sinks=SINKS, window=WINDOW)
-    got = teacher_forced_logits(llama, policy, ids, budget=BUDGET, sinks=SINKS, window=WINDOW, prefill=BUDGET, cache=cache)
+    cache = new_cache(llama, policy, layout=LAYOUT)
+    got = teacher_forced_logits(llama, policy, ids, layout=LAYOUT, prefill=BUDGET, cache=cache)
     for row in range(2):  # each row has its own pool
-        ref, _ = captured_forward(llama, policy, ids[row : row + 1], sinks=SINKS, window=WINDOW, long_range=K)
+        ref, _ = captured_forward(llama, policy, ids[row : row + 1], layout=LAYOUT)
         assert (got[row] - ref).abs().max() < 1e-4
     occ = cache.occupancy()  # (L, Hk)
     L, Hk, D = 2, 2, 16
@@ -327,9 +329,9 @@ def test_the_per_head_cache_is_not_offered_for_the_pool(llama):
     policy = random_gate(seed=1)
     assert "OnePoolCache" in engine_refusal(llama, policy)
     with pytest.raises((ValueError, NotImplementedError)):
-        BoundedCache(llama.config, policy, budget=BUDGET, sinks=SINKS, window=WINDOW)
+        BoundedCache(llama.config, policy, layout=LAYOUT)
     with pytest.raises(ValueError, match="per-head budget"):
-        OnePoolCache(llama.config, make_policy("streaming_llm"), budget=BUDGET, sinks=SINKS, window=WINDOW)
+        OnePoolCache(llama.config, make_policy("streaming_llm"), layout=LAYOUT)
 
 
 def loop_capacity_loss(log_beta, doc, pos, sinks, window, k):
@@ -358,10 +360,10 @@ def test_global_capacity_loss_matches_a_loop():
     k = 2
     scale = torch.tensor([[0.02, 0.8], [0.05, 0.3]], dtype=torch.float64)  # per (layer, head): some retain more than k, some less
     lbs = [(-torch.rand(2, 2, 40, generator=g, dtype=torch.float64) * scale[layer, :, None]).requires_grad_(True) for layer in range(2)]
-    got = global_capacity_loss(lbs, doc, pos, sinks=SINKS, window=WINDOW, long_range=k, chunk=7)
+    got = global_capacity_loss(lbs, doc, pos, layout=CacheLayout.of(sinks=SINKS, window=WINDOW, long_range=k), chunk=7)
     want = loop_capacity_loss(lbs, doc, pos, SINKS, WINDOW, k)
     assert want > 0 and math.isclose(got.item(), want, rel_tol=1e-9)
-    per_head = torch.stack([capacity_loss(lb, doc, pos, sinks=SINKS, window=WINDOW, long_range=k) for lb in lbs]).mean()
+    per_head = torch.stack([capacity_loss(lb, doc, pos, layout=CacheLayout.of(sinks=SINKS, window=WINDOW, long_range=k)) for lb in lbs]).mean()
     assert per_head.item() > want * 1.05  # the pool lets the heads that retain less make room for the others
     got.backward()
     assert all((lb.grad >= 0).all() for lb in lbs) and sum(lb.grad.sum() for lb in lbs) > 0  # more retention costs more
@@ -369,17 +371,18 @@ def test_global_capacity_loss_matches_a_loop():
     policy = make_policy("dbtrimkv", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
     x = [torch.special.logit(lb.detach().exp()) for lb in lbs]  # gate logits whose log beta are lbs
     loss, logs = policy.gate_loss(
-        [policy.relax(xi) for xi in x], doc_ids=doc, pos=pos, sinks=SINKS, window=WINDOW, long_range=k, weight=0.5, ramp=0.5, progress=1.0
+        [policy.relax(xi) for xi in x], doc_ids=doc, pos=pos, layout=CacheLayout.of(sinks=SINKS, window=WINDOW, long_range=k),
+        weight=0.5, ramp=0.5, progress=1.0,
     )
     assert math.isclose(loss.item(), 0.5 * want, rel_tol=1e-6) and math.isclose(logs["capacity_loss"].item(), want, rel_tol=1e-6)
 
     one = [lbs[0][:, :1].detach()]  # one layer, one head: trimkv's per-head loss
     assert math.isclose(
-        global_capacity_loss(one, doc, pos, sinks=SINKS, window=WINDOW, long_range=k).item(),
-        capacity_loss(one[0], doc, pos, sinks=SINKS, window=WINDOW, long_range=k).item(),
+        global_capacity_loss(one, doc, pos, layout=CacheLayout.of(sinks=SINKS, window=WINDOW, long_range=k)).item(),
+        capacity_loss(one[0], doc, pos, layout=CacheLayout.of(sinks=SINKS, window=WINDOW, long_range=k)).item(),
         rel_tol=1e-12,
     )
-    assert capacity_loss(one[0], doc, pos, sinks=SINKS, window=WINDOW, long_range=k) > 0
+    assert capacity_loss(one[0], doc, pos, layout=CacheLayout.of(sinks=SINKS, window=WINDOW, long_range=k)) > 0
 
 
 def test_one_head_may_hold_more_than_k_if_the_pool_has_room():
@@ -388,8 +391,8 @@ def test_one_head_may_hold_more_than_k_if_the_pool_has_room():
     lb = torch.stack([torch.zeros(1, S), torch.full((1, S), -30.0)], 1).double()  # (1, 2, S): head 0 keeps all, head 1 nothing
     # head 0 holds up to S - WINDOW - SINKS = 16 tokens: more than k, within the pool of 2k
     assert k < S - WINDOW - SINKS <= 2 * k
-    assert global_capacity_loss([lb], doc, pos, sinks=SINKS, window=WINDOW, long_range=k).item() == 0
-    assert capacity_loss(lb, doc, pos, sinks=SINKS, window=WINDOW, long_range=k) > 0
+    assert global_capacity_loss([lb], doc, pos, layout=CacheLayout.of(sinks=SINKS, window=WINDOW, long_range=k)).item() == 0
+    assert capacity_loss(lb, doc, pos, layout=CacheLayout.of(sinks=SINKS, window=WINDOW, long_range=k)) > 0
 
 
 def test_the_tied_gate():
@@ -421,7 +424,7 @@ def test_training_updates_the_gate_only_and_exports(tmp_path, tiny_tokenizer):
     teacher, _ = tiny_pair()
     ids, doc, pos = packed_toy(4, 64)
     cfg = TrainConfig(steps=2, batch_size=2, top_logits=16, scorer_hidden=8, model_lr=1e-3, precision="32-true", accelerator="cpu")
-    training = build_training(teacher, "dbtrimkv", PackedDataset(ids, doc, pos, (doc >= 0).long()), cfg=cfg, budget=13, sinks=SINKS, window=WINDOW, seed=0)
+    training = build_training(teacher, "dbtrimkv", PackedDataset(ids, doc, pos, (doc >= 0).long()), cfg=cfg, layout=CacheLayout(13, SINKS, WINDOW), seed=0)
     before = copy.deepcopy(training.student.state_dict())
     gate_before = copy.deepcopy(training.policy.state_dict())
     trainer = training.fit(enable_progress_bar=False, default_root_dir=tmp_path)
@@ -431,7 +434,7 @@ def test_training_updates_the_gate_only_and_exports(tmp_path, tiny_tokenizer):
     assert "train/capacity_loss" in m and 0 < float(m["train/beta_mean"]) <= 1 and "train/score_loss" not in m
 
     policy = training.policy
-    export(training.student, tiny_tokenizer, policy, tmp_path / "export", budget=13, sinks=SINKS, window=WINDOW)
+    export(training.student, tiny_tokenizer, policy, tmp_path / "export", layout=CacheLayout(13, SINKS, WINDOW))
     _, _, loaded, meta = load_export(tmp_path / "export")
     assert meta["policy"] == "dbtrimkv" and type(loaded) is type(policy)
     k, v = torch.randn(2, 1, 2, 9, 16, generator=torch.Generator().manual_seed(1))

@@ -93,7 +93,7 @@ def model(tiny_model):
 
 def test_generate_helper(model, tiny_tokenizer):
     prompt = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))
-    kw = dict(budget=16, sinks=2, window=8, max_new_tokens=30, temperature=0.0, top_p=1.0, top_k=0, seed=0)
+    kw = dict(layout=CacheLayout(16, 2, 8), max_new_tokens=30, temperature=0.0, top_p=1.0, top_k=0, seed=0)
     outs = {}
     for name in ("dense", "streaming_llm", "tova", "h2o"):
         new, stats = generate(model, tiny_tokenizer, resolve_policy(name), prompt, **kw)
@@ -114,7 +114,7 @@ def test_attention_rules_decode_a_real_model(model):
 
     enable(model)
     for policy in (TOVA(), H2O()):
-        cache = BoundedCache(model.config, policy, budget=12, sinks=1, window=4)
+        cache = BoundedCache(model.config, policy, layout=CacheLayout(12, 1, 4))
         ids = torch.randint(0, 96, (2, 20))
         with torch.no_grad():
             model(input_ids=ids, past_key_values=cache)
@@ -129,7 +129,7 @@ def test_attention_rules_decode_a_real_model(model):
 
 
 def test_recency_policy_instance_is_accepted(model):
-    cache = BoundedCache(model.config, StreamingLLM(), budget=10, sinks=2, window=4)
+    cache = BoundedCache(model.config, StreamingLLM(), layout=CacheLayout(10, 2, 4))
     assert cache.policy.name == "streaming_llm" and not cache.policy.needs_attention
 
 
@@ -154,12 +154,12 @@ def test_kvpop_policy_and_generate(model, tiny_tokenizer):
     with pytest.raises(ValueError, match="needs an export"):
         resolve_policy("kvpop", make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16))
     prompt = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))
-    kw = dict(budget=16, sinks=2, window=8, max_new_tokens=30, temperature=0.0, seed=0)
+    kw = dict(layout=CacheLayout(16, 2, 8), max_new_tokens=30, temperature=0.0, seed=0)
     new, stats = generate(model, tiny_tokenizer, policy, prompt, **kw)
     assert new.shape == (2, 30) and stats.new_tokens == 60 and stats.peak_cache_mb > 0 and stats.path == "engine"
     # the engine's tokens are the greedy choices under the reference cache, token by token
     ids = torch.cat([prompt, new], 1)
-    logits = teacher_forced_logits(model, policy, ids[:, :-1], budget=16, sinks=2, window=8, prefill=24)
+    logits = teacher_forced_logits(model, policy, ids[:, :-1], layout=CacheLayout(16, 2, 8), prefill=24)
     assert torch.equal(logits[:, 23:].argmax(-1), new)
     # cache + state at the nominal budget: about the kvpop_mlp cache (state 4 x 4 + 4 + 1 = 21 numbers = 1 slot),
     # on the reference cache (the engine pads its slots to the attention block)
@@ -186,7 +186,7 @@ def test_the_readme_transformers_snippet_decodes_with_the_bounded_cache(tiny_lla
     assert isinstance(cache, BoundedCache) and cache.budget == 12 and out.shape[1] > cache.budget
     pos = cache.layers[0].pos  # (B, Hk, slots): generate wrote through the cache, and it evicted
     assert (pos >= 0).all() and pos.max() == out.shape[1] - 2 and pos.shape[-1] == cache.slots
-    want, _ = generate(model, tok, make_policy("tova"), ids, budget=12, sinks=2, window=6, max_new_tokens=32, path="reference")  # new tokens
+    want, _ = generate(model, tok, make_policy("tova"), ids, layout=CacheLayout(12, 2, 6), max_new_tokens=32, path="reference")  # new tokens
     new = out[:, ids.shape[1] :]
     n = min(new.shape[1], want.shape[1])
     assert n > 0 and torch.equal(new[:, :n], want[:, :n])

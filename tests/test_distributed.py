@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvpop.distributed import decoder_layer_classes, make_strategy, shard_frozen
+from kvpop.geometry import CacheLayout
 from kvpop.modeling import load_model
 from test_resume import METRICS, OUT, base, db, make_workdir, stage_cmd  # noqa: F401 (fixtures)
 
@@ -80,7 +81,7 @@ def _sharded_teacher(rank: int, model_dir: str, port: int, out: str) -> None:
         local_numel = sum(p.numel() for p in sharded.parameters())
         ids, doc, pos = packed_toy(2, 48, seed=rank)  # each rank its own rows
         ids = ids.clamp(max=teacher.config.vocab_size - 1)
-        ctx = SparseContext.for_rows(make_policy("dense", num_layers=2, num_kv_heads=2, head_dim=16), doc, pos, sinks=2, window=6, long_range=5)
+        ctx = SparseContext.for_rows(make_policy("dense", num_layers=2, num_kv_heads=2, head_dim=16), doc, pos, layout=CacheLayout(13, 2, 6))
         with torch.no_grad():
             logits = sharded(input_ids=ids, position_ids=pos, kvpop_ctx=ctx, use_cache=False).logits
         torch.save({"logits": logits, "ids": ids, "doc": doc, "pos": pos, "local": local_numel, "full": full_numel}, f"{out}/rank{rank}.pt")
@@ -99,7 +100,7 @@ def test_sharded_teacher_gives_the_unsharded_logits(tiny_qwen3_dir, tmp_path):
     for rank in range(2):
         r = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         assert r["local"] <= r["full"] // 2 + 64  # half of the flattened parameters (+ padding)
-        ctx = SparseContext.for_rows(make_policy("dense", num_layers=2, num_kv_heads=2, head_dim=16), r["doc"], r["pos"], sinks=2, window=6, long_range=5)
+        ctx = SparseContext.for_rows(make_policy("dense", num_layers=2, num_kv_heads=2, head_dim=16), r["doc"], r["pos"], layout=CacheLayout(13, 2, 6))
         with torch.no_grad():
             want = ref(input_ids=r["ids"], position_ids=r["pos"], kvpop_ctx=ctx, use_cache=False).logits
         torch.testing.assert_close(r["logits"], want, rtol=1e-5, atol=1e-5)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvpop.attention import GateTraining, SparseContext, gate_bias_mask, sdpa_execute
+from kvpop.geometry import CacheLayout
 from kvpop.masks import dense_mask, make_eviction_mask_mod
 from kvpop.policies import make_policy
 from kvpop.policies.dms import EVICTED_BIAS, budget_evict_ratio, compression_loss, gate_priority, leaving_tokens, ramp_factor
@@ -22,6 +23,7 @@ from test_train import tiny_pair
 from conftest import packed_toy
 
 SINKS, WINDOW, K = 2, 6, 5
+LAYOUT = CacheLayout.of(sinks=SINKS, window=WINDOW, long_range=K)
 
 
 def random_gate(seed: int = 0):
@@ -34,7 +36,7 @@ def random_gate(seed: int = 0):
 
 
 def forward(student, policy, ids, doc, pos, gate_training=None):
-    ctx = SparseContext.for_rows(policy, doc, pos, sinks=SINKS, window=WINDOW, long_range=K, gate_training=gate_training)
+    ctx = SparseContext.for_rows(policy, doc, pos, layout=LAYOUT, gate_training=gate_training)
     return student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits, ctx
 
 
@@ -119,11 +121,11 @@ def test_flex_gate_bias_equals_the_sdpa_mask():
     evict = eviction_times(torch.randn(B, Hk, S, generator=g), doc, pos, sinks=SINKS, window=WINDOW, long_range=K)
     outs = {}
     for executor in ("sdpa", "flex"):
-        ctx = SparseContext.for_rows(make_policy("streaming_llm"), doc, pos, sinks=SINKS, window=WINDOW, long_range=K, executor=executor)
+        ctx = SparseContext.for_rows(make_policy("streaming_llm"), doc, pos, layout=LAYOUT, executor=executor)
         outs[executor] = ctx.run(q, k, v, evict, 0.25, False, layer_key=0, gate_bias=bias)[0]
     real = (doc >= 0)[:, None, :, None]
     assert ((outs["flex"] - outs["sdpa"]).abs() * real).max() < 1e-5
-    plain = SparseContext.for_rows(make_policy("streaming_llm"), doc, pos, sinks=SINKS, window=WINDOW, long_range=K).run(q, k, v, evict, 0.25, False, 0)[0]
+    plain = SparseContext.for_rows(make_policy("streaming_llm"), doc, pos, layout=LAYOUT).run(q, k, v, evict, 0.25, False, 0)[0]
     assert ((plain - outs["sdpa"]).abs() * real).max() > 1e-2
 
 
@@ -151,8 +153,8 @@ def test_leaving_tokens_and_the_budget_ratio_match_loops():
         assert not leaves[b, doc[b] < 0].any()
     for k in (0, 3, 10, 1000):
         want = 1 - sum(min(k, n) for n in counts) / sum(counts)
-        assert math.isclose(budget_evict_ratio(doc, pos, sinks=SINKS, window=WINDOW, long_range=k), want)
-    assert budget_evict_ratio(doc, pos, sinks=SINKS, window=10**6, long_range=3) == 0.0  # nothing leaves
+        assert math.isclose(budget_evict_ratio(doc, pos, layout=CacheLayout.of(sinks=SINKS, window=WINDOW, long_range=k)), want)
+    assert budget_evict_ratio(doc, pos, layout=CacheLayout.of(sinks=SINKS, window=10**6, long_range=3)) == 0.0  # nothing leaves
 
 
 def test_compression_loss_is_one_sided_and_pushes_toward_eviction():
@@ -174,7 +176,7 @@ def test_export_round_trip_and_decode(tmp_path, tiny_tokenizer):
 
     _, student = tiny_pair()
     policy = random_gate(5)
-    export(student, tiny_tokenizer, policy, tmp_path / "exp", budget=SINKS + WINDOW + K, sinks=SINKS, window=WINDOW)
+    export(student, tiny_tokenizer, policy, tmp_path / "exp", layout=CacheLayout(SINKS + WINDOW + K, SINKS, WINDOW))
     model, _, loaded, meta = load_export(tmp_path / "exp")
     assert loaded.name == "dms" and meta["scorer"]["kind"] == "gate"
     assert all(torch.equal(a, b) for a, b in zip(policy.state_dict().values(), loaded.state_dict().values(), strict=True))
@@ -184,7 +186,7 @@ def test_export_round_trip_and_decode(tmp_path, tiny_tokenizer):
     pos = torch.arange(50)[None]
     with torch.no_grad():
         ref, _ = forward(model, loaded, ids, torch.zeros_like(pos), pos)
-    got = teacher_forced_logits(enable(model), loaded, ids, budget=SINKS + WINDOW + K, sinks=SINKS, window=WINDOW, prefill=1)
+    got = teacher_forced_logits(enable(model), loaded, ids, layout=CacheLayout(SINKS + WINDOW + K, SINKS, WINDOW), prefill=1)
     assert (got - ref).abs().max() < 1e-4
 
 
@@ -213,7 +215,7 @@ def test_evaluation_reports_occupancy(tiny_model):
     cands = [Candidate(n, model, p) for n, p in (("dense", make_policy("dense")), ("h2o", make_policy("h2o")),
                                                  ("streaming_llm", make_policy("streaming_llm")), ("gate_out", evicting), ("gate_in", keeping))]
     budget = SINKS + WINDOW + K
-    res = evaluate_fidelity([rec], model, cands, budget=budget, sinks=SINKS, window=WINDOW)
+    res = evaluate_fidelity([rec], model, cands, layout=CacheLayout(budget, SINKS, WINDOW))
     assert res["dense"]["occupancy"] == pytest.approx(60 / budget)
     assert res["streaming_llm"]["occupancy"] == res["gate_in"]["occupancy"] == res["h2o"]["occupancy"] == 1.0
     assert res["gate_out"]["occupancy"] == pytest.approx((SINKS + WINDOW) / budget)

@@ -13,11 +13,13 @@ import torch
 
 from kvpop.decode import BoundedCache, enable, teacher_forced_logits
 from kvpop.decode.engine import DecodeEngine, kv_bytes_per_token, weight_bytes
+from kvpop.geometry import CacheLayout
 from kvpop.policies import TOVA, make_policy
 from kvpop.selection import candidate_eviction_times, eviction_times
 
 SINKS, WINDOW, K = 4, 16, 12
 BUDGET = SINKS + WINDOW + K
+LAYOUT = CacheLayout(BUDGET, SINKS, WINDOW)  # K long-range slots
 S = 160
 
 
@@ -61,8 +63,8 @@ def engine_logits(eng: DecodeEngine, tokens: torch.Tensor, prefill: int) -> torc
 def test_engine_equals_bounded_cache(model, name, prefill, chunk, tie_policy):
     policy = make(name, tie_policy)
     x = ids()
-    ref = teacher_forced_logits(model, policy, x, budget=BUDGET, sinks=SINKS, window=WINDOW, prefill=1)
-    eng = DecodeEngine(model, policy, budget=BUDGET, sinks=SINKS, window=WINDOW, batch_size=2, chunk=chunk)
+    ref = teacher_forced_logits(model, policy, x, layout=LAYOUT, prefill=1)
+    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, chunk=chunk)
     got = engine_logits(eng, x, prefill)
     assert (got - ref[:, prefill - 1 :]).abs().max() < 1e-4
     assert eng.seen == S
@@ -75,8 +77,8 @@ def test_prefill_after_decode_steps(model, name, tie_policy):
     scores a token when it leaves); the second prefill must score them itself."""
     policy = make(name, tie_policy)
     x = ids()
-    ref = teacher_forced_logits(model, policy, x, budget=BUDGET, sinks=SINKS, window=WINDOW, prefill=1)
-    eng = DecodeEngine(model, policy, budget=BUDGET, sinks=SINKS, window=WINDOW, batch_size=2, chunk=128)
+    ref = teacher_forced_logits(model, policy, x, layout=LAYOUT, prefill=1)
+    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, chunk=128)
     first = engine_logits(eng, x[:, :90], prefill=50)  # the window is full and tokens leave it during the steps
     assert first[:, 1:].sub(ref[:, 50:90]).abs().max() < 1e-4
     last = eng.prefill(x[:, 90:130])  # second turn: 40 tokens at once
@@ -91,12 +93,12 @@ def test_chunked_prefill_keeps_the_cache_contents(model, name, tie_policy):
     """After a chunked prefill the engine stores, per KV head, exactly the tokens BoundedCache keeps."""
     policy = make(name, tie_policy)
     x = ids()
-    cache = BoundedCache(model.config, policy, budget=BUDGET, sinks=SINKS, window=WINDOW)
+    cache = BoundedCache(model.config, policy, layout=LAYOUT)
     with torch.no_grad():
         model(input_ids=x[:, :1], past_key_values=cache)
         for t in range(1, S):
             model(input_ids=x[:, t : t + 1], past_key_values=cache)
-    eng = DecodeEngine(model, policy, budget=BUDGET, sinks=SINKS, window=WINDOW, batch_size=2, chunk=128)
+    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, chunk=128)
     eng.prefill(x)  # a 128-token chunk, then a 32-token one
     for i, layer in enumerate(cache.layers):
         want = layer.pos.sort(-1).values
@@ -117,19 +119,19 @@ def test_dense_engine_equals_the_full_forward(model):
 
 def test_generate_and_reset(model):
     policy = trained_like("kvpop_mlp")
-    eng = DecodeEngine(model, policy, budget=BUDGET, sinks=SINKS, window=WINDOW, batch_size=2, chunk=128)
+    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, chunk=128)
     a = eng.generate(ids(n=60), 8)
     b = eng.generate(ids(n=60), 8)  # generate resets: the same prompt gives the same tokens
     assert a.shape == (2, 8) and torch.equal(a, b)
     with torch.no_grad():
         ref = model.generate(ids(n=60), max_new_tokens=8, do_sample=False,
-                             past_key_values=BoundedCache(model.config, policy, budget=BUDGET, sinks=SINKS, window=WINDOW))[:, 60:]
+                             past_key_values=BoundedCache(model.config, policy, layout=LAYOUT))[:, 60:]
     assert torch.equal(a, ref)
 
 
 def test_memory_is_flat_and_counted(model):
     policy = trained_like("kvpop_mlp")
-    eng = DecodeEngine(model, policy, budget=BUDGET, sinks=SINKS, window=WINDOW, batch_size=2, chunk=128)
+    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, chunk=128)
     before = eng.cache_bytes()
     engine_logits(eng, ids(n=300), 200)
     assert eng.cache_bytes() == before
@@ -147,7 +149,7 @@ def test_an_engine_is_freed_with_its_last_reference(model, name, tie_policy):
     import weakref
 
     policy = None if name == "dense" else make(name, tie_policy)
-    kw = dict(max_len=S + 8) if name == "dense" else dict(budget=BUDGET, sinks=SINKS, window=WINDOW)
+    kw = dict(max_len=S + 8) if name == "dense" else dict(layout=LAYOUT)
     was = gc.isenabled()
     gc.disable()
     try:
@@ -180,13 +182,13 @@ def test_bad_use_is_refused(model):
     with pytest.raises(ValueError, match="max_len"):
         DecodeEngine(model, None)
     with pytest.raises(NotImplementedError, match="attention weights"):
-        DecodeEngine(model, TOVA(), budget=BUDGET, sinks=SINKS, window=WINDOW)
+        DecodeEngine(model, TOVA(), layout=LAYOUT)
     with pytest.raises(ValueError, match="budget"):
-        DecodeEngine(model, make_policy("streaming_llm", num_layers=2, num_kv_heads=2, head_dim=16), budget=10, sinks=SINKS, window=WINDOW)
+        DecodeEngine(model, make_policy("streaming_llm", num_layers=2, num_kv_heads=2, head_dim=16), layout=CacheLayout(10, SINKS, WINDOW))
     with pytest.raises(ValueError, match="compile=True"):
         DecodeEngine(model, None, max_len=64, compile=True)
     with pytest.raises(ValueError, match="no fused form"):  # a delayed rule (kvpop's mLSTM) has no fused insert
-        DecodeEngine(model, trained_like("kvpop"), budget=BUDGET, sinks=SINKS, window=WINDOW, fused=True)
+        DecodeEngine(model, trained_like("kvpop"), layout=LAYOUT, fused=True)
     eng = DecodeEngine(model, None, max_len=64, batch_size=2, chunk=128)
     with pytest.raises(ValueError, match="overflow"):
         eng.prefill(ids(n=80))
@@ -208,11 +210,11 @@ def test_the_fused_insert_needs_a_power_of_two_head_dim():
         pol = make_policy("streaming_llm", num_layers=2, num_kv_heads=2, head_dim=head_dim)
         if fusable:  # the rule has a form: refused on the CPU only for want of a GPU (or Triton / its interpreter)
             with pytest.raises(ValueError, match="Triton|CUDA"):
-                DecodeEngine(m, pol, budget=BUDGET, sinks=SINKS, window=WINDOW, fused=True)
+                DecodeEngine(m, pol, layout=LAYOUT, fused=True)
         else:
             with pytest.raises(ValueError, match="head dim that is a power of two: 24"):
-                DecodeEngine(m, pol, budget=BUDGET, sinks=SINKS, window=WINDOW, fused=True)
-        assert not DecodeEngine(m, pol, budget=BUDGET, sinks=SINKS, window=WINDOW).fused  # the CPU default: the tensor code
+                DecodeEngine(m, pol, layout=LAYOUT, fused=True)
+        assert not DecodeEngine(m, pol, layout=LAYOUT).fused  # the CPU default: the tensor code
 
 
 def test_packed_projections_are_views_and_compute_the_same():
@@ -231,7 +233,7 @@ def test_packed_projections_are_views_and_compute_the_same():
     before = weight_bytes(m)
     attn, mlp = m.model.layers[1].self_attn, m.model.layers[1].mlp
     with pytest.raises(ValueError, match="budget"):  # a refused engine leaves the model as it was
-        DecodeEngine(m, make_policy("streaming_llm", num_layers=2, num_kv_heads=2, head_dim=16), budget=10, sinks=SINKS, window=WINDOW)
+        DecodeEngine(m, make_policy("streaming_llm", num_layers=2, num_kv_heads=2, head_dim=16), layout=CacheLayout(10, SINKS, WINDOW))
     assert attn.q_proj.weight.untyped_storage().data_ptr() != attn.k_proj.weight.untyped_storage().data_ptr()
     eng = DecodeEngine(m, None, max_len=64, batch_size=2, chunk=128)
     attn, mlp = m.model.layers[1].self_attn, m.model.layers[1].mlp
@@ -304,7 +306,7 @@ def test_per_layer_compile_traces_one_layer_for_all(model, name, tie_policy):
     eager step's. (The CUDA graph around it is tested in tests/test_gpu.py; here the layer function is
     traced by dynamo on the CPU, on the graphed step's path: masked attention over the whole buffer.)"""
     policy = None if name == "dense" else make(name, tie_policy)
-    kw = dict(max_len=S + 8) if name == "dense" else dict(budget=BUDGET, sinks=SINKS, window=WINDOW)
+    kw = dict(max_len=S + 8) if name == "dense" else dict(layout=LAYOUT)
     x = ids()
     ref = DecodeEngine(model, policy, batch_size=2, **kw)
     eng = DecodeEngine(model, policy, batch_size=2, **kw)

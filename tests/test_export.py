@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvpop.export import CheckpointError, export, load_export
+from kvpop.geometry import CacheLayout
 from kvpop.modeling import load_model
 from kvpop.policies import make_policy
 
@@ -16,7 +17,7 @@ def exported(tiny_llama_dir, tiny_tokenizer, tmp_path):
     torch.manual_seed(3)
     policy = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
     out = tmp_path / "export"
-    export(model, tiny_tokenizer, policy, out, budget=40, sinks=2, window=8)
+    export(model, tiny_tokenizer, policy, out, layout=CacheLayout(40, 2, 8))
     return out, model, policy
 
 
@@ -61,7 +62,7 @@ def _module(model_dir):
     policy = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
     for layer in policy.scorer.layers:  # past the zero-initialized start
         torch.nn.init.normal_(layer.w2)
-    s = TrainSettings(sinks=2, window=6, long_range=5, steps=1, model_lr=1e-3, scorer_lr=1e-2, top_logits=16, scorer_training=ScorerTraining())
+    s = TrainSettings(layout=CacheLayout(13, 2, 6), steps=1, model_lr=1e-3, scorer_lr=1e-2, top_logits=16, scorer_training=ScorerTraining())
     return DistillModule(student, load_model(model_dir), policy, s)
 
 
@@ -117,7 +118,7 @@ def test_sharded_checkpoint_exports_like_a_single_device_one(tiny_qwen3_dir, tmp
         assert torch.equal(merged[k], v), k
 
     p = yaml.safe_load((ROOT / "params.yaml").read_text())
-    p.update(budget=40, sinks=2, window=8)
+    p.update(layout=CacheLayout(40, 2, 8))
     p["train"]["scorer_hidden"] = 8
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(p))
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}

@@ -16,6 +16,7 @@ import torch
 
 from kvpop.attention import ScorerTraining, SparseContext, flex_execute, sdpa_execute
 from kvpop.boundary import boundary_labels
+from kvpop.geometry import CacheLayout
 from kvpop.masks import block_mask_from_eviction_times, dense_mask, make_eviction_mask_mod
 from kvpop.selection import NEVER, eviction_times
 
@@ -29,6 +30,7 @@ pytestmark = [
 # the embedded model's attention shapes (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64)
 S, H, HK, D, B = 2048, 9, 3, 64, 2
 SINKS, WINDOW, K = 4, 256, 124
+LAYOUT = CacheLayout.of(sinks=SINKS, window=WINDOW, long_range=K)
 
 
 def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -133,7 +135,7 @@ def tiny_model_case(model_dir, device: str, S_: int = 512, sinks: int = 4, windo
         m = copy.deepcopy(model)
         pol = copy.deepcopy(policy0)
         backward = executor == "sdpa" or flex_backward
-        ctx = SparseContext.for_rows(pol, doc, pos, sinks=sinks, window=window, long_range=k, executor=executor,
+        ctx = SparseContext.for_rows(pol, doc, pos, layout=CacheLayout.of(sinks=sinks, window=window, long_range=k), executor=executor,
                                      scorer_training=ScorerTraining(tau=1.0, tie_margin=0.5))
         with torch.set_grad_enabled(backward):
             logits = m(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits
@@ -245,8 +247,8 @@ def test_boundary_labels_cuda_equal_cpu():
     g = torch.Generator().manual_seed(5)
     r_tgt = torch.randn(B, HK, S, generator=g)
     log_gamma = torch.log(torch.tensor([0.9999, 0.99999, 0.9995], dtype=torch.float64))
-    cpu = boundary_labels(r_tgt, log_gamma, doc, pos, sinks=SINKS, window=WINDOW, long_range=K)
-    gpu = boundary_labels(r_tgt.cuda(), log_gamma.cuda(), doc.cuda(), pos.cuda(), sinks=SINKS, window=WINDOW, long_range=K)
+    cpu = boundary_labels(r_tgt, log_gamma, doc, pos, layout=LAYOUT)
+    gpu = boundary_labels(r_tgt.cuda(), log_gamma.cuda(), doc.cuda(), pos.cuda(), layout=LAYOUT)
     assert cpu.row.numel() > 0
     for f in ("row", "t_new", "t_bnd", "y"):
         assert torch.equal(getattr(cpu, f), getattr(gpu, f).cpu()), f
@@ -266,14 +268,14 @@ def test_bounded_cache_decoding_equals_flex_training_forward(model_type, policy_
     for p in policy.parameters():  # a scorer past its initialization (moderate weights)
         torch.nn.init.normal_(p, std=0.2)
     sinks, window, budget, S = 2, 8, 20, 160
-    k = policy.long_range_slots(budget=budget, sinks=sinks, window=window, head_dim=16)
+    k = policy.long_range_slots(layout=CacheLayout(budget, sinks, window), head_dim=16)
     ids = torch.randint(0, 96, (2, S), generator=torch.Generator().manual_seed(1)).to(dev)
     pos = torch.arange(S, device=dev).expand(2, S)
-    ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, sinks=sinks, window=window, long_range=k, executor="flex")
+    ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, layout=CacheLayout.of(sinks=sinks, window=window, long_range=k), executor="flex")
     with torch.no_grad():
         ref = model(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits
     trained = policy if policy_name != "streaming_llm" else None
-    got = teacher_forced_logits(model, resolve_policy(policy_name, trained), ids, budget=budget, sinks=sinks, window=window, prefill=40)
+    got = teacher_forced_logits(model, resolve_policy(policy_name, trained), ids, layout=CacheLayout(budget, sinks, window), prefill=40)
     diff = (got - ref).abs().max().item()
     print(f"{model_type} {policy_name}: decode vs flex training forward max |diff| = {diff:.2e}")
     assert diff < 1e-3
@@ -309,8 +311,8 @@ def test_one_pool_decoding_equals_the_flex_fixed_point(model_type, policy_name, 
     policy.to(dev)
     sinks, window, budget, S = 2, 8, 20, 160
     ids = torch.randint(0, 96, (1, S), generator=torch.Generator().manual_seed(1)).to(dev)
-    ref, evict = captured_forward(model, policy, ids, sinks=sinks, window=window, long_range=budget - sinks - window)
-    got = teacher_forced_logits(model, policy, ids, budget=budget, sinks=sinks, window=window, prefill=budget)[0]
+    ref, evict = captured_forward(model, policy, ids, layout=CacheLayout.of(sinks=sinks, window=window, long_range=budget - sinks - window))
+    got = teacher_forced_logits(model, policy, ids, layout=CacheLayout(budget, sinks, window), prefill=budget)[0]
     diff = (got - ref).abs().max().item()
     held = (evict > S - 1).sum(-1)  # (L, Hk) entries at the last query
     print(f"{model_type} {policy_name}: decode vs flex fixed point max |diff| = {diff:.2e}; held {held.tolist()}")
@@ -339,8 +341,8 @@ def test_compiled_engine_equals_bounded_cache(policy_name, tiny_model):
         with torch.no_grad():
             ref = model(input_ids=ids).logits
     else:
-        ref = teacher_forced_logits(model, policy, ids, budget=budget, sinks=sinks, window=window, prefill=pre)
-    kw = dict(budget=budget, sinks=sinks, window=window, batch_size=2, chunk=128) if policy_name != "dense" else dict(max_len=512, batch_size=2, chunk=128)
+        ref = teacher_forced_logits(model, policy, ids, layout=CacheLayout(budget, sinks, window), prefill=pre)
+    kw = dict(layout=CacheLayout(budget, sinks, window), batch_size=2, chunk=128) if policy_name != "dense" else dict(max_len=512, batch_size=2, chunk=128)
     got = {}
     fusable = policy_name in ("streaming_llm", "kvpop_mlp")  # static rules: the fused insert kernel (kvpop.kernels.insert)
     for mode in (None, "layer", "step"):  # eager, then both compile modes (each captured as one CUDA graph)
@@ -383,7 +385,7 @@ def test_gated_training_flex_equals_sdpa(tiny_model, policy_name):
             for mlp in policy.scorer.layers:
                 mlp.b2.data.fill_(6.0)
         policy.to(device)
-        ctx = SparseContext.for_rows(policy, doc.to(device), pos.to(device), sinks=4, window=32, long_range=24, executor=executor,
+        ctx = SparseContext.for_rows(policy, doc.to(device), pos.to(device), layout=CacheLayout.of(sinks=4, window=32, long_range=24), executor=executor,
                                      gate_training=GateTraining(noise=False))
         logits = model(input_ids=ids.to(device), position_ids=pos.to(device), kvpop_ctx=ctx).logits
         (logits.float().square() * (doc >= 0).to(device)[..., None]).mean().backward()

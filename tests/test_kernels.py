@@ -43,11 +43,13 @@ def _patch_lang_tensor(tensor, scope):
 _interp._patch_lang_tensor = _patch_lang_tensor
 sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
 from conftest import build_tiny_model as model  # the tiny models of every test: 2 layers, 2 KV heads, head_dim 16
+from kvpop.geometry import CacheLayout
 from kvpop.decode.engine import DecodeEngine
 from kvpop.policies import make_policy
 
 SINKS, WINDOW, K = 4, 16, 12
 BUDGET = SINKS + WINDOW + K
+LAYOUT = CacheLayout(BUDGET, SINKS, WINDOW)  # K long-range slots
 
 def policy(name):
     torch.manual_seed(3)
@@ -73,8 +75,8 @@ def test_fused_insert_decodes_as_the_tensor_code(kind):
     for name in ("streaming_llm", "kvpop_mlp"):
         pol = policy(name)
         for prompt in (1, 40):
-            ref = DecodeEngine(m, pol, budget=BUDGET, sinks=SINKS, window=WINDOW, batch_size=2, fused=False)
-            fz = DecodeEngine(m, pol, budget=BUDGET, sinks=SINKS, window=WINDOW, batch_size=2, fused=True)
+            ref = DecodeEngine(m, pol, layout=LAYOUT, batch_size=2, fused=False)
+            fz = DecodeEngine(m, pol, layout=LAYOUT, batch_size=2, fused=True)
             assert fz.fused and not ref.fused
             for e in (ref, fz):
                 e.prefill(ids[:, :prompt])
@@ -99,8 +101,8 @@ def test_fused_insert_breaks_ties_as_the_tensor_code():
     out = run_interpreted("""
     m = model("llama")
     pol = policy("streaming_llm")  # the leaver's priority is its position: set below to tie the slots
-    ref = DecodeEngine(m, pol, budget=BUDGET, sinks=SINKS, window=WINDOW, batch_size=2, fused=False)
-    fz = DecodeEngine(m, pol, budget=BUDGET, sinks=SINKS, window=WINDOW, batch_size=2, fused=True)
+    ref = DecodeEngine(m, pol, layout=LAYOUT, batch_size=2, fused=False)
+    fz = DecodeEngine(m, pol, layout=LAYOUT, batch_size=2, fused=True)
     g = torch.Generator().manual_seed(0)
     wins = 0
     for trial in range(40):
@@ -142,8 +144,8 @@ def test_fused_insert_compiles_into_the_one_layer_graph():
     m = model("qwen3")
     pol = policy("kvpop_mlp")
     ids = torch.randint(0, 96, (2, 70), generator=torch.Generator().manual_seed(1))
-    ref = DecodeEngine(m, pol, budget=BUDGET, sinks=SINKS, window=WINDOW, batch_size=2)
-    fz = DecodeEngine(m, pol, budget=BUDGET, sinks=SINKS, window=WINDOW, batch_size=2, fused=True)
+    ref = DecodeEngine(m, pol, layout=LAYOUT, batch_size=2)
+    fz = DecodeEngine(m, pol, layout=LAYOUT, batch_size=2, fused=True)
     graphs = []
 
     def backend(gm, example_inputs):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvpop.boundary import boundary_loss
+from kvpop.geometry import CacheLayout
 from kvpop.mlstm import MLSTMScorer, kvpop_k, readout_times, state_numbers
 from kvpop.policies import Kvpop
 from kvpop.selection import document_spans
@@ -168,7 +169,7 @@ def test_boundary_loss_gradients_reach_every_parameter_and_no_input():
     pol = Kvpop(MLSTMScorer(1, HK, D, d_k=4, d_v=4, chunk=16))
     scores = pol.scores(0, k, v, pos, doc_ids=doc, window=4)
     r_tgt = torch.randn(B, HK, S)
-    loss, stats = boundary_loss(scores.r_hat, r_tgt, scores.log_gamma, doc, pos, sinks=1, window=4, long_range=3)
+    loss, stats = boundary_loss(scores.r_hat, r_tgt, scores.log_gamma, doc, pos, layout=CacheLayout.of(sinks=1, window=4, long_range=3))
     assert stats["decisions"] > 0
     loss.backward()
     for name, p in pol.named_parameters():
@@ -203,7 +204,7 @@ ACCOUNTING = {
 @pytest.mark.parametrize(("head_dim", "budget"), sorted(ACCOUNTING))
 def test_memory_accounting(head_dim, budget):
     sinks, window = 4, 256
-    k = kvpop_k(budget, sinks, window, head_dim, d_k=16, d_v=16)
+    k = kvpop_k(CacheLayout(budget, sinks, window), head_dim, d_k=16, d_v=16)
     assert k == ACCOUNTING[head_dim, budget]
     k_mlp = budget - sinks - window
     # cache + state never exceeds the MLP variant's memory, and one slot more would
@@ -214,7 +215,7 @@ def test_memory_accounting(head_dim, budget):
 
 def test_kvpop_k_rejects_a_budget_without_slots():
     with pytest.raises(ValueError):
-        kvpop_k(262, 4, 256, 64)
+        kvpop_k(CacheLayout(262, 4, 256), 64)
 
 
 # S = 16384 (Hk 8, D 128) is timed by bench/bench_cpu_scale.py, out of the default suite
@@ -258,10 +259,10 @@ def test_trains_inside_sparse_context(tiny_llama_dir):
     pol = Kvpop(MLSTMScorer(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"], chunk=16))
     ids, doc, pos = packed_toy(B=2, S=48, seed=13)
     sinks, window = 2, 6
-    k = kvpop_k(sinks + window + 16, sinks, window, shape["head_dim"], d_k=16, d_v=16)
+    k = kvpop_k(CacheLayout(sinks + window + 16, sinks, window), shape["head_dim"], d_k=16, d_v=16)
     assert 0 < k < 16
     pol.bind(doc_ids=doc, window=window)
-    ctx = SparseContext.for_rows(pol, doc, pos, sinks=sinks, window=window, long_range=k, scorer_training=ScorerTraining())
+    ctx = SparseContext.for_rows(pol, doc, pos, layout=CacheLayout.of(sinks=sinks, window=window, long_range=k), scorer_training=ScorerTraining())
     model(input_ids=ids, position_ids=pos, kvpop_ctx=ctx)
     assert len(ctx.losses) == shape["num_layers"]
     torch.stack(ctx.losses).sum().backward()

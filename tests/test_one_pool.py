@@ -16,7 +16,7 @@ from kvpop.decode import OnePoolCache, choose_path, enable, engine_refusal, new_
 from kvpop.evaluate import Candidate, captured_forward, evaluate_fidelity, one_pool_twin, teacher_targets
 from kvpop.policies import OnePool, make_policy, policy_class
 from kvpop.selection import eviction_times, global_decaying_eviction_times
-from test_dbtrimkv import BUDGET, SINKS, WINDOW, K, literal_global_eviction_times
+from test_dbtrimkv import BUDGET, LAYOUT, SINKS, WINDOW, K, literal_global_eviction_times
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def scorer(seed=0, lift=3.0):
 def recorded_priorities(model, policy, ids, evict):
     """Every layer's priorities (L, 1, Hk, S) from one forward of ids (1, S) under eviction times (L, Hk, S)."""
     pos = torch.arange(ids.shape[1])[None]
-    ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, sinks=SINKS, window=WINDOW, long_range=K, global_evict=evict[:, None])
+    ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, layout=LAYOUT, global_evict=evict[:, None])
     with torch.no_grad():
         model(input_ids=ids, position_ids=pos, kvpop_ctx=ctx)
     return torch.stack([ctx.global_prio[i] for i in sorted(ctx.global_prio)])
@@ -47,7 +47,7 @@ def recorded_priorities(model, policy, ids, evict):
 def test_the_fixed_point_is_the_pools_rule_on_its_own_priorities(llama):
     policy = OnePool(scorer())
     ids = torch.randint(0, 96, (1, 80), generator=torch.Generator().manual_seed(2))
-    _, evict = captured_forward(llama, policy, ids, sinks=SINKS, window=WINDOW, long_range=K)
+    _, evict = captured_forward(llama, policy, ids, layout=LAYOUT)
     prio = recorded_priorities(llama, policy, ids, evict)
     pos = torch.arange(80)[None]
     want = literal_global_eviction_times(prio, torch.zeros_like(pos), pos, SINKS, WINDOW, K, decays=False)
@@ -59,11 +59,11 @@ def test_the_fixed_point_is_the_pools_rule_on_its_own_priorities(llama):
 def test_decoding_equals_the_fixed_point(llama):
     policy = OnePool(scorer(seed=1))
     ids = torch.randint(0, 96, (1, 80), generator=torch.Generator().manual_seed(3))
-    ref, _ = captured_forward(llama, policy, ids, sinks=SINKS, window=WINDOW, long_range=K)
+    ref, _ = captured_forward(llama, policy, ids, layout=LAYOUT)
     for prefill in (1, 13, BUDGET):  # BUDGET: the cache takes the first budget tokens at once, the rest one at a time
-        got = teacher_forced_logits(llama, policy, ids, budget=BUDGET, sinks=SINKS, window=WINDOW, prefill=prefill)
+        got = teacher_forced_logits(llama, policy, ids, layout=LAYOUT, prefill=prefill)
         assert (got[0] - ref).abs().max() < 1e-4, prefill
-    per_head, _ = captured_forward(llama, policy.policy, ids, sinks=SINKS, window=WINDOW, long_range=K)
+    per_head, _ = captured_forward(llama, policy.policy, ids, layout=LAYOUT)
     assert (per_head - ref).abs().max() > 1e-3  # the pool's pattern is not the per-head one
 
 
@@ -87,11 +87,11 @@ def test_evaluate_fidelity_scores_it_as_a_one_pool_policy(llama):
     ids = torch.randint(0, 96, (2, 70), generator=torch.Generator().manual_seed(4))
     recs = [{"input_ids": r.tolist(), "loss_mask": [0] + [1] * 69} for r in ids]
     cands = [Candidate("per head", llama, base), Candidate("one pool", llama, OnePool(base))]
-    res = evaluate_fidelity(recs, llama, cands, budget=BUDGET, sinks=SINKS, window=WINDOW)
+    res = evaluate_fidelity(recs, llama, cands, layout=LAYOUT)
     kl, n = 0.0, 0  # by hand: each trace's fixed point, KL over the scored positions
     for rec in recs:
         one = torch.tensor([rec["input_ids"]])
-        logits, _ = captured_forward(llama, OnePool(base), one, sinks=SINKS, window=WINDOW, long_range=K)
+        logits, _ = captured_forward(llama, OnePool(base), one, layout=LAYOUT)
         ref = torch.log_softmax(llama(input_ids=one).logits[0].float(), -1)
         kl += (ref.exp() * (ref - torch.log_softmax(logits, -1))).sum(-1)[:-1].sum().item()
         n += 69

@@ -12,6 +12,7 @@ from kvpop.attention import SparseContext, register
 from kvpop.decode import BoundedCache, generate
 from kvpop.decode.engine import engine_refusal
 from kvpop.evaluate import Candidate, evaluate_fidelity, teacher_targets
+from kvpop.geometry import CacheLayout
 from kvpop.policies import make_policy, names
 from kvpop.selection import NEVER
 from kvpop.target import TargetSpec
@@ -109,7 +110,7 @@ def test_oracle_target_keeps_the_tokens_the_target_ranks_first(tiny_model, scope
         for r in pol.r_tgt:
             assert torch.equal(r, best_of_all[:, None].expand_as(r))
     pos = torch.arange(S)[None]
-    ctx = SparseContext.for_rows(pol, torch.zeros_like(pos), pos, sinks=sinks, window=window, long_range=k)
+    ctx = SparseContext.for_rows(pol, torch.zeros_like(pos), pos, layout=CacheLayout.of(sinks=sinks, window=window, long_range=k))
     for layer in range(model.config.num_hidden_layers):
         keys = torch.zeros(1, model.config.num_key_value_heads, S, 8)
         evict, _ = ctx.evictions(layer, keys, keys)
@@ -133,7 +134,7 @@ def test_oracle_sources_keeps_every_source_token(tiny_model):
     assert not pol.fit_trace(input_ids=ids, record={}, targets={})  # nothing recorded
     assert pol.fit_trace(input_ids=ids, record={"quote_source_positions": src}, targets={})
     pos = torch.arange(S)[None]
-    ctx = SparseContext.for_rows(pol, torch.zeros_like(pos), pos, sinks=sinks, window=window, long_range=k)
+    ctx = SparseContext.for_rows(pol, torch.zeros_like(pos), pos, layout=CacheLayout.of(sinks=sinks, window=window, long_range=k))
     evict, _ = ctx.evictions(0, torch.zeros(1, 2, S, 4), torch.zeros(1, 2, S, 4))
     assert (evict[0, :, src] == NEVER).all()
     others = [t for t in range(sinks, S - window) if t not in src]
@@ -154,11 +155,11 @@ def test_oracles_are_never_decoded(tiny_model):
     pol = make_policy("oracle_sources")
     assert "oracle" in engine_refusal(model, pol)
     with pytest.raises(ValueError, match="oracle"):
-        BoundedCache(model.config, pol, budget=16, sinks=2, window=4)
+        BoundedCache(model.config, pol, layout=CacheLayout(16, 2, 4))
     tok = SimpleNamespace(pad_token_id=0, eos_token_id=0)
     for path in ("auto", "engine", "reference"):
         with pytest.raises(ValueError, match="oracle"):
-            generate(model, tok, pol, torch.zeros(1, 20, dtype=torch.long), budget=16, sinks=2, window=4, max_new_tokens=2, path=path)
+            generate(model, tok, pol, torch.zeros(1, 20, dtype=torch.long), layout=CacheLayout(16, 2, 4), max_new_tokens=2, path=path)
 
 
 def test_evaluation_reports_oracles_only_where_they_apply(tiny_model):
@@ -170,9 +171,9 @@ def test_evaluation_reports_oracles_only_where_they_apply(tiny_model):
     # h2o first: its token-by-token decoding switches the shared model to the cache attention
     cands = [Candidate("dense", model, make_policy("dense")), Candidate("h2o", model, make_policy("h2o")),
              Candidate("oracle_target", model, make_policy("oracle_target")), Candidate("oracle_sources", model, make_policy("oracle_sources"))]
-    res = evaluate_fidelity([rec], model, cands, budget=64, sinks=2, window=4)
+    res = evaluate_fidelity([rec], model, cands, layout=CacheLayout(64, 2, 4))
     assert set(res) == {"dense", "h2o", "oracle_target", "oracle_sources"}
     for name in ("oracle_target", "oracle_sources"):
         assert res[name]["kl"] == pytest.approx(0.0, abs=1e-6) and res[name]["top1_agreement"] == 1.0
-    res = evaluate_fidelity([{**rec, "quote_source_positions": []}], model, cands, budget=12, sinks=2, window=4)
+    res = evaluate_fidelity([{**rec, "quote_source_positions": []}], model, cands, layout=CacheLayout(12, 2, 4))
     assert set(res) == {"dense", "h2o", "oracle_target"}

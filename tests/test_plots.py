@@ -1,5 +1,6 @@
 """The evaluate stage's PNG plots."""
 
+from kvpop.geometry import CacheLayout
 from kvpop.plots import plot_accuracy_vs_budget, plot_memory_curve, plot_occupancy
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -42,12 +43,12 @@ def test_keep_map_is_what_the_bounded_cache_holds(tiny_model):
     ids = torch.randint(0, 96, (1, 48), generator=torch.Generator().manual_seed(5))
     S = ids.shape[1]
     for policy in (make_policy("streaming_llm"), mlp, make_policy("dense")):
-        got = keep_map(model, policy, ids, sinks=sinks, window=window, long_range=k)  # (L, Hk, S)
+        got = keep_map(model, policy, ids, layout=CacheLayout.of(sinks=sinks, window=window, long_range=k))  # (L, Hk, S)
         if not policy.evicts:
             assert torch.equal(got, torch.ones(2, 2, S))
             continue
         last = torch.full((2, 2, S), -1)  # the last query at which each position was stored
-        cache = new_cache(model, policy, budget=sinks + window + k, sinks=sinks, window=window)
+        cache = new_cache(model, policy, layout=CacheLayout(sinks + window + k, sinks, window))
         with torch.no_grad():
             for t in range(S):
                 model(input_ids=ids[:, t : t + 1], position_ids=torch.tensor([[t]]), past_key_values=cache)
@@ -59,8 +60,8 @@ def test_keep_map_is_what_the_bounded_cache_holds(tiny_model):
         want = ((last + 1 - j).float() / (S - j).float()).clamp(0, 1)
         assert torch.allclose(got, want), policy.name
         assert got.min() < 0.5  # eviction happened
-    assert not torch.equal(keep_map(model, mlp, ids, sinks=sinks, window=window, long_range=k)[0],
-                           keep_map(model, mlp, ids, sinks=sinks, window=window, long_range=k)[1])  # layers differ
+    assert not torch.equal(keep_map(model, mlp, ids, layout=CacheLayout.of(sinks=sinks, window=window, long_range=k))[0],
+                           keep_map(model, mlp, ids, layout=CacheLayout.of(sinks=sinks, window=window, long_range=k))[1])  # layers differ
 
 
 def test_plot_keep_map_and_shared_lines(tmp_path):

@@ -11,6 +11,7 @@ import torch
 
 from kvpop import policies
 from kvpop.config import FREE_POLICIES, TRAINED_POLICIES, parse_params
+from kvpop.geometry import CacheLayout
 from kvpop.policies import REGISTRY, Policy, make_policy, names, policy_class, resolve_policy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +91,7 @@ def test_declared_hooks_are_implemented():
 
 
 def test_long_range_slots_per_policy():
-    geo = dict(budget=384, sinks=4, window=256, head_dim=64)
+    geo = dict(layout=CacheLayout(384, 4, 256), head_dim=64)
     for name in REGISTRY:
         p = make_policy(name, num_layers=2, num_kv_heads=2, head_dim=64)
         want = 124 - 3 if name == "kvpop" else 124  # the mLSTM state (273 numbers) takes ceil(273 / 128) = 3 slots
@@ -137,7 +138,7 @@ def test_the_readme_example_policy_plugs_in(monkeypatch, tiny_model):
         pad_token_id, eos_token_id = 0, 1
 
     ids = torch.randint(2, 90, (2, 30), generator=torch.Generator().manual_seed(0))
-    kw = dict(budget=14, sinks=2, window=6, max_new_tokens=10)
+    kw = dict(layout=CacheLayout(14, 2, 6), max_new_tokens=10)
     a, sa = generate(model, Tok, pol, ids, path="engine", **kw)
     b, sb = generate(model, Tok, pol, ids, path="reference", **kw)
     assert sa.path == "engine" and sb.path == "reference" and torch.equal(a, b)

@@ -5,6 +5,7 @@ import torch
 
 from kvpop.config import TrainConfig
 from kvpop.export import export, load_export
+from kvpop.geometry import CacheLayout
 from kvpop.policies import StreamingLLM, make_policy
 from kvpop.scorer import with_recency
 from kvpop.selection import eviction_times
@@ -57,7 +58,7 @@ def test_recency_is_exported_and_can_be_overridden(tiny_llama_dir, tiny_tokenize
     from kvpop.modeling import load_model
 
     policy = with_recency(scorer_policy("kvpop_mlp"), 0.125)
-    export(load_model(tiny_llama_dir), tiny_tokenizer, policy, tmp_path / "exp", budget=SINKS + WINDOW + K, sinks=SINKS, window=WINDOW)
+    export(load_model(tiny_llama_dir), tiny_tokenizer, policy, tmp_path / "exp", layout=CacheLayout(SINKS + WINDOW + K, SINKS, WINDOW))
     k, v, pos = kv()
     want = policy.scores(0, k, v, pos).prio
     _, _, loaded, meta = load_export(tmp_path / "exp")
@@ -85,7 +86,7 @@ def test_training_builds_the_scorer_with_the_configured_recency(tiny_model):
     doc, pos = torch.zeros(2, 64, dtype=torch.long), torch.arange(64).expand(2, 64)
     cfg = TrainConfig(steps=1, batch_size=2, top_logits=16, scorer_hidden=8, scorer_recency=0.02, precision="32-true", accelerator="cpu")
     training = build_training(tiny_model("llama"), "kvpop_mlp", PackedDataset(ids, doc, pos, torch.ones_like(doc)), cfg=cfg,
-                              budget=SINKS + WINDOW + K, sinks=SINKS, window=WINDOW, seed=0)
+                              layout=CacheLayout(SINKS + WINDOW + K, SINKS, WINDOW), seed=0)
     assert training.policy.scorer.decay.recency == 0.02
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from kvpop.data.synthetic import generate_traces
 from kvpop.filter import filter_rows
+from kvpop.geometry import CacheLayout
 from kvpop.policies import make_policy, resolve_policy
 from kvpop.rollouts import (
     BOXED_INSTRUCTION,
@@ -159,7 +160,7 @@ def short_problems(tiny_tokenizer):
 
 
 def test_pass_at_1_runs(model, tiny_tokenizer, short_problems):
-    kw = dict(budget=64, sinks=4, window=16, top_p=0.95, top_k=20, max_new_tokens=4, seed=0)
+    kw = dict(layout=CacheLayout(64, 4, 16), top_p=0.95, top_k=20, max_new_tokens=4, seed=0)
     res = pass_at_1(model, tiny_tokenizer, resolve_policy("streaming_llm"), short_problems, n=3, temperature=0.8, batch_size=2, keep_texts=True, **kw)
     assert 0.0 <= res["pass_at_1"] <= 1.0 and res["n_problems"] == 3
     assert res["rollouts_per_problem"] == 3 and res["n_rollouts"] == 9 and len(res["samples"]) == 9
@@ -186,7 +187,7 @@ def test_stop_ids_include_generation_config(model, tiny_tokenizer):
 def test_memory_curve_dense_grows_bounded_flat(model, tiny_tokenizer):
     prompt = list(range(3, 43))  # 40 tokens
     lengths = [0, 8, 16, 24]
-    kw = dict(budget=24, sinks=2, window=8, lengths=lengths)
+    kw = dict(layout=CacheLayout(24, 2, 8), lengths=lengths)
     dense = memory_curve(model, tiny_tokenizer, resolve_policy("dense"), prompt, **kw)
     bounded = memory_curve(model, tiny_tokenizer, resolve_policy("streaming_llm"), prompt, **kw)
     tova = memory_curve(model, tiny_tokenizer, resolve_policy("tova"), prompt, **kw)
@@ -201,7 +202,7 @@ def test_memory_curve_dense_grows_bounded_flat(model, tiny_tokenizer):
     one_pool = memory_curve(model, tiny_tokenizer, pool, prompt, **kw)
     assert [x for x, _ in one_pool] == lengths and len({y for _, y in one_pool}) == 1 and one_pool[0][1] < dense[0][1]
     with pytest.raises(ValueError):
-        memory_curve(model, tiny_tokenizer, resolve_policy("dense"), prompt, budget=24, sinks=2, window=8, lengths=[])
+        memory_curve(model, tiny_tokenizer, resolve_policy("dense"), prompt, layout=CacheLayout(24, 2, 8), lengths=[])
 
 
 # --- benchmarks ----------------------------------------------------------------------------------

@@ -10,12 +10,14 @@ import torch
 from kvpop.boundary import boundary_labels, boundary_loss, calibration_loss
 from kvpop.config import TrainConfig
 from kvpop.export import export, load_export
+from kvpop.geometry import CacheLayout
 from kvpop.policies import make_policy
 from kvpop.scorer import static_priority, with_recency
 from kvpop.selection import eviction_times
 
 DIMS = dict(num_layers=2, num_kv_heads=2, head_dim=16)
 SINKS, WINDOW, K = 2, 4, 5
+LAYOUT = CacheLayout.of(sinks=SINKS, window=WINDOW, long_range=K)
 SHARE = 0.0005  # the boundary tests' decay: 0.01-0.02 over a row, as large as their shares exp(r_tgt)
 
 
@@ -102,11 +104,11 @@ def test_boundary_labels_on_the_share_scale_match_a_brute_force_teacher():
     r_tgt = torch.randn(B, Hk, S, generator=g) * 2 - 3
     pos = torch.arange(S).expand(B, S)
     doc = torch.zeros_like(pos)
-    lab = boundary_labels(r_tgt, torch.zeros(Hk), doc, pos, sinks=SINKS, window=WINDOW, long_range=K, share=SHARE)
+    lab = boundary_labels(r_tgt, torch.zeros(Hk), doc, pos, layout=LAYOUT, share=SHARE)
     want = brute_force_labels(r_tgt, pos, SHARE)
     got = {(int(r), int(t)): (int(b), float(y)) for r, t, b, y in zip(lab.row, lab.t_new, lab.t_bnd, lab.y, strict=True)}
     assert got == want
-    plain = boundary_labels(r_tgt, torch.zeros(Hk), doc, pos, sinks=SINKS, window=WINDOW, long_range=K)
+    plain = boundary_labels(r_tgt, torch.zeros(Hk), doc, pos, layout=LAYOUT)
     assert not torch.equal(plain.y, lab.y)  # the decay changed some decisions
 
 
@@ -117,7 +119,7 @@ def test_the_share_scale_loss_reads_the_level_the_log_scale_loss_does_not():
     r_hat = r_tgt + 0.3 * torch.randn(B, Hk, S, generator=g)
     pos = torch.arange(S).expand(B, S)
     doc = torch.zeros_like(pos)
-    kw = dict(sinks=SINKS, window=WINDOW, long_range=K, weighting="uniform")
+    kw = dict(layout=LAYOUT, weighting="uniform")
     lg = torch.full((Hk,), -0.01, dtype=torch.float64)
 
     def loss(x, **extra):
@@ -162,7 +164,7 @@ def test_the_space_is_exported_configured_and_checked(tiny_llama_dir, tiny_token
     from kvpop.modeling import load_model
 
     policy = share_policy(recency=0.02)
-    export(load_model(tiny_llama_dir), tiny_tokenizer, policy, tmp_path / "exp", budget=SINKS + WINDOW + K, sinks=SINKS, window=WINDOW)
+    export(load_model(tiny_llama_dir), tiny_tokenizer, policy, tmp_path / "exp", layout=CacheLayout(SINKS + WINDOW + K, SINKS, WINDOW))
     k, v, pos = kv()
     want = policy.scores(0, k, v, pos).prio
     _, _, loaded, meta = load_export(tmp_path / "exp")
@@ -188,7 +190,7 @@ def test_training_uses_the_space_and_logs_the_calibration(tiny_model, tmp_path):
                       scorer_calibration=0.5, precision="32-true", accelerator="cpu", log_every=1)
     teacher = tiny_model("llama", attn_implementation=register())
     training = build_training(teacher, "kvpop_mlp", PackedDataset(ids, doc, pos, torch.ones_like(doc)), cfg=cfg,
-                              budget=SINKS + WINDOW + K, sinks=SINKS, window=WINDOW, seed=0)
+                              layout=CacheLayout(SINKS + WINDOW + K, SINKS, WINDOW), seed=0)
     assert training.policy.scorer.decay.share == 0.001
     assert training.module.s.scorer_training.calibration == 0.5
     before = [p.detach().clone() for p in training.policy.scorer.layers.parameters()]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvpop.attention import ScorerTraining, SparseContext, register
+from kvpop.geometry import CacheLayout
 from kvpop.modeling import tiny_config
 from kvpop.policies import make_policy
 from kvpop.target import TargetSpec
@@ -47,7 +48,7 @@ def test_gradients_are_isolated():
     policy = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
     for layer in policy.scorer.layers:  # a scorer past its zero-initialized start
         torch.nn.init.normal_(layer.w2)
-    ctx = SparseContext.for_rows(policy, doc, pos, sinks=2, window=6, long_range=5, scorer_training=ScorerTraining())
+    ctx = SparseContext.for_rows(policy, doc, pos, layout=CacheLayout(13, 2, 6), scorer_training=ScorerTraining())
     logits = student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits
     assert len(ctx.losses) == 2  # one boundary loss per layer
     torch.stack(ctx.losses).mean().backward(retain_graph=True)
@@ -55,7 +56,7 @@ def test_gradients_are_isolated():
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())
     policy.zero_grad(set_to_none=True)
     with torch.no_grad():
-        ctx = SparseContext.for_rows(make_policy("dense"), doc, pos, sinks=2, window=6, long_range=5)
+        ctx = SparseContext.for_rows(make_policy("dense"), doc, pos, layout=CacheLayout(13, 2, 6))
         vals, idx = teacher(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits.topk(16, -1)
     topk_kl(logits, vals, idx, torch.ones(2, 64)).backward()
     assert all(p.grad is None for p in policy.parameters())
@@ -73,7 +74,7 @@ def test_lightning_fit_updates_the_right_parameters(policy_name, tmp_path):
     p_before = copy.deepcopy(policy.state_dict())
     ids, doc, pos = packed_toy(4, 64)
     ds = PackedDataset(ids, doc, pos, (doc >= 0).long())
-    s = TrainSettings(sinks=2, window=6, long_range=5, steps=2, model_lr=1e-3, scorer_lr=1e-2, top_logits=16, scorer_training=ScorerTraining())
+    s = TrainSettings(layout=CacheLayout(13, 2, 6), steps=2, model_lr=1e-3, scorer_lr=1e-2, top_logits=16, scorer_training=ScorerTraining())
     module = DistillModule(student, teacher, policy, s)
     trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=tmp_path)
@@ -146,11 +147,11 @@ def test_build_training_trains_two_steps(policy_name, tmp_path):
     cfg = TrainConfig(steps=2, batch_size=2, top_logits=16, scorer_hidden=8, model_lr=1e-3, tau=0.5, query_samples=3,
                       precision="32-true", accelerator="cpu")
     training = build_training(teacher, policy_name, PackedDataset(ids, doc, pos, (doc >= 0).long()), cfg=cfg,
-                              budget=13, sinks=2, window=6, seed=0)
+                              layout=CacheLayout(13, 2, 6), seed=0)
     assert training.precision == "32-true" and training.long_range == 5
     assert training.policy.name == policy_name and training.student is not teacher
     s = training.module.s
-    assert (s.steps, s.top_logits, s.model_lr, s.long_range) == (2, 16, 1e-3, 5)
+    assert (s.steps, s.top_logits, s.model_lr, s.layout.long_range) == (2, 16, 1e-3, 5)
     assert (s.scorer_training.tau, s.scorer_training.query_samples) == (0.5, 3)
     before = copy.deepcopy(training.student.state_dict())
     trainer = training.fit(enable_progress_bar=False, default_root_dir=tmp_path)
@@ -190,13 +191,13 @@ def test_scoped_target_losses_equal_the_boundary_loss_on_scoped_targets(spec):
 
     attention.boundary_loss = spy
     try:
-        ctx = SparseContext.for_rows(policy, doc, pos, sinks=2, window=6, long_range=5, scorer_training=ScorerTraining(target=TargetSpec(kind="mean")))
+        ctx = SparseContext.for_rows(policy, doc, pos, layout=CacheLayout(13, 2, 6), scorer_training=ScorerTraining(target=TargetSpec(kind="mean")))
         student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx)
     finally:
         attention.boundary_loss = real
     target = TargetSpec.parse(spec)
     scope, blend = target.scope, target.blend  # blend: 0.5 unless written (mean.blend:0.8)
-    ctx = SparseContext.for_rows(policy, doc, pos, sinks=2, window=6, long_range=5,
+    ctx = SparseContext.for_rows(policy, doc, pos, layout=CacheLayout(13, 2, 6),
                                  scorer_training=ScorerTraining(target=target))
     student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx)
     if scope in ("model", "blend"):
@@ -215,10 +216,10 @@ def test_scoped_target_losses_equal_the_boundary_loss_on_scoped_targets(spec):
                     want[b, h, t] = max(recorded[l2][1][b, g, t].item() for l2, g in heads)
                     if scope == "blend":  # the head's own target and the model's maximum, weighed
                         want[b, h, t] = blend * want[b, h, t] + (1 - blend) * recorded[L][1][b, h, t].item()
-        ref, _ = boundary_loss(r_hat, want, log_gamma, doc, pos, sinks=2, window=6, long_range=5)
+        ref, _ = boundary_loss(r_hat, want, log_gamma, doc, pos, layout=CacheLayout(13, 2, 6))
         assert torch.allclose(losses[L].detach().double(), ref.double(), atol=1e-6), (scope, L)
     if scope != "group":  # the scope changes the labels on this toy: the test can tell the scopes apart
-        plain, _ = boundary_loss(recorded[0][0], recorded[0][1], recorded[0][2], doc, pos, sinks=2, window=6, long_range=5)
+        plain, _ = boundary_loss(recorded[0][0], recorded[0][1], recorded[0][2], doc, pos, layout=CacheLayout(13, 2, 6))
         assert not torch.allclose(losses[0].detach().double(), plain.double(), atol=1e-6)
     losses[0].backward()  # the deferred loss still reaches the scorer
     assert policy.scorer.layers[0].w2.grad is not None and policy.scorer.layers[0].w2.grad.abs().sum() > 0

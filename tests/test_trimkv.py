@@ -15,6 +15,7 @@ import torch
 from kvpop.attention import GateTraining, SparseContext
 from kvpop.decode import enable, teacher_forced_logits
 from kvpop.decode.engine import engine_refusal
+from kvpop.geometry import CacheLayout
 from kvpop.policies import make_policy
 from kvpop.policies.trimkv import capacity_loss
 from kvpop.selection import NEVER, decaying_eviction_times, document_spans, eviction_times
@@ -24,6 +25,7 @@ from test_train import tiny_pair
 from conftest import packed_toy
 
 SINKS, WINDOW, K = 2, 6, 5
+LAYOUT = CacheLayout.of(sinks=SINKS, window=WINDOW, long_range=K)
 
 
 def literal_eviction_times(log_beta, doc_ids, pos, sinks, window, k):
@@ -107,7 +109,7 @@ def test_beta_one_is_standard_attention(name):
     _, student = tiny_pair()
     ids, doc, pos = packed_toy(2, 64)
     policy = make_policy(name, num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
-    plain = SparseContext.for_rows(make_policy("dense"), doc, pos, sinks=SINKS, window=WINDOW, long_range=K)
+    plain = SparseContext.for_rows(make_policy("dense"), doc, pos, layout=LAYOUT)
     with torch.no_grad():
         dense = student(input_ids=ids, position_ids=pos, kvpop_ctx=plain).logits
     diffs = []
@@ -115,11 +117,11 @@ def test_beta_one_is_standard_attention(name):
         for key, param in policy.scorer.named_parameters():  # the output bias: one per head (trimkv) or one tied (dbtrimkv)
             if key.endswith("b2"):
                 param.data.fill_(b2)
-        ctx = SparseContext.for_rows(policy, doc, pos, sinks=SINKS, window=WINDOW, long_range=K, gate_training=GateTraining())
+        ctx = SparseContext.for_rows(policy, doc, pos, layout=LAYOUT, gate_training=GateTraining())
         diffs.append((student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits - dense).abs().max().item())
     assert diffs[1] < 1e-6 and diffs[0] < 1e-2
     gated = random_gate() if name == "trimkv" else one_pool_gate()
-    ctx = SparseContext.for_rows(gated, doc, pos, sinks=SINKS, window=WINDOW, long_range=K, gate_training=GateTraining())
+    ctx = SparseContext.for_rows(gated, doc, pos, layout=LAYOUT, gate_training=GateTraining())
     out = student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits
     assert (out - dense).abs().max() > 1e-2  # a real decay changes the output
     out.square().mean().backward()
@@ -135,11 +137,11 @@ def test_flex_age_scaled_bias_equals_the_sdpa_mask():
     never = torch.full((B, Hk, S), NEVER, dtype=torch.int64)
     outs = {}
     for executor in ("sdpa", "flex"):
-        ctx = SparseContext.for_rows(make_policy("streaming_llm"), doc, pos, sinks=SINKS, window=WINDOW, long_range=K, executor=executor)
+        ctx = SparseContext.for_rows(make_policy("streaming_llm"), doc, pos, layout=LAYOUT, executor=executor)
         outs[executor] = ctx.run(q, k, v, never, 0.25, False, layer_key=0, gate_bias=bias, age_scaled=True)[0]
     real = (doc >= 0)[:, None, :, None]
     assert ((outs["flex"] - outs["sdpa"]).abs() * real).max() < 1e-5
-    once = SparseContext.for_rows(make_policy("streaming_llm"), doc, pos, sinks=SINKS, window=WINDOW, long_range=K).run(
+    once = SparseContext.for_rows(make_policy("streaming_llm"), doc, pos, layout=LAYOUT).run(
         q, k, v, never, 0.25, False, 0, gate_bias=bias)[0]
     assert ((once - outs["sdpa"]).abs() * real).max() > 1e-2  # the age matters
 
@@ -149,7 +151,7 @@ def test_capacity_loss_matches_a_loop_and_pushes_retention_down():
     _, doc, pos = packed_toy(2, 40, seed=5)
     lb = (-torch.rand(2, 3, 40, generator=g, dtype=torch.float64) * 0.05).requires_grad_(True)
     k = 3
-    got = capacity_loss(lb, doc, pos, sinks=SINKS, window=WINDOW, long_range=k, chunk=7)
+    got = capacity_loss(lb, doc, pos, layout=CacheLayout.of(sinks=SINKS, window=WINDOW, long_range=k), chunk=7)
     total, n = 0.0, 0
     for b in range(2):
         for h in range(3):
@@ -164,7 +166,7 @@ def test_capacity_loss_matches_a_loop_and_pushes_retention_down():
     got.backward()
     assert (lb.grad >= 0).all() and lb.grad.sum() > 0  # more retention (log beta up) costs more
     steep = torch.full((2, 3, 40), -30.0, dtype=torch.float32, requires_grad=True)  # future keys' terms would overflow
-    capacity_loss(steep, doc, pos, sinks=SINKS, window=WINDOW, long_range=k).backward()
+    capacity_loss(steep, doc, pos, layout=CacheLayout.of(sinks=SINKS, window=WINDOW, long_range=k)).backward()
     assert torch.isfinite(steep.grad).all()
 
 
@@ -174,12 +176,12 @@ def test_decoding_equals_the_full_sequence_pattern(tiny_model, prefill):
     policy = random_gate(seed=1)
     ids = torch.randint(0, 96, (2, 80), generator=torch.Generator().manual_seed(2))
     pos = torch.arange(80).expand(2, 80)
-    ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, sinks=SINKS, window=WINDOW, long_range=K)
+    ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, layout=LAYOUT)
     with torch.no_grad():
         ref = model(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits
-    got = teacher_forced_logits(model, policy, ids, budget=SINKS + WINDOW + K, sinks=SINKS, window=WINDOW, prefill=prefill)
+    got = teacher_forced_logits(model, policy, ids, layout=CacheLayout(SINKS + WINDOW + K, SINKS, WINDOW), prefill=prefill)
     assert (got - ref).abs().max() < 1e-4
-    recency = SparseContext.for_rows(make_policy("streaming_llm"), torch.zeros_like(pos), pos, sinks=SINKS, window=WINDOW, long_range=K)
+    recency = SparseContext.for_rows(make_policy("streaming_llm"), torch.zeros_like(pos), pos, layout=LAYOUT)
     with torch.no_grad():
         assert (model(input_ids=ids, position_ids=pos, kvpop_ctx=recency).logits - ref).abs().max() > 1e-3  # not recency
     assert "BoundedCache" in engine_refusal(model, policy)
@@ -193,7 +195,7 @@ def test_training_updates_the_gate_and_only_the_joint_student(name, tmp_path):
     teacher, _ = tiny_pair()
     ids, doc, pos = packed_toy(4, 64)
     cfg = TrainConfig(steps=2, batch_size=2, top_logits=16, scorer_hidden=8, model_lr=1e-3, precision="32-true", accelerator="cpu")
-    training = build_training(teacher, name, PackedDataset(ids, doc, pos, (doc >= 0).long()), cfg=cfg, budget=13, sinks=SINKS, window=WINDOW, seed=0)
+    training = build_training(teacher, name, PackedDataset(ids, doc, pos, (doc >= 0).long()), cfg=cfg, layout=CacheLayout(13, SINKS, WINDOW), seed=0)
     before = copy.deepcopy(training.student.state_dict())
     gate_before = copy.deepcopy(training.policy.state_dict())
     trainer = training.fit(enable_progress_bar=False, default_root_dir=tmp_path)

@@ -42,6 +42,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from kvpop.boundary import BoundaryWeight, boundary_loss, calibration_loss
+from kvpop.geometry import CacheLayout
 from kvpop.masks import block_mask_from_eviction_times, dense_mask, make_eviction_mask_mod
 from kvpop.policies import Policy
 from kvpop.policies.base import GateRelaxation
@@ -191,9 +192,7 @@ class SparseContext:
     policy: Policy
     doc_ids: Tensor  # (B, S) int, -1 on padding
     pos: Tensor  # (B, S) int, position inside the document
-    sinks: int
-    window: int
-    long_range: int  # long-range slots k = budget - sinks - window
+    layout: CacheLayout  # sinks, window and the policy's long-range slots k
     executor: Executor = "sdpa"
     scorer_training: ScorerTraining | None = None
     gate_training: GateTraining | None = None
@@ -209,8 +208,8 @@ class SparseContext:
     _layers: dict[int, _LayerRecord] = field(default_factory=dict)  # first call of each layer
 
     @classmethod
-    def for_rows(cls, policy: Policy, doc_ids: Tensor, pos: Tensor, *, sinks: int, window: int, long_range: int, **kw) -> SparseContext:
-        return cls(policy=policy, doc_ids=doc_ids, pos=pos, sinks=sinks, window=window, long_range=long_range, **kw)
+    def for_rows(cls, policy: Policy, doc_ids: Tensor, pos: Tensor, layout: CacheLayout, **kw) -> SparseContext:
+        return cls(policy=policy, doc_ids=doc_ids, pos=pos, layout=layout, **kw)
 
     def evictions(self, layer: int, k: Tensor, v: Tensor):
         """(eviction times (B, Hk, S), Scores or None) for one layer."""
@@ -218,7 +217,7 @@ class SparseContext:
         if self.policy.layer_independent and "evict" in self._cache:
             return self._cache["evict"], None
         with torch.autocast(device_type=k.device.type, enabled=False):  # scorers compute in fp32
-            scores = self.policy.scores(layer, k.float(), v.float(), self.pos, doc_ids=self.doc_ids, window=self.window)
+            scores = self.policy.scores(layer, k.float(), v.float(), self.pos, doc_ids=self.doc_ids, window=self.layout.window)
         if scores is not None and self.policy.one_pool:  # the pool's pattern needs every layer's scores: given
             self.global_prio[layer] = scores.prio
             if self.global_evict is not None:
@@ -227,7 +226,8 @@ class SparseContext:
             evict = torch.full((B, Hk, S), NEVER, dtype=torch.int64, device=k.device)
         else:
             times = decaying_eviction_times if self.policy.decays else eviction_times  # ranks that fall with age: a simulation
-            evict = times(scores.prio, self.doc_ids, self.pos, sinks=self.sinks, window=self.window, long_range=self.long_range)
+            evict = times(scores.prio, self.doc_ids, self.pos, sinks=self.layout.sinks, window=self.layout.window,
+                          long_range=self.layout.long_range)
         if self.policy.layer_independent:
             self._cache["evict"] = evict
         return evict, scores
@@ -243,9 +243,9 @@ class SparseContext:
             return self._cache[key]
         B, Hk, S = evict.shape
         if self.executor == "flex":
-            pat = block_mask_from_eviction_times(self.doc_ids, self.pos, evict, sinks=self.sinks, num_heads=H)
+            pat = block_mask_from_eviction_times(self.doc_ids, self.pos, evict, sinks=self.layout.sinks, num_heads=H)
         else:
-            mm = make_eviction_mask_mod(self.doc_ids, self.pos, evict, sinks=self.sinks, group=H // Hk)
+            mm = make_eviction_mask_mod(self.doc_ids, self.pos, evict, sinks=self.layout.sinks, group=H // Hk)
             pat = dense_mask(mm, B, H, S, evict.device)
         if keep:
             self._cache[key] = pat
@@ -259,7 +259,7 @@ class SparseContext:
             keep = self.policy.layer_independent or self.executor == "flex"
         pat = self._pattern(evict, q.shape[1], layer_key, keep)
         if gate_bias is not None:
-            gk = dict(sinks=self.sinks, window=self.window, age_scaled=age_scaled)
+            gk = dict(sinks=self.layout.sinks, window=self.layout.window, age_scaled=age_scaled)
             if self.executor == "flex":
                 return flex_execute(q, k, v, pat, scale, False, score_mod=gate_bias_mod(gate_bias, self.pos, group=q.shape[1] // k.shape[1], **gk))
             return sdpa_execute(q, k, v, gate_bias_mask(pat, gate_bias, self.pos, **gk), scale, False)
@@ -288,7 +288,7 @@ class SparseContext:
                     _, lse = self.run(q.detach(), k.detach(), v.detach(), never, scale, True, "dense", keep=self.executor == "flex")
                 impl = "flex" if self.executor == "flex" else "chunked"
                 r_tgt = future_attention_target(
-                    q.detach(), k.detach(), lse.detach(), self.doc_ids, window=self.window, scale=scale, impl=impl,
+                    q.detach(), k.detach(), lse.detach(), self.doc_ids, window=self.layout.window, scale=scale, impl=impl,
                     kind=st.target.kind, beta=st.target.beta,
                 )
             if st.target.spans_layers:  # needs every layer's target: the loss waits for finish_scorer_losses
@@ -306,7 +306,8 @@ class SparseContext:
         if relax.prio is None:  # no eviction in training: the bias alone stands for it (trimkv)
             evict = torch.full(x.shape, NEVER, dtype=torch.int64, device=x.device)
         else:
-            evict = eviction_times(relax.prio, self.doc_ids, self.pos, sinks=self.sinks, window=self.window, long_range=self.long_range)
+            evict = eviction_times(relax.prio, self.doc_ids, self.pos, sinks=self.layout.sinks, window=self.layout.window,
+                                   long_range=self.layout.long_range)
         bias = relax.bias.to(q.dtype)
         out, _ = self.run(q, k, v, evict, scale, need_lse=False, layer_key=key, gate_bias=bias, age_scaled=relax.age_scaled)
         self._layers[layer] = _LayerRecord(evict=evict, need_lse=False, grad_enabled=torch.is_grad_enabled(), gate_bias=bias,
@@ -319,11 +320,11 @@ class SparseContext:
         with _kept_saved_tensors():
             loss, stats = boundary_loss(
                 r_hat, r_tgt, log_gamma, self.doc_ids, self.pos,
-                sinks=self.sinks, window=self.window, long_range=self.long_range, tau=st.tau, tie_margin=st.tie_margin,
+                layout=self.layout, tau=st.tau, tie_margin=st.tie_margin,
                 query_samples=st.query_samples, generator=st.generator, weighting=st.weighting, share=self.policy.scorer.decay.share,
             )
             if st.calibration > 0:
-                calib = calibration_loss(r_hat, r_tgt, self.doc_ids, self.pos, sinks=self.sinks)
+                calib = calibration_loss(r_hat, r_tgt, self.doc_ids, self.pos, sinks=self.layout.sinks)
                 loss = loss + st.calibration * calib
                 stats = {**stats, "calibration": calib.detach()}
         self.losses.append(loss)

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from kvpop.geometry import CacheLayout
 from kvpop.order import prefix_kth_smallest
 from kvpop.scorer import static_priority
 from kvpop.selection import eligible_tokens, priority_order
@@ -59,13 +60,11 @@ def boundary_labels(
     doc_ids: Tensor,  # (B, S)
     pos: Tensor,  # (B, S)
     *,
-    sinks: int,
-    window: int,
-    long_range: int,
+    layout: CacheLayout,
     share: float = 0.0,
 ) -> BoundaryLabels:
     """The teacher's keep/drop decision for t_new at every decided query, and its competitor."""
-    k = long_range
+    sinks, window, k = layout.sinks, layout.window, layout.long_range
     B, Hk, S = r_tgt.shape
     dev = r_tgt.device
     ok = eligible_tokens(doc_ids, pos, sinks)  # (B, S)
@@ -99,9 +98,7 @@ def boundary_loss(
     doc_ids: Tensor,
     pos: Tensor,
     *,
-    sinks: int,
-    window: int,
-    long_range: int,
+    layout: CacheLayout,
     tau: float = 1.0,
     tie_margin: float = 0.5,
     query_samples: int = 0,
@@ -131,7 +128,7 @@ def boundary_loss(
     of those priorities: the decisions then depend on ``r_hat``'s level, which the loss calibrates.
     """
     B, Hk, S = r_hat.shape
-    lab = boundary_labels(r_tgt, log_gamma, doc_ids, pos, sinks=sinks, window=window, long_range=long_range, share=share)
+    lab = boundary_labels(r_tgt, log_gamma, doc_ids, pos, layout=layout, share=share)
     if query_samples > 0 and lab.row.numel() > query_samples * B * Hk:
         keep = torch.randperm(lab.row.numel(), generator=generator, device="cpu")[: query_samples * B * Hk]
         keep = keep.to(lab.row.device)

@@ -27,6 +27,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from kvpop import geometry
+from kvpop.geometry import CacheLayout
 from kvpop.policies import names
 
 POLICIES, TRAINED = names(oracle=False), names(trained=True)  # oracles run in the evaluate stage only
@@ -39,13 +41,14 @@ class UsageError(Exception):
     """A problem with the command's inputs: reported on stderr, exit status 2."""
 
 
-def check_budget(budget: int, sinks: int, window: int) -> None:
-    """The pipeline's rule (``kvpop.config.Params``): window >= 1, sinks >= 0 and at least one
-    long-range slot, budget > sinks + window; a UsageError naming the numbers otherwise."""
-    if window < 1 or sinks < 0:
-        raise UsageError(f"need --window >= 1 and --sinks >= 0; got sinks {sinks}, window {window}")
-    if budget <= sinks + window:
-        raise UsageError(f"--budget {budget} must exceed sinks + window = {sinks} + {window} (at least one long-range slot)")
+def check_budget(budget: int, sinks: int, window: int) -> CacheLayout:
+    """The pipeline's rule (:func:`kvpop.geometry.check_budget`, as in ``kvpop.config.Params``: at least
+    one long-range slot) -> the nominal layout; a UsageError naming --budget, --sinks and --window otherwise."""
+    try:
+        geometry.check_budget(budget, sinks, window)
+    except ValueError as e:
+        raise UsageError(f"--budget {budget} --sinks {sinks} --window {window}: {e}") from None
+    return CacheLayout(budget, sinks, window)
 
 
 @dataclass
@@ -53,9 +56,7 @@ class Loaded:
     model: object
     tokenizer: object
     policy: object  # kvpop.policies.Policy
-    sinks: int
-    window: int
-    budget: int
+    layout: CacheLayout  # the nominal geometry
     trained: object = None  # an export's own trained policy (None for a plain model folder)
 
 
@@ -84,7 +85,7 @@ def load(args, policy: str | None = None) -> Loaded:
         raise UsageError(f"policy {name!r} needs an export folder; {path} is a plain model folder")
     sinks = args.sinks if args.sinks is not None else meta.get("sinks", DEFAULT_SINKS)
     window = args.window if args.window is not None else meta.get("window", DEFAULT_WINDOW)
-    check_budget(args.budget, sinks, window)
+    layout = check_budget(args.budget, sinks, window)
     from safetensors import SafetensorError  # the heavy imports after every check that needs none of them
     from transformers import AutoTokenizer
 
@@ -106,7 +107,7 @@ def load(args, policy: str | None = None) -> Loaded:
         raise UsageError(str(e)) from None
     if getattr(args, "one_pool", False) and args.command == "generate":
         resolved = with_one_pool(resolved)
-    return Loaded(model.eval(), tok, resolved, sinks, window, args.budget, trained)
+    return Loaded(model.eval(), tok, resolved, layout, trained)
 
 
 def with_one_pool(policy):
@@ -178,7 +179,7 @@ def cmd_generate(args) -> int:
     streamer = None if args.quiet else TextStreamer(lo.tokenizer, skip_prompt=True, skip_special_tokens=True)
     try:
         new, stats = generate(
-            lo.model, lo.tokenizer, lo.policy, ids, budget=lo.budget, sinks=lo.sinks, window=lo.window,
+            lo.model, lo.tokenizer, lo.policy, ids, layout=lo.layout,
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, streamer=streamer, path=args.path, compile=args.compile,
         )
@@ -187,7 +188,7 @@ def cmd_generate(args) -> int:
     if args.quiet:
         print(lo.tokenizer.decode(new[0], skip_special_tokens=True))
     err.print(
-        f"[bold]{lo.policy.name}[/] budget {lo.budget} (sinks {lo.sinks}, window {lo.window}): "
+        f"[bold]{lo.policy.name}[/] budget {lo.layout.budget} (sinks {lo.layout.sinks}, window {lo.layout.window}): "
         f"{stats.prompt_tokens} prompt + {stats.new_tokens} new tokens, "
         f"cache {stats.peak_cache_mb:.3f} MB, {stats.tokens_per_s:.1f} tokens/s ({stats.path} path)"
     )
@@ -245,9 +246,9 @@ def score_candidates(args):
             model, _, pol, meta = load_export(Path(d), args.dtype)
         except (CheckpointError, RuntimeError, OSError, ValueError) as e:
             raise UsageError(f"--export {d}: {e}") from None
-        if (meta["sinks"], meta["window"]) != (first.sinks, first.window):
+        if (meta["sinks"], meta["window"]) != (first.layout.sinks, first.layout.window):
             raise UsageError(f"--export {d} was trained with sinks/window {meta['sinks']}/{meta['window']}; this run uses "
-                             f"{first.sinks}/{first.window} (set --sinks/--window)")
+                             f"{first.layout.sinks}/{first.layout.window} (set --sinks/--window)")
         cands.append(Candidate(f"{pol.name} ({Path(d).name})", model.eval(), pol))
     if args.one_pool:
         from kvpop.evaluate import one_pool_twin
@@ -271,11 +272,11 @@ def cmd_score(args) -> int:
                  + (" (the export's fine-tuned weights, not its base model)" if first.trained is not None else ""))
     for c in cands:
         c.policy.to(device)
-    res = evaluate_fidelity(records, first.model, cands, budget=first.budget, sinks=first.sinks, window=first.window, device=device)
+    res = evaluate_fidelity(records, first.model, cands, layout=first.layout, device=device)
     quotes = any(r.get("quote_positions") for r in records)
     rows = []
     for name, m in res.items():
-        row = {"policy": name, "budget": first.budget, "sinks": first.sinks, "window": first.window, "documents": len(records),
+        row = {"policy": name, "budget": first.layout.budget, "sinks": first.layout.sinks, "window": first.layout.window, "documents": len(records),
                "tokens": m["tokens"], "kl": m["kl"], "top1_agreement": m["top1_agreement"], "reference": reference}
         if quotes:
             row["quote_accuracy"], row["quote_tokens"] = m["quote_accuracy"], m["quote_tokens"]
@@ -285,7 +286,7 @@ def cmd_score(args) -> int:
             print(json.dumps(row))
         return 0
     cols = ["kl", "top1_agreement", *(["quote_accuracy"] if quotes else [])]
-    table = Table("policy", *cols, title=f"teacher-forced fidelity at budget {first.budget} (sinks {first.sinks}, window {first.window}), "
+    table = Table("policy", *cols, title=f"teacher-forced fidelity at budget {first.layout.budget} (sinks {first.layout.sinks}, window {first.layout.window}), "
                   f"{len(records)} documents, {rows[0]['tokens']} scored tokens", caption=f"reference: {reference}")
     for row in rows:
         table.add_row(row["policy"], *(f"{row[c]:.5f}" for c in cols))

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvpop.boundary import BoundaryWeight
 from kvpop.data.synthetic import DEFAULT_MIN_QUOTE_DISTANCE_CHARS, DEFAULT_NUM_RECALLS, DEFAULT_NUM_VALUES
+from kvpop.geometry import CacheLayout, check_budget
 from kvpop.policies import OnePool, names, policy_class
 from kvpop.target import TargetSpec
 
@@ -305,11 +306,7 @@ class Params(_Section):
 
     @model_validator(mode="after")
     def _check_budget(self) -> Params:
-        if self.budget <= self.sinks + self.window:
-            raise ValueError(
-                f"budget ({self.budget}) must exceed sinks + window ({self.sinks} + {self.window}) "
-                "so that at least one long-range slot exists"
-            )
+        check_budget(self.budget, self.sinks, self.window)  # the message names budget, sinks and window
         if self.filter.source == "synthetic" and self.eval_seed == self.seed:
             raise ValueError(f"filter.synthetic.eval_seed equals seed ({self.seed}): the held-out traces would be the training traces")
         if self.evaluate.one_pool and not any(OnePool.accepts(policy_class(n)) for n in self.train.policies):  # class attributes only
@@ -317,9 +314,9 @@ class Params(_Section):
         return self
 
     @property
-    def long_range(self) -> int:
-        """Long-range slots per KV head at the nominal budget (a stateful policy may take fewer)."""
-        return self.budget - self.sinks - self.window
+    def layout(self) -> CacheLayout:
+        """The nominal cache geometry (``layout.for_policy`` gives a stateful policy's, with fewer long-range slots)."""
+        return CacheLayout(self.budget, self.sinks, self.window)
 
 
 class ParamsError(ValueError):

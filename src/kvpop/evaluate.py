@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from kvpop.attention import SparseContext
+from kvpop.geometry import CacheLayout
 from kvpop.modeling import model_shape
 from kvpop.policies import Dense, OnePool, Policy
 from kvpop.selection import NEVER, global_decaying_eviction_times
@@ -107,19 +108,19 @@ class TargetCapture(SparseContext):
         doc = self.doc_ids if self.target_doc_ids is None else self.target_doc_ids
         for kind, beta in self.kinds:
             self.targets.setdefault((kind, beta), {})[layer] = future_attention_target(
-                q, k, lse, doc, window=self.window, scale=scale, kind=kind, beta=beta, impl="flex" if self.executor == "flex" else "chunked",
+                q, k, lse, doc, window=self.layout.window, scale=scale, kind=kind, beta=beta, impl="flex" if self.executor == "flex" else "chunked",
             )
         return out.transpose(1, 2).contiguous()
 
 
-def _forward(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: int, long_range: int, kinds: tuple[TargetKey, ...] = (),
+def _forward(model, policy: Policy, input_ids: Tensor, *, layout: CacheLayout, kinds: tuple[TargetKey, ...] = (),
              length: int | None = None) -> tuple[Tensor, dict[TargetKey, list[Tensor]]]:
     """(logits (S, V) float32, {key: per-layer (1, Hk, S) targets}) of one trace (1, S); targets only
     for ``kinds`` (then ``policy`` must be dense). ``length``: tokens of the trace before right padding."""
     S = input_ids.shape[1]
     pos = torch.arange(S, device=input_ids.device)[None]
     doc = torch.zeros_like(pos)
-    kw = dict(sinks=sinks, window=window, long_range=long_range, executor="flex" if input_ids.is_cuda else "sdpa")
+    kw = dict(layout=layout, executor="flex" if input_ids.is_cuda else "sdpa")
     if not kinds:
         ctx = SparseContext.for_rows(policy, doc, pos, **kw)
         return model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx).logits[0].float(), {}
@@ -151,7 +152,7 @@ def held_map(evict: Tensor, capacity: int) -> Tensor:
 
 
 @torch.no_grad()
-def captured_forward(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: int, long_range: int) -> tuple[Tensor, Tensor]:
+def captured_forward(model, policy: Policy, input_ids: Tensor, *, layout: CacheLayout) -> tuple[Tensor, Tensor]:
     """One trace (1, S) under a policy's full-sequence pattern -> (logits (S, V) float32, every layer's
     eviction times (L, Hk, S); dense: ``NEVER``).
 
@@ -160,30 +161,26 @@ def captured_forward(model, policy: Policy, input_ids: Tensor, *, sinks: int, wi
     S = input_ids.shape[1]
     if not policy.one_pool:
         pos = torch.arange(S, device=input_ids.device)[None]
-        kw = dict(sinks=sinks, window=window, long_range=long_range, executor="flex" if input_ids.is_cuda else "sdpa")
-        ctx = EvictionCapture.for_rows(policy, torch.zeros_like(pos), pos, **kw)
+        ctx = EvictionCapture.for_rows(policy, torch.zeros_like(pos), pos, layout, executor="flex" if input_ids.is_cuda else "sdpa")
         logits = model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx).logits[0].float()
         return logits, torch.stack([ctx.evict[i][0] for i in sorted(ctx.evict)])
-    evict, logits = pool_fixed_point(model, policy, input_ids, sinks=sinks, window=window, long_range=long_range, keep_logits=True)
+    evict, logits = pool_fixed_point(model, policy, input_ids, layout=layout, keep_logits=True)
     return logits[0], evict[:, 0]
 
 
-def _pool_forward(model, policy: Policy, input_ids: Tensor, evict: Tensor | None, *, sinks: int, window: int, long_range: int,
-                  logits: bool) -> tuple[SparseContext, Tensor | None]:
+def _pool_forward(model, policy: Policy, input_ids: Tensor, evict: Tensor | None, *, layout: CacheLayout, logits: bool) -> tuple[SparseContext, Tensor | None]:
     """One forward of B traces (B, S), one document per row, under a ``one_pool`` policy's eviction
     times (L, B, Hk, S) (None: no eviction); (its context, which recorded every layer's scores, and the
     logits (B, S, V) float32, or None: ``logits=False`` computes the last position's only)."""
     B, S = input_ids.shape
     pos = torch.arange(S, device=input_ids.device).expand(B, S)
-    ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, global_evict=evict, sinks=sinks, window=window,
-                                 long_range=long_range, executor="flex" if input_ids.is_cuda else "sdpa")
+    ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, layout, global_evict=evict, executor="flex" if input_ids.is_cuda else "sdpa")
     out = model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx, **({} if logits else {"logits_to_keep": 1}))
     return ctx, out.logits.float() if logits else None
 
 
 @torch.no_grad()
-def pool_fixed_point(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: int, long_range: int,
-                     keep_logits: bool = False) -> tuple[Tensor, Tensor | None]:
+def pool_fixed_point(model, policy: Policy, input_ids: Tensor, *, layout: CacheLayout, keep_logits: bool = False) -> tuple[Tensor, Tensor | None]:
     """(Eviction times (L, B, Hk, S), logits (B, S, V) under them if ``keep_logits``, else None) of a
     ``one_pool`` policy on B traces of one length (B, S) at once, one trace per row: the fixed point of
     "forward under E, simulate the pool on the recorded priorities", started from no eviction (why it
@@ -195,12 +192,12 @@ def pool_fixed_point(model, policy: Policy, input_ids: Tensor, *, sinks: int, wi
     B, S = input_ids.shape
     pos = torch.arange(S, device=input_ids.device).expand(B, S)
     doc = torch.zeros_like(pos)
-    kw = dict(sinks=sinks, window=window, long_range=long_range)
     evict, run = None, None  # (L, B, Hk, S); the last simulation, which the next one continues where the scores changed
-    for _ in range(max(0, -(-(S - (sinks + window + long_range)) // window)) + 2):
-        ctx, logits = _pool_forward(model, policy, input_ids, evict, **kw, logits=keep_logits)  # records each layer's scores
+    for _ in range(max(0, -(-(S - layout.slots) // layout.window)) + 2):
+        ctx, logits = _pool_forward(model, policy, input_ids, evict, layout=layout, logits=keep_logits)  # records each layer's scores
         prio = torch.stack([ctx.global_prio[i] for i in sorted(ctx.global_prio)])  # (L, B, Hk, S) log beta
-        new, run = global_decaying_eviction_times(prio, doc, pos, **kw, previous=run, keep_run=True, decays=policy.decays)
+        new, run = global_decaying_eviction_times(prio, doc, pos, sinks=layout.sinks, window=layout.window, long_range=layout.long_range, previous=run,
+                                                  keep_run=True, decays=policy.decays)
         unchanged = bool((new >= S).all()) if evict is None else torch.equal(new, evict)  # first pass: nothing was evicted
         if unchanged:
             return new, logits  # the last forward ran under exactly these times
@@ -209,22 +206,22 @@ def pool_fixed_point(model, policy: Policy, input_ids: Tensor, *, sinks: int, wi
 
 
 @torch.no_grad()
-def forward_under(model, policy: Policy, input_ids: Tensor, evict: Tensor, *, sinks: int, window: int, long_range: int) -> Tensor:
+def forward_under(model, policy: Policy, input_ids: Tensor, evict: Tensor, *, layout: CacheLayout) -> Tensor:
     """Logits (B, S, V) float32 of B traces (B, S) under a ``one_pool`` policy's eviction times (L, B, Hk, S)."""
-    return _pool_forward(model, policy, input_ids, evict, sinks=sinks, window=window, long_range=long_range, logits=True)[1]
+    return _pool_forward(model, policy, input_ids, evict, layout=layout, logits=True)[1]
 
 
 @torch.no_grad()
-def keep_map(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: int, long_range: int) -> Tensor:
+def keep_map(model, policy: Policy, input_ids: Tensor, *, layout: CacheLayout) -> Tensor:
     """Which positions each layer's KV heads keep over one trace (1, S) under ``policy``, from the
     training forward's own eviction times: (L, Hk, S) float in [0, 1], the share of its remaining
     trace that token ``j`` stayed attendable, ``(min(evict_j, S) - j) / (S - j)``; 1 = kept to the end."""
     S = input_ids.shape[1]
-    _, evict = captured_forward(model, policy, input_ids, sinks=sinks, window=window, long_range=long_range)
+    _, evict = captured_forward(model, policy, input_ids, layout=layout)
     evict = evict.clamp(max=S).float().cpu()  # (L, Hk, S)
     j = torch.arange(S, dtype=torch.float32)
     keep = ((evict - j) / (S - j)).clamp(0, 1)
-    keep[..., :sinks] = 1.0  # sinks are never evicted, whatever their eviction time says
+    keep[..., : layout.sinks] = 1.0  # sinks are never evicted, whatever their eviction time says
     return keep
 
 
@@ -234,11 +231,11 @@ def teacher_targets(model, input_ids: Tensor, *, window: int, kind: TargetKind =
     layer from the dense ``model`` on one trace (1, S): a list of (1, Hk, S) float32; ``length``: tokens of
     the trace proper, the rest right padding."""
     key = (kind, float(beta))
-    _, t = _forward(model, Dense(), input_ids, sinks=0, window=window, long_range=input_ids.shape[1], kinds=(key,), length=length)
+    _, t = _forward(model, Dense(), input_ids, layout=CacheLayout.of(sinks=0, window=window, long_range=input_ids.shape[1]), kinds=(key,), length=length)
     return t[key]
 
 
-def _pool_patterns(records, candidates, slots, *, sinks: int, window: int, device, pool_batch: int | None) -> dict[tuple[str, int], Tensor]:
+def _pool_patterns(records, candidates, layouts: dict[str, CacheLayout], *, device, pool_batch: int | None) -> dict[tuple[str, int], Tensor]:
     """(candidate name, record index) -> eviction times (L, Hk, S) of every ``one_pool`` candidate,
     from batched fixed points over records of equal length."""
     out = {}
@@ -253,7 +250,7 @@ def _pool_patterns(records, candidates, slots, *, sinks: int, window: int, devic
             for i in range(0, len(idx), batch):
                 chunk = idx[i : i + batch]
                 ids = torch.tensor([records[n]["input_ids"] for n in chunk], device=device)
-                evict, _ = pool_fixed_point(c.model, c.policy, ids, sinks=sinks, window=window, long_range=slots[c.name])  # (L, B, Hk, S)
+                evict, _ = pool_fixed_point(c.model, c.policy, ids, layout=layouts[c.name])  # (L, B, Hk, S)
                 out.update({(c.name, n): evict[:, b] for b, n in enumerate(chunk)})
     return out
 
@@ -288,14 +285,12 @@ def evaluate_fidelity(
     teacher,
     candidates: Iterable[Candidate],
     *,
-    budget: int,
-    sinks: int,
-    window: int,
+    layout: CacheLayout,
     device: str | torch.device = "cpu",
     progress: Callable[[int, int], None] | None = None,
     pool_batch: int | None = None,
 ) -> dict[str, dict[str, float]]:
-    """Per-policy fidelity metrics over the records at one nominal budget (see module docstring).
+    """Per-policy fidelity metrics over the records at one nominal ``layout`` (see module docstring).
 
     A ``one_pool`` policy's eviction times come first, from :func:`pool_fixed_point` on up to
     ``pool_batch`` traces of one length at a time (default: 16 on CUDA; on the CPU, whose attention
@@ -303,21 +298,21 @@ def evaluate_fidelity(
 
     A policy that scored no trace (an oracle whose input no record has) is left out of the result."""
     candidates = list(candidates)
-    slots = {
-        c.name: c.policy.long_range_slots(budget=budget, sinks=sinks, window=window, head_dim=model_shape(c.model)["head_dim"])
+    layouts = {
+        c.name: layout.for_policy(c.policy, head_dim=model_shape(c.model)["head_dim"])
         for c in candidates
         if not c.policy.needs_attention
     }
     acc = {c.name: _Acc() for c in candidates}
     dense = Dense()
-    pool_times = _pool_patterns(records, candidates, slots, sinks=sinks, window=window, device=device, pool_batch=pool_batch)
+    pool_times = _pool_patterns(records, candidates, layouts, device=device, pool_batch=pool_batch)
     # the oracles' teacher targets come with the reference forward
     kinds = tuple(sorted({k for c in candidates if (k := c.policy.teacher_target()) is not None}))
     for n, rec in enumerate(records):
         ids = torch.tensor(rec["input_ids"], device=device)[None]
         scored, quotes = score_positions(rec)
         scored, quotes = scored.to(device), quotes.to(device)
-        ref, tgts = _forward(teacher, dense, ids, sinks=sinks, window=window, long_range=budget, kinds=kinds,
+        ref, tgts = _forward(teacher, dense, ids, layout=layout, kinds=kinds,
                              length=rec.get("trace_tokens"))  # (S, V); trace_tokens: where a right-padded trace ends
         ref_logp = torch.log_softmax(ref, -1)
         ref_top = ref.argmax(-1)
@@ -332,21 +327,20 @@ def evaluate_fidelity(
                 from kvpop.decode import teacher_forced_logits
                 from kvpop.decode.generate import new_cache
 
-                prefill = min(budget, ids.shape[1])  # nothing is evicted before the cache is full
-                cache = new_cache(c.model, c.policy, budget=budget, sinks=sinks, window=window)
-                logits = teacher_forced_logits(c.model, c.policy, ids, budget=budget, sinks=sinks, window=window, prefill=prefill,
-                                               cache=cache)[0].float()
+                prefill = min(layout.budget, ids.shape[1])  # nothing is evicted before the cache is full
+                cache = new_cache(c.model, c.policy, layout)
+                logits = teacher_forced_logits(c.model, c.policy, ids, layout=layout, prefill=prefill, cache=cache)[0].float()
                 held = torch.stack([(layer.pos >= 0).sum(-1).double().mean() for layer in cache.layers]).mean().item()
                 occupancy = held / cache.slots
             elif c.policy.name == "dense" and c.model is teacher:
-                logits, occupancy = ref, ids.shape[1] / budget
+                logits, occupancy = ref, ids.shape[1] / layout.budget
             else:
                 if (c.name, n) in pool_times:
                     evict = pool_times[c.name, n]  # (L, Hk, S)
-                    logits = forward_under(c.model, c.policy, ids, evict[:, None], sinks=sinks, window=window, long_range=slots[c.name])[0]
+                    logits = forward_under(c.model, c.policy, ids, evict[:, None], layout=layouts[c.name])[0]
                 else:
-                    logits, evict = captured_forward(c.model, c.policy, ids, sinks=sinks, window=window, long_range=slots[c.name])
-                m = held_map(evict, sinks + window + slots[c.name])  # (L, Hk)
+                    logits, evict = captured_forward(c.model, c.policy, ids, layout=layouts[c.name])
+                m = held_map(evict, layouts[c.name].slots)  # (L, Hk)
                 occupancy = m.mean().item()
                 acc[c.name].occupancy_map = m if acc[c.name].occupancy_map is None else acc[c.name].occupancy_map + m
             logp = torch.log_softmax(logits, -1)

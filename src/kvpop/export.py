@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvpop.geometry import CacheLayout
 from kvpop.io import atomic_dir
 from kvpop.policies import Policy, make_policy
 
@@ -117,7 +118,7 @@ def load_training_state(path: Path) -> dict[str, torch.Tensor]:
     return ckpt["state_dict"]
 
 
-def export(student, tokenizer, policy: Policy, out_dir: Path, *, budget: int, sinks: int, window: int, extra: dict | None = None) -> None:
+def export(student, tokenizer, policy: Policy, out_dir: Path, *, layout: CacheLayout, extra: dict | None = None) -> None:
     """Write the export folder atomically (temp folder, then rename)."""
     with atomic_dir(out_dir) as tmp:
         student.save_pretrained(tmp, safe_serialization=True)
@@ -126,7 +127,7 @@ def export(student, tokenizer, policy: Policy, out_dir: Path, *, budget: int, si
         if policy.learned:
             scorer_cfg = dict(policy.scorer.config)
             save_file({k: v.detach().cpu().contiguous() for k, v in policy.state_dict().items()}, str(tmp / SCORER))
-        meta = {"policy": policy.name, "budget": budget, "sinks": sinks, "window": window, "scorer": scorer_cfg, **(extra or {})}
+        meta = {"policy": policy.name, "budget": layout.budget, "sinks": layout.sinks, "window": layout.window, "scorer": scorer_cfg, **(extra or {})}
         (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
 
 

@@ -74,6 +74,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from kvpop.geometry import CacheLayout, check_budget
 from kvpop.scorer import LearnedDecay, one_layer_scorer
 from kvpop.selection import document_spans
 
@@ -457,8 +458,8 @@ def state_numbers(d_k: int, d_v: int) -> int:
     return d_k * d_v + d_k + 1
 
 
-def kvpop_k(budget: int, sinks: int, window: int, head_dim: int, d_k: int = 16, d_v: int = 16) -> int:
-    """Long-range slots of the mLSTM variant at the same memory as the MLP variant's ``budget``.
+def kvpop_k(layout: CacheLayout, head_dim: int, d_k: int = 16, d_v: int = 16) -> int:
+    """Long-range slots of the mLSTM variant at the same memory as the MLP variant's ``layout.budget``.
 
     Accounting per (layer, KV head), in numbers of the cache's dtype:
 
@@ -472,7 +473,6 @@ def kvpop_k(budget: int, sinks: int, window: int, head_dim: int, d_k: int = 16, 
     values of the window tokens awaiting their read-out are in the cache already: no extra cost.
     Scorer parameters are shared across sequences and not counted, as for the MLP.)
     """
-    k = budget - sinks - window - math.ceil(state_numbers(d_k, d_v) / (2 * head_dim))
-    if k < 1:
-        raise ValueError(f"budget {budget} leaves no long-range slot after sinks {sinks}, window {window} and the mLSTM state")
-    return k
+    state = math.ceil(state_numbers(d_k, d_v) / (2 * head_dim))
+    check_budget(layout.budget, layout.sinks, layout.window, state=state)  # at least one long-range slot besides the state
+    return layout.budget - layout.sinks - layout.window - state

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from kvpop.decode import cache_bytes, enable, feed, generate, model_device, new_cache
+from kvpop.geometry import CacheLayout
 from kvpop.policies import Policy
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -232,9 +233,7 @@ def pass_at_1(
     problems: Sequence[Problem],
     *,
     n: int,
-    budget: int,
-    sinks: int,
-    window: int,
+    layout: CacheLayout,
     temperature: float,
     top_p: float,
     top_k: int,
@@ -273,7 +272,7 @@ def pass_at_1(
             rows = min(batch_size, per_row - start)
             prompt = torch.tensor([prob.prompt_ids] * rows, dtype=torch.long)
             new, stats = generate(
-                model, tokenizer, policy, prompt, budget=budget, sinks=sinks, window=window,
+                model, tokenizer, policy, prompt, layout=layout,
                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                 seed=seed + 1000 * pi + bi,
             )
@@ -313,9 +312,7 @@ def memory_curve(
     policy: Policy,
     prompt_ids: Sequence[int] | torch.Tensor,
     *,
-    budget: int,
-    sinks: int,
-    window: int,
+    layout: CacheLayout,
     lengths: Iterable[int],
     rows: int = 1,
 ) -> list[tuple[int, float]]:
@@ -332,7 +329,7 @@ def memory_curve(
     policy.to(device)
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
     ids = (ids[None] if ids.dim() == 1 else ids[:1]).expand(rows, -1)
-    cache = new_cache(model, policy, budget=budget, sinks=sinks, window=window)
+    cache = new_cache(model, policy, layout)
     logits = feed(model, cache, ids, prefill=ids.shape[1])[:, -1]  # one pool takes the prompt past its budget token by token
     want = set(lengths)
     curve = []

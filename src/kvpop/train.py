@@ -51,6 +51,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from kvpop.attention import GateTraining, ScorerTraining, SparseContext
 from kvpop.distributed import decoder_layer_classes, make_strategy, place_teacher
 from kvpop.export import CheckpointError
+from kvpop.geometry import CacheLayout
 from kvpop.modeling import model_shape
 from kvpop.policies import Dense, Policy, make_policy
 
@@ -116,9 +117,7 @@ class PackedDataset(Dataset):
 
 @dataclass
 class TrainSettings:
-    sinks: int
-    window: int
-    long_range: int  # long-range slots k
+    layout: CacheLayout  # the policy's geometry (its long-range slots k)
     steps: int
     model_lr: float
     scorer_lr: float
@@ -130,10 +129,10 @@ class TrainSettings:
     gate_training: GateTraining | None = None  # gated policies (dms, trimkv)
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig, *, sinks: int, window: int, long_range: int, seed: int) -> TrainSettings:
+    def from_config(cls, cfg: TrainConfig, *, layout: CacheLayout, seed: int) -> TrainSettings:
         """The settings of ``cfg``; the boundary loss samples its queries from a generator seeded with ``seed``."""
         return cls(
-            sinks=sinks, window=window, long_range=long_range, steps=cfg.steps, model_lr=cfg.model_lr, scorer_lr=cfg.scorer_lr,
+            layout=layout, steps=cfg.steps, model_lr=cfg.model_lr, scorer_lr=cfg.scorer_lr,
             scorer_warmup=cfg.scorer_warmup, weight_decay=cfg.weight_decay, top_logits=cfg.top_logits,
             scorer_training=ScorerTraining(
                 tau=cfg.tau, tie_margin=cfg.tie_margin, query_samples=cfg.query_samples,
@@ -199,7 +198,7 @@ class DistillModule(L.LightningModule):
 
     def _ctx(self, policy: Policy, batch, scorer_training=None, gate_training=None) -> SparseContext:
         return SparseContext.for_rows(
-            policy, batch["doc_ids"], batch["position_ids"], sinks=self.s.sinks, window=self.s.window, long_range=self.s.long_range,
+            policy, batch["doc_ids"], batch["position_ids"], self.s.layout,
             executor="flex" if batch["input_ids"].is_cuda else "sdpa", scorer_training=scorer_training, gate_training=gate_training,
         )
 
@@ -224,7 +223,7 @@ class DistillModule(L.LightningModule):
         if gated:
             gt = self.s.gate_training
             gate_loss, gate_logs = self.policy.gate_loss(
-                ctx.gate_relaxations, doc_ids=batch["doc_ids"], pos=pos, sinks=self.s.sinks, window=self.s.window, long_range=self.s.long_range,
+                ctx.gate_relaxations, doc_ids=batch["doc_ids"], pos=pos, layout=self.s.layout,
                 weight=gt.loss_weight, ramp=gt.loss_ramp, progress=self.global_step / max(1, self.s.steps),
             )
             loss = loss + gate_loss
@@ -440,7 +439,7 @@ class Training:
 
 
 def build_training(
-    teacher, policy: str | Policy, data, *, cfg: TrainConfig, budget: int, sinks: int, window: int, seed: int,
+    teacher, policy: str | Policy, data, *, cfg: TrainConfig, layout: CacheLayout, seed: int,
     student=None, policy_kw: Mapping[str, Any] | None = None,
 ) -> Training:
     """Everything a training run needs, from one config.
@@ -450,7 +449,7 @@ def build_training(
     ``policy_kw``, e.g. ``scorer_dk``) or a built policy. ``data`` is a :class:`PackedDataset` or
     packed rows (``input_ids``, ``doc_ids``, ``position_ids``, ``loss_mask``, as the pack stage
     writes them). ``seed`` seeds the global RNGs (the scorer's initialization), the data order and
-    the boundary loss's query sampling. The policy's long-range slots at ``budget`` and the resolved
+    the boundary loss's query sampling. The policy's long-range slots at the nominal ``layout`` and the resolved
     precision come back with the module and loader; :meth:`Training.fit` trains.
     """
     from lightning.fabric.utilities.rank_zero import rank_zero_info
@@ -461,10 +460,10 @@ def build_training(
         dims = {k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}
         policy = make_policy(policy, **dims, scorer_hidden=cfg.scorer_hidden, scorer_recency=cfg.scorer_recency,
                              scorer_recency_space=cfg.scorer_recency_space, **(policy_kw or {}))
-    long_range = policy.long_range_slots(budget=budget, sinks=sinks, window=window, head_dim=shape["head_dim"])
+    layout = layout.for_policy(policy, head_dim=shape["head_dim"])
     if student is None:  # the teacher may be frozen already (an earlier run on it)
         student = copy.deepcopy(teacher).requires_grad_(True)
-    settings = TrainSettings.from_config(cfg, sinks=sinks, window=window, long_range=long_range, seed=seed)
+    settings = TrainSettings.from_config(cfg, layout=layout, seed=seed)
     module = DistillModule(student, teacher, policy, settings)
     if not isinstance(data, Dataset):
         data = PackedDataset(data.input_ids, data.doc_ids, data.position_ids, data.loss_mask)
@@ -472,4 +471,4 @@ def build_training(
     precision = resolve_precision(cfg.precision, cfg.accelerator)
     if precision != cfg.precision:
         rank_zero_info(f"train.precision {cfg.precision!r} -> {precision!r} (accelerator {cfg.accelerator!r})")
-    return Training(module=module, loader=loader, cfg=cfg, long_range=long_range, precision=precision)
+    return Training(module=module, loader=loader, cfg=cfg, long_range=layout.long_range, precision=precision)

@@ -1,6 +1,5 @@
-"""Decoding under an eviction policy.
+"""Decoding under an eviction policy, in the geometry of :class:`kvpop.geometry.CacheLayout`.
 
-* :mod:`~kvpop.decode.layout` -- the cache geometry (sinks, ring, long-range slots) and the home slot;
 * :mod:`~kvpop.decode.cache` -- :class:`BoundedCache`, the reference (slow twin) cache for
   ``model.generate``, and the only path of the attention rules (TOVA, H2O);
 * :mod:`~kvpop.decode.one_pool` -- :class:`OnePoolCache`, the reference cache of one pool of long-range
@@ -14,8 +13,8 @@
 from kvpop.decode.cache import BoundedCache, BoundedLayer, cache_bytes, enable
 from kvpop.decode.engine import DecodeEngine, engine_refusal
 from kvpop.decode.generate import GenerationStats, choose_path, feed, generate, model_device, new_cache, teacher_forced_logits
-from kvpop.decode.layout import CacheLayout
 from kvpop.decode.one_pool import OnePoolCache
+from kvpop.geometry import CacheLayout
 
 __all__ = [
     "BoundedCache", "BoundedLayer", "CacheLayout", "DecodeEngine", "GenerationStats", "cache_bytes", "choose_path", "enable",

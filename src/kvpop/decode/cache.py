@@ -2,7 +2,7 @@
 
 The reference (slow, obviously right) twin of :class:`kvpop.decode.engine.DecodeEngine`, and the
 decode path of the rules that need attention weights (TOVA, H2O). Every layer's preallocated
-buffers are ``(B, Hk, T, D)`` in the :class:`kvpop.decode.layout.CacheLayout` geometry.
+buffers are ``(B, Hk, T, D)`` in the :class:`kvpop.geometry.CacheLayout` geometry.
 
 Token ``t >= sinks`` is written into ring slot ``sinks + (t - sinks) % window``. When token ``q``
 arrives it overwrites token ``q - window``, which leaves the window and competes for the
@@ -65,7 +65,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpop.attention import SparseContext, flex_execute, sdpa_execute
-from kvpop.decode.layout import NEG_INF, CacheLayout
+from kvpop.geometry import NEG_INF, CacheLayout
 from kvpop.masks import block_mask_from_eviction_times, dense_mask, make_eviction_mask_mod
 from kvpop.modeling import head_dim_of
 from kvpop.policies import Policy
@@ -350,16 +350,16 @@ class BoundedLayer(CacheLayerMixin):
 class BoundedCache(Cache):
     """The bounded cache of a decoder-only model: one :class:`BoundedLayer` per layer.
 
-    ``BoundedCache(model.config, policy, budget=..., sinks=..., window=...)`` with any evicting
+    ``BoundedCache(model.config, policy, CacheLayout(budget, sinks, window))`` with any evicting
     :class:`kvpop.policies.Policy`; pass it as ``past_key_values`` to a model prepared by
-    :func:`enable` (``model.generate`` included). ``budget`` is nominal: each layer keeps
-    ``layout.slots`` entries per KV head (:class:`kvpop.decode.layout.CacheLayout`).
+    :func:`enable` (``model.generate`` included). The layout is nominal: each layer keeps
+    ``layout.slots`` entries per KV head (:class:`kvpop.geometry.CacheLayout`).
     """
 
     #: the prompt tokens one forward on an empty cache may take (None: any number)
     max_prefill: int | None = None
 
-    def __init__(self, config, policy: Policy, *, budget: int, sinks: int, window: int):
+    def __init__(self, config, policy: Policy, layout: CacheLayout):
         cfg = config.get_text_config(decoder=True)
         if not policy.evicts:
             raise ValueError(f"policy {policy.name!r} never evicts: decode it with a DynamicCache")
@@ -372,8 +372,8 @@ class BoundedCache(Cache):
         if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
             raise NotImplementedError(f"{type(self).__name__} does not support sliding-window attention layers")
         self.policy = policy
-        self.layout = CacheLayout.for_policy(policy, budget=budget, sinks=sinks, window=window, head_dim=head_dim_of(cfg))
-        self.budget, self.sinks, self.window = budget, sinks, window
+        self.layout = layout.for_policy(policy, head_dim=head_dim_of(cfg))
+        self.budget, self.sinks, self.window = layout.budget, layout.sinks, layout.window
         self.long_range, self.slots = self.layout.long_range, self.layout.slots
         super().__init__(layers=self._make_layers(cfg))
 

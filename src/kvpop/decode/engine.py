@@ -4,7 +4,7 @@ gpt-fast's split: :meth:`DecodeEngine.prefill` (chunked, eager, any length) and
 :meth:`DecodeEngine.step` (one token for every row; on CUDA compiled with ``torch.compile`` and
 captured once as a CUDA graph that every later step replays) are separate functions. Two cache layouts run through the same engine and the same step:
 
-* ``bounded`` -- the :class:`kvpop.decode.layout.CacheLayout` per layer ``(B, Hk, T, D)``:
+* ``bounded`` -- the :class:`kvpop.geometry.CacheLayout` per layer ``(B, Hk, T, D)``:
   ``sinks`` slots, a ring of ``window`` slots, ``k`` long-range slots. Eviction happens inside the
   step with tensor indices only (no host synchronization, no data-dependent shapes): the token
   at position ``p`` goes to ring slot ``sinks + (p - sinks) % window``; the occupant it replaces
@@ -64,7 +64,7 @@ from torch import Tensor
 from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from kvpop.decode.layout import NEG_INF, CacheLayout
+from kvpop.geometry import NEG_INF, CacheLayout
 from kvpop.kernels import triton_available
 from kvpop.masks import dense_mask
 from kvpop.modeling import head_dim_of
@@ -163,8 +163,8 @@ def engine_refusal(model, policy: Policy | None) -> str | None:
 class DecodeEngine:
     """A model, a cache layout and a policy, with preallocated buffers for ``batch_size`` rows.
 
-    ``DecodeEngine(model, policy, budget=2048, sinks=4, window=256, batch_size=1)`` -- a bounded
-    cache (``policy``: any static or delayed :class:`kvpop.policies.Policy`; ``budget`` is
+    ``DecodeEngine(model, policy, layout=CacheLayout(2048, 4, 256), batch_size=1)`` -- a bounded
+    cache (``policy``: any static or delayed :class:`kvpop.policies.Policy`; ``layout`` is
     nominal, as in BoundedCache); ``DecodeEngine(model, None, max_len=L, batch_size=1)`` (or a
     policy that never evicts) -- the dense static cache.
 
@@ -181,7 +181,7 @@ class DecodeEngine:
     """
 
     def __init__(
-        self, model, policy: Policy | None = None, *, budget: int | None = None, sinks: int = 4, window: int = 256,
+        self, model, policy: Policy | None = None, *, layout: CacheLayout | None = None,
         max_len: int | None = None, batch_size: int = 1, chunk: int = 2048, compile: bool | None = None,
         compile_mode: CompileMode = "layer", fused: bool | None = None,
     ):
@@ -206,10 +206,10 @@ class DecodeEngine:
             self.kind: Literal["bounded", "dense"] = "dense"
             self.layout = CacheLayout(budget=max_len, sinks=0, window=max_len, long_range=0)
         else:
-            if budget is None:
-                raise ValueError("a bounded engine needs a budget")
+            if layout is None:
+                raise ValueError("a bounded engine needs a layout (its budget, sinks and window)")
             self.kind = "bounded"
-            self.layout = CacheLayout.for_policy(self.policy, budget=budget, sinks=sinks, window=window, head_dim=self.D)
+            self.layout = layout.for_policy(self.policy, head_dim=self.D)
         self.sinks, self.window, self.long_range, self.slots = self.layout.sinks, self.layout.window, self.layout.long_range, self.layout.slots
         self.delayed = self.policy is not None and self.policy.scores_on_exit
         # (weight, bias) of each layer's q/k/v and gate/up projections, packed into one matrix each

@@ -30,21 +30,22 @@ from torch import Tensor
 from kvpop.decode.cache import BoundedCache, cache_bytes, enable
 from kvpop.decode.engine import DecodeEngine, engine_refusal
 from kvpop.decode.one_pool import OnePoolCache
+from kvpop.geometry import CacheLayout
 from kvpop.policies import Policy
 
 Path = Literal["auto", "engine", "reference"]
 
 
-def new_cache(model, policy: Policy, *, budget: int, sinks: int, window: int):
+def new_cache(model, policy: Policy, layout: CacheLayout):
     """The reference cache of a policy: a DynamicCache for dense, a OnePoolCache for a ``one_pool`` policy
-    (``dbtrimkv``, ``OnePool(...)``), else a BoundedCache (``budget`` nominal: the cache takes the policy's k)."""
+    (``dbtrimkv``, ``OnePool(...)``), else a BoundedCache (``layout`` nominal: the cache takes the policy's k)."""
     from transformers import DynamicCache
 
     if not policy.evicts:
         return DynamicCache(config=model.config)
     if policy.one_pool:
-        return OnePoolCache(model.config, policy, budget=budget, sinks=sinks, window=window)
-    return BoundedCache(model.config, policy, budget=budget, sinks=sinks, window=window)
+        return OnePoolCache(model.config, policy, layout)
+    return BoundedCache(model.config, policy, layout)
 
 
 def feed(model, cache, input_ids: Tensor, *, prefill: int) -> Tensor:
@@ -66,7 +67,7 @@ def model_device(model) -> torch.device:
 
 
 @torch.no_grad()
-def teacher_forced_logits(model, policy: Policy, input_ids: Tensor, *, budget: int, sinks: int, window: int, prefill: int = 1,
+def teacher_forced_logits(model, policy: Policy, input_ids: Tensor, *, layout: CacheLayout, prefill: int = 1,
                           cache: BoundedCache | None = None) -> Tensor:
     """Logits (B, S, V) of decoding ``input_ids`` (B, S) through the reference cache: ``prefill``
     tokens at once, then one at a time (the attention rules' teacher-forced path). ``cache``: an
@@ -74,7 +75,7 @@ def teacher_forced_logits(model, policy: Policy, input_ids: Tensor, *, budget: i
     enable(model)
     policy.to(model_device(model))
     if cache is None:
-        cache = new_cache(model, policy, budget=budget, sinks=sinks, window=window)
+        cache = new_cache(model, policy, layout)
     return feed(model, cache, input_ids, prefill=prefill)
 
 
@@ -165,9 +166,7 @@ def generate(
     policy: Policy,
     prompt_ids: Tensor | list[int],
     *,
-    budget: int,
-    sinks: int,
-    window: int,
+    layout: CacheLayout,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -194,7 +193,7 @@ def generate(
     sample = temperature > 0
     t0 = time.perf_counter()
     if chosen == "engine":
-        engine = DecodeEngine(model, policy, budget=budget, sinks=sinks, window=window, max_len=ids.shape[1] + max_new_tokens,
+        engine = DecodeEngine(model, policy, layout=layout, max_len=ids.shape[1] + max_new_tokens,
                               batch_size=ids.shape[0], compile=compile)
         torch.manual_seed(seed)
         new = engine_generate(engine, ids, max_new_tokens=max_new_tokens, eos=_eos_ids(model, tokenizer), pad=pad,
@@ -202,7 +201,7 @@ def generate(
         nbytes = engine.cache_bytes()
     else:
         enable(model)
-        cache = new_cache(model, policy, budget=budget, sinks=sinks, window=window)
+        cache = new_cache(model, policy, layout)
         limit = getattr(cache, "max_prefill", None)  # a DynamicCache (dense) has none
         if limit is not None and ids.shape[1] > limit:  # the cache takes the prompt's rest one token at a time
             feed(model, cache, ids[:, :-1], prefill=limit)  # generate then feeds the last prompt token

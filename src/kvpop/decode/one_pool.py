@@ -64,7 +64,7 @@ from torch.nn import functional as F
 from transformers.cache_utils import CacheLayerMixin
 
 from kvpop.decode.cache import BoundedCache
-from kvpop.decode.layout import NEG_INF
+from kvpop.geometry import NEG_INF
 from kvpop.selection import pool_leavers
 
 

@@ -57,6 +57,7 @@ from typing import ClassVar, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from kvpop.geometry import CacheLayout
 from kvpop.scorer import layer_view
 
 
@@ -129,9 +130,9 @@ class Policy(nn.Module):
     def capabilities(cls) -> dict[str, bool]:
         return {c: bool(getattr(cls, c)) for c in cls.CAPABILITIES}
 
-    def long_range_slots(self, *, budget: int, sinks: int, window: int, head_dim: int) -> int:
-        """k at a nominal ``budget``: ``budget - sinks - window`` unless the rule spends slots on a state."""
-        return budget - sinks - window
+    def long_range_slots(self, layout: CacheLayout, *, head_dim: int) -> int:
+        """k at the nominal ``layout``: ``budget - sinks - window`` unless the rule spends slots on a state."""
+        return layout.long_range
 
     # --- the full-sequence pattern -----------------------------------------------------------------
     def scores(self, layer: int, keys: Tensor, values: Tensor, pos: Tensor, *, doc_ids: Tensor | None = None, window: int | None = None) -> Scores | None:
@@ -158,7 +159,7 @@ class Policy(nn.Module):
         :class:`GateRelaxation` in training."""
         raise NotImplementedError(f"policy {self.name!r} has no gate")
 
-    def gate_loss(self, relaxations: list[GateRelaxation], *, doc_ids: Tensor, pos: Tensor, sinks: int, window: int, long_range: int,
+    def gate_loss(self, relaxations: list[GateRelaxation], *, doc_ids: Tensor, pos: Tensor, layout: CacheLayout,
                   weight: float, ramp: float, progress: float) -> tuple[Tensor, dict[str, Tensor]]:
         """``gated``: the gate's budget loss over every layer's relaxation (weighted by ``weight``; ``ramp``:
         the share of training over which it ramps up; ``progress``: the share of training done) and the

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from kvpop.geometry import CacheLayout
 from kvpop.policies.base import ScorerSpec
 from kvpop.policies.trimkv import INIT_LOGIT, TrimKV, retained_mass
 
@@ -67,20 +68,19 @@ class DBTrimKV(TrimKV):
     def build(cls, spec: ScorerSpec) -> DBTrimKV:
         return cls(TiedRetentionGate(spec.num_layers, spec.num_kv_heads, spec.head_dim, hidden=spec.hidden))
 
-    def gate_loss(self, relaxations, *, doc_ids, pos, sinks, window, long_range, weight, ramp, progress):
+    def gate_loss(self, relaxations, *, doc_ids, pos, layout, weight, ramp, progress):
         log_beta = [r.log_beta for r in relaxations]
-        loss = global_capacity_loss(log_beta, doc_ids, pos, sinks=sinks, window=window, long_range=long_range)
+        loss = global_capacity_loss(log_beta, doc_ids, pos, layout=layout)
         beta = torch.stack([lb.detach().exp().mean() for lb in log_beta]).mean()
         return weight * loss, {"capacity_loss": loss.detach(), "beta_mean": beta}
 
 
-def global_capacity_loss(log_beta: list[Tensor], doc_ids: Tensor, pos: Tensor, *, sinks: int, window: int, long_range: int,
-                         chunk: int = 512) -> Tensor:
+def global_capacity_loss(log_beta: list[Tensor], doc_ids: Tensor, pos: Tensor, *, layout: CacheLayout, chunk: int = 512) -> Tensor:
     """The capacity penalty of one pool: every layer's log_beta (B, Hk, S) -> scalar.
 
     At query ``t`` the pool retains ``M_t = sum over layers and heads of m_t`` (:func:`kvpop.policies.trimkv.retained_mass`);
     the loss is the mean over (rows, real queries) of ``relu(M_t - P) / P`` with ``P = L x Hk x k``
     (1 if 0): a head may retain more than ``k`` as long as the others retain less."""
-    mass = sum(retained_mass(lb, doc_ids, pos, sinks=sinks, window=window, chunk=chunk).sum(1) for lb in log_beta)  # (B, S)
-    cap = len(log_beta) * log_beta[0].shape[1] * long_range
+    mass = sum(retained_mass(lb, doc_ids, pos, layout=layout, chunk=chunk).sum(1) for lb in log_beta)  # (B, S)
+    cap = len(log_beta) * log_beta[0].shape[1] * layout.long_range
     return (torch.relu(mass - cap) / max(cap, 1)).sum() / (doc_ids >= 0).sum().clamp(min=1)

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from kvpop.geometry import CacheLayout
 from kvpop.policies.base import GateRelaxation, Policy, ScorerSpec, Scores
 from kvpop.scorer import layer_view
 from kvpop.selection import document_spans, eligible_tokens
@@ -105,11 +106,11 @@ class Dms(Policy):
         # the capped pattern ranks by -(x + g), finite: the gate acts through the bias
         return GateRelaxation(bias=bias, prio=(-x).detach().double(), evict_prob=torch.sigmoid(z))
 
-    def gate_loss(self, relaxations, *, doc_ids, pos, sinks, window, long_range, weight, ramp, progress):
+    def gate_loss(self, relaxations, *, doc_ids, pos, layout, weight, ramp, progress):
         """The compression loss toward the budget's eviction ratio, its target ramped up over the first
         ``ramp`` of training; logs the loss, the target and the relaxed eviction rate."""
-        target = budget_evict_ratio(doc_ids, pos, sinks=sinks, window=window, long_range=long_range) * ramp_factor(progress, ramp)
-        comp, evicted = compression_loss([r.evict_prob for r in relaxations], leaving_tokens(doc_ids, pos, sinks=sinks, window=window), target)
+        target = budget_evict_ratio(doc_ids, pos, layout=layout) * ramp_factor(progress, ramp)
+        comp, evicted = compression_loss([r.evict_prob for r in relaxations], leaving_tokens(doc_ids, pos, layout=layout), target)
         logs = {"compression_loss": comp.detach(), "gate_evicted": evicted.detach(), "compression_target": torch.tensor(target)}
         return weight * comp, logs
 
@@ -131,21 +132,21 @@ def ramp_factor(progress: float, fraction: float) -> float:
     return 1.0 if fraction <= 0 else min(1.0, progress / fraction)
 
 
-def leaving_tokens(doc_ids: Tensor, pos: Tensor, *, sinks: int, window: int) -> Tensor:
+def leaving_tokens(doc_ids: Tensor, pos: Tensor, *, layout: CacheLayout) -> Tensor:
     """(B, S) bool: the tokens a gate decides on, those that leave the window before their document
     ends (not sinks, not padding)."""
     B, S = doc_ids.shape
     _, end = document_spans(doc_ids)
     idx = torch.arange(S, device=doc_ids.device)
-    return eligible_tokens(doc_ids, pos, sinks) & (idx + window < end)
+    return eligible_tokens(doc_ids, pos, layout.sinks) & (idx + layout.window < end)
 
 
-def budget_evict_ratio(doc_ids: Tensor, pos: Tensor, *, sinks: int, window: int, long_range: int) -> float:
+def budget_evict_ratio(doc_ids: Tensor, pos: Tensor, *, layout: CacheLayout) -> float:
     """The share of the leaving tokens (:func:`leaving_tokens`) a gate must evict for every document
     of the rows to end within the budget: ``1 - sum_d min(k, n_d) / sum_d n_d``, n_d the leaving
     tokens of document d (0.0 when none leaves)."""
-    leaves = leaving_tokens(doc_ids, pos, sinks=sinks, window=window)
+    leaves = leaving_tokens(doc_ids, pos, layout=layout)
     start, _ = document_spans(doc_ids)
     n = torch.zeros(doc_ids.shape, dtype=torch.long, device=doc_ids.device).scatter_add_(1, start, leaves.long())  # (B, S): n_d at d's start
     total = int(n.sum())
-    return 0.0 if total == 0 else 1.0 - int(n.clamp(max=long_range).sum()) / total
+    return 0.0 if total == 0 else 1.0 - int(n.clamp(max=layout.long_range).sum()) / total

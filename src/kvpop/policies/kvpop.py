@@ -42,8 +42,8 @@ class Kvpop(Policy):
         return cls(MLSTMScorer(spec.num_layers, spec.num_kv_heads, spec.head_dim, d_k=spec.d_k, d_v=spec.d_v, forget_gate=spec.forget_gate,
                                recency=spec.recency, recency_space=spec.recency_space))
 
-    def long_range_slots(self, *, budget, sinks, window, head_dim):
-        return kvpop_k(budget, sinks, window, head_dim, d_k=self.scorer.config["d_k"], d_v=self.scorer.config["d_v"])
+    def long_range_slots(self, layout, *, head_dim):
+        return kvpop_k(layout, head_dim, d_k=self.scorer.config["d_k"], d_v=self.scorer.config["d_v"])
 
     def bind(self, *, doc_ids: Tensor | None, window: int | None = None) -> Kvpop:
         """Set the boundaries (B, S) (and window) for the next forward passes; returns self."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from kvpop.geometry import CacheLayout
 from kvpop.policies.base import Policy, Scores
 
 
@@ -76,8 +77,8 @@ class OnePool(Policy):
         ``scores_on_exit``, ``decays``, ``gated``, ``needs_attention`` (works on a class too)."""
         return cls.refusal(policy) is None
 
-    def long_range_slots(self, *, budget: int, sinks: int, window: int, head_dim: int) -> int:
-        return self.policy.long_range_slots(budget=budget, sinks=sinks, window=window, head_dim=head_dim)
+    def long_range_slots(self, layout: CacheLayout, *, head_dim: int) -> int:
+        return self.policy.long_range_slots(layout, head_dim=head_dim)
 
     def scores(self, layer: int, keys: Tensor, values: Tensor, pos: Tensor, **kw) -> Scores:
         return Scores(prio=self.policy.scores(layer, keys, values, pos, **kw).prio.detach())  # (B, Hk, S) float64

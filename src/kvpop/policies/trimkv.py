@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from kvpop.geometry import CacheLayout
 from kvpop.policies.base import GateRelaxation, Policy, ScorerSpec, Scores
 from kvpop.scorer import HeadwiseMLP
 from kvpop.selection import eligible_tokens
@@ -83,9 +84,8 @@ class TrimKV(Policy):
         log_beta = F.logsigmoid(x)  # (B, Hk, S), with the gate's graph
         return GateRelaxation(bias=log_beta, prio=None, age_scaled=True, log_beta=log_beta)
 
-    def gate_loss(self, relaxations, *, doc_ids, pos, sinks, window, long_range, weight, ramp, progress):
-        loss = torch.stack([capacity_loss(r.log_beta, doc_ids, pos, sinks=sinks, window=window, long_range=long_range)
-                            for r in relaxations]).mean()
+    def gate_loss(self, relaxations, *, doc_ids, pos, layout, weight, ramp, progress):
+        loss = torch.stack([capacity_loss(r.log_beta, doc_ids, pos, layout=layout) for r in relaxations]).mean()
         beta = torch.stack([r.log_beta.detach().exp().mean() for r in relaxations]).mean()
         return weight * loss, {"capacity_loss": loss.detach(), "beta_mean": beta}
 
@@ -95,7 +95,7 @@ class TrimKVJoint(TrimKV):
     trains_model = True  # the student is fine-tuned with the gate, as kvpop's is
 
 
-def retained_mass(log_beta: Tensor, doc_ids: Tensor, pos: Tensor, *, sinks: int, window: int, chunk: int = 512) -> Tensor:
+def retained_mass(log_beta: Tensor, doc_ids: Tensor, pos: Tensor, *, layout: CacheLayout, chunk: int = 512) -> Tensor:
     """What one layer's heads would need to hold past the window: log_beta (B, Hk, S) -> (B, Hk, S).
 
     At query ``t`` a head retains ``m_t = sum_i beta_i ** (t - i)`` over the tokens ``i`` of ``t``'s
@@ -104,6 +104,7 @@ def retained_mass(log_beta: Tensor, doc_ids: Tensor, pos: Tensor, *, sinks: int,
     B, Hk, S = log_beta.shape
     dev = log_beta.device
     idx = torch.arange(S, device=dev)
+    sinks, window = layout.sinks, layout.window
     past = eligible_tokens(doc_ids, pos, sinks)  # (B, S) keys that can be long-range tokens
     out = []
     for s in range(0, S, chunk):
@@ -118,12 +119,13 @@ def retained_mass(log_beta: Tensor, doc_ids: Tensor, pos: Tensor, *, sinks: int,
     return torch.cat(out, -1)
 
 
-def capacity_loss(log_beta: Tensor, doc_ids: Tensor, pos: Tensor, *, sinks: int, window: int, long_range: int, chunk: int = 512) -> Tensor:
+def capacity_loss(log_beta: Tensor, doc_ids: Tensor, pos: Tensor, *, layout: CacheLayout, chunk: int = 512) -> Tensor:
     """TrimKV's capacity penalty for one layer: log_beta (B, Hk, S) -> scalar.
 
     The mean over (rows, heads, real queries) of ``relu(m_t - k) / k`` for the retained mass ``m_t``
     of :func:`retained_mass` (``k`` = ``long_range``, 1 if 0): each head's own long-range slots."""
     Hk = log_beta.shape[1]
-    mass = retained_mass(log_beta, doc_ids, pos, sinks=sinks, window=window, chunk=chunk)  # (B, Hk, S), 0 on padding
-    total = (torch.relu(mass - long_range) / max(long_range, 1)).sum()
+    mass = retained_mass(log_beta, doc_ids, pos, layout=layout, chunk=chunk)  # (B, Hk, S), 0 on padding
+    k = layout.long_range
+    total = (torch.relu(mass - k) / max(k, 1)).sum()
     return total / ((doc_ids >= 0).sum() * Hk).clamp(min=1)
