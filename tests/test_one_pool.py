@@ -132,9 +132,9 @@ def test_a_one_pool_oracle_is_never_decoded(llama):
     pool = OnePool(make_policy("oracle_target"))
     msg = r"policy 'oracle_target, one pool' is an oracle \(it reads the trace's future\)"
     with pytest.raises(ValueError, match=msg):
-        OnePoolCache(llama.config, pool, budget=BUDGET, sinks=SINKS, window=WINDOW)
+        OnePoolCache(llama.config, pool, layout=LAYOUT)
     with pytest.raises(ValueError, match=msg):
-        new_cache(llama, pool, budget=BUDGET, sinks=SINKS, window=WINDOW)
+        new_cache(llama, pool, layout=LAYOUT)
     with pytest.raises(ValueError, match=msg):
         choose_path(llama, pool)
     assert "is an oracle" in engine_refusal(llama, pool)
@@ -161,14 +161,14 @@ def test_a_one_pool_oracle_is_the_pools_rule_on_its_per_head_priorities(llama, k
         t[1] = t[1] + torch.tensor([0.0, 2.0]).view(1, 2, 1)  # so layer 1 head 1's tokens rank higher, by design
         for o in (pool, per_head):
             o.fit_trace(input_ids=one, record={}, targets={(kw["target"], 8.0): t})
-        _, evict = captured_forward(llama, pool, one, sinks=SINKS, window=WINDOW, long_range=K)
+        _, evict = captured_forward(llama, pool, one, layout=LAYOUT)
         prio = torch.stack([per_head.scores(layer, torch.zeros(1, 2, 90, 16), None, torch.arange(90)[None]).prio for layer in range(2)])
         pos = torch.arange(90)[None]
         want = global_decaying_eviction_times(prio, torch.zeros_like(pos), pos, sinks=SINKS, window=WINDOW, long_range=K, decays=False)
         assert torch.equal(evict, want[:, 0])
         held = (evict > 89).sum(-1)  # (L, Hk)
         assert held.sum() == 2 * 2 * BUDGET and held[1, 1] > BUDGET  # the pool is full; the raised head holds more
-        fixed, _ = pool_fixed_point(llama, pool, one, sinks=SINKS, window=WINDOW, long_range=K)
+        fixed, _ = pool_fixed_point(llama, pool, one, layout=LAYOUT)
         assert torch.equal(fixed[:, 0], evict)
 
 
@@ -179,12 +179,12 @@ def test_evaluate_fidelity_fits_a_one_pool_oracle_per_trace(llama):
     pool = one_pool_oracle(target="max")
     recs = [{"input_ids": r.tolist(), "loss_mask": [0] + [1] * 79} for r in ids]
     res = evaluate_fidelity(recs, llama, [Candidate("per head", llama, make_policy("oracle_target").configure(target="max")),
-                                          Candidate("one pool", llama, pool)], budget=BUDGET, sinks=SINKS, window=WINDOW)
+                                          Candidate("one pool", llama, pool)], layout=LAYOUT)
     kl, n = 0.0, 0
     for rec in recs:
         one = torch.tensor([rec["input_ids"]])
         pool.fit_trace(input_ids=one, record={}, targets={("max", 8.0): teacher_targets(llama, one, window=WINDOW, kind="max")})
-        logits, _ = captured_forward(llama, pool, one, sinks=SINKS, window=WINDOW, long_range=K)
+        logits, _ = captured_forward(llama, pool, one, layout=LAYOUT)
         ref = torch.log_softmax(llama(input_ids=one).logits[0].float(), -1)
         kl += (ref.exp() * (ref - torch.log_softmax(logits, -1))).sum(-1)[:-1].sum().item()
         n += 79
