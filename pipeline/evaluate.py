@@ -20,7 +20,7 @@ from kvpop.evaluate import Candidate, evaluate_fidelity, keep_map, one_pool_twin
 from kvpop.export import CheckpointError, load_export
 from kvpop.filter import read_jsonl
 from kvpop.modeling import load_model, model_shape
-from kvpop.plots import plot_accuracy_vs_budget, plot_keep_map, plot_memory_curve, plot_occupancy
+from kvpop.plots import plot_keep_map, plot_memory_curve, plot_occupancy
 from kvpop.policies import OnePool, make_policy, policy_class
 from kvpop.rollouts import BenchmarkUnavailable, Problem, chat_prompt_ids, load_benchmark, memory_curve, pass_at_1, rollout_problems
 from report import print_table
@@ -152,18 +152,14 @@ def main() -> None:
             out["benchmarks"] = benchmarks
         write_json(args.out, out)
         points = [{"budget": p.budget, "policy": n, **{k: v for k, v in m.items() if k != "occupancy_map"}} for n, m in results.items()]
-        write_json(plots / "budget_points.json", points)  # DVC plot: compare budgets across experiments
+        # this run's points only: across budgets, DVC compares experiments (dvc plots diff <exp>...), from their own files
+        write_json(plots / "budget_points.json", points)
         plot_memory_curve(curves, plots / "cache_memory.png")
         say("keep map: which positions each layer's KV heads keep over the first held-out trace")
         plot_keep_maps(cands, fid_records[0], plots / "keep_map.png", budget=p.budget, sinks=p.sinks, window=p.window)
         by_name = {c.name: c.policy for c in cands}
         plot_occupancy({n: m["occupancy_map"] for n, m in results.items() if "occupancy_map" in m and by_name[n].evicts},
                        plots / "occupancy.png", title=f"entries held per layer and KV head at the traces' end, over the budget {p.budget}")
-        # long-range quote accuracy vs budget, this run's points over every earlier experiment's (MLflow)
-        history = tracking.evaluated_points("quote_accuracy")
-        for n, m in results.items():
-            history.setdefault(n, {})[p.budget] = m["quote_accuracy"]
-        plot_accuracy_vs_budget({n: sorted(pts.items()) for n, pts in history.items()}, plots / "accuracy_vs_budget.png", "quote_accuracy")
         # one child run per policy, same metric names in each: MLflow charts a metric across policies
         # and budgets; the parent keeps the stage's own figures and the artifacts
         for name, m in results.items():
