@@ -39,6 +39,7 @@ def stage(cwd: Path, script: str, *args: str) -> subprocess.CompletedProcess:
 def test_pipeline_end_to_end(tiny_qwen3_dir, tmp_path):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(micro_params(str(tiny_qwen3_dir))))
     stage(tmp_path, "base_model.py")
+    stage(tmp_path, "slots.py")
     stage(tmp_path, "filter.py")
     stage(tmp_path, "pack.py")
     for pol in POLICIES:
@@ -51,7 +52,7 @@ def test_pipeline_end_to_end(tiny_qwen3_dir, tmp_path):
         "params.yaml", "mlflow.db",
         "models/base/config.json", "models/base/generation_config.json", "models/base/model.safetensors",
         "models/base/tokenizer.json", "models/base/tokenizer_config.json", "models/base/chat_template.jinja",
-        "metrics/base_model.json", "data/filtered/train.jsonl", "data/filtered/eval.jsonl", "metrics/filter.json",
+        "metrics/base_model.json", "data/slots.valid", "data/filtered/train.jsonl", "data/filtered/eval.jsonl", "metrics/filter.json",
         "data/packed/train.safetensors", "metrics/pack.json", "metrics/eval.json",
         "plots/cache_memory.png", "plots/keep_map.png", "plots/budget_points.json",
         "plots/occupancy.png",
@@ -180,7 +181,7 @@ def test_bad_exp_params_touch_nothing(tiny_qwen3_dir, tmp_path):
     before = snapshot(repo)
     assert "models/export/kvpop_mlp/model.safetensors" in before and "metrics/eval.json" in before
     # an unknown key: DVC itself refuses it without "+"; with "+" it reaches the validate stage
-    # budget 40 passes params.yaml's own check (> sinks + window) but leaves kvpop's mLSTM no slot
+    # budget 40 passes params.yaml's own check (> sinks + window) but leaves kvpop's mLSTM no slot: the slots stage stops it
     cases = (("budget=30", "budget"), ("budget=40", "kvpop"), ("window=0", "window"),
              ("train.no_such_key=1", "no_such_key"), ("+train.no_such_key=1", "train.no_such_key"))
     for override, key in cases:
