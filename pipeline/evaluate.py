@@ -5,7 +5,8 @@
    ``oracle_sources`` (keeps the definitions the quotes copy) beside the trained policies;
 2. sampled rollouts on held-out problems (pass@1, absolute and relative to dense);
 3. cost: peak cache memory and decode tokens/s, and the cache-memory curve over generated length;
-4. competition benchmarks (evaluate.benchmarks) where reachable.
+4. competition benchmarks (evaluate.benchmarks) where reachable;
+5. held-out code and prose (evaluate.other_text): KL and top-1 agreement to the base model's dense attention.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pathlib import Path
 import torch
 
 from kvpop import tracking
-from kvpop.evaluate import Candidate, evaluate_fidelity, keep_map, one_pool_twin, score_positions
+from kvpop.data.other_text import held_out_records, token_ids
+from kvpop.evaluate import OTHER_TEXT_SKIPS_ORACLES, Candidate, evaluate_fidelity, evaluate_other_text, keep_map, one_pool_twin, score_positions
 from kvpop.export import CheckpointError, load_export
 from kvpop.filter import read_jsonl
 from kvpop.modeling import load_model, model_shape
@@ -75,6 +77,29 @@ def plot_keep_maps(cands, record: dict, path: Path, *, budget: int, sinks: int, 
                         "colour: share of the rest of the trace a token stays cached")
 
 
+def other_text(p, tok, teacher, cands, say) -> dict:
+    """``evaluate.other_text``: held-out code and prose pieces of at most ``train.seq_len`` tokens, every
+    candidate but the oracles scored against the base model's dense attention (:func:`kvpop.evaluate.evaluate_other_text`)."""
+    want = p.evaluate.other_text.model_dump()
+    pieces = {kind: held_out_records(token_ids(tok), kind, n, max_tokens=p.train.seq_len) for kind, n in want.items() if n}
+    for kind, recs in pieces.items():
+        if len(recs) < want[kind]:
+            say(f"[yellow]evaluate.other_text.{kind}: {want[kind]} pieces asked, {len(recs)} found of "
+                f"{p.train.seq_len // 2}-{p.train.seq_len} tokens (train.seq_len)")
+    if any(c.policy.oracle for c in cands):
+        say(f"other text: no oracle row ({OTHER_TEXT_SKIPS_ORACLES})")
+    offset, total = {}, 0
+    for kind, recs in pieces.items():
+        offset[kind], total = total, total + len(recs)
+    with Progress("other text: pieces", total) as bar:
+        other = evaluate_other_text(pieces, teacher, cands, budget=p.budget, sinks=p.sinks, window=p.window,
+                                    progress=lambda kind, i, n: bar.update(offset[kind] + i, kind=kind))
+    for kind, by_policy in other.items():
+        say(f"other text, {kind} ({len(pieces[kind])} pieces), KL to the base model's dense attention: "
+            + ", ".join(f"{n} {m['kl']:.4f}" for n, m in by_policy.items()))
+    return other
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--base", default="models/base")
@@ -105,6 +130,7 @@ def main() -> None:
         say(f"fidelity on {len(fid_records)} traces ({min(lengths)}-{max(lengths)} tokens)")
         with Progress("fidelity: traces", len(fid_records)) as bar:
             results = evaluate_fidelity(fid_records, teacher, cands, **common, progress=lambda i, n: bar.update(i))
+        other = other_text(p, tok, teacher, cands, say) if cfg.other_text.code or cfg.other_text.prose else None
 
         rc = cfg.rollouts
         # prefer prompts longer than the budget (eviction happens); a budget above every prompt uses them all
@@ -150,6 +176,8 @@ def main() -> None:
                "mean_trace_tokens": sum(lengths) / len(lengths), "rollout_problems": len(problems), "rollouts_per_problem": rc.n}
         if benchmarks:
             out["benchmarks"] = benchmarks
+        if other is not None:
+            out["other_text"] = other
         write_json(args.out, out)
         points = [{"budget": p.budget, "policy": n, **{k: v for k, v in m.items() if k != "occupancy_map"}} for n, m in results.items()]
         # this run's points only: across budgets, DVC compares experiments (dvc plots diff <exp>...), from their own files
@@ -168,6 +196,9 @@ def main() -> None:
             kind = "ceiling" if pol.oracle else "trained" if trained else "rule" if pol.evicts else "reference"
             with run.child(name, {"policy": name, **common}, tags={"policy": name, "kind": kind}) as child:
                 child.metrics(m)
+                for kind, by_policy in (other or {}).items():
+                    if name in by_policy:
+                        child.metrics(by_policy[name], prefix=f"other_text/{kind}/")
         run.metrics({"budget": p.budget, "eval_tokens": eval_tokens})
         run.artifact(args.out)
         run.artifact(plots)

@@ -20,7 +20,7 @@ def micro_params(base_source: str) -> dict:
     p["filter"]["synthetic"].update(train_traces=6, eval_traces=3, min_chars=800, max_chars=1000)
     p["train"].update(steps=2, seq_len=1024, top_logits=16, scorer_hidden=8)
     p["train"]["policies"] = list(POLICIES)
-    p["evaluate"].update(max_traces=2, memory_lengths=[0, 4], one_pool=True)
+    p["evaluate"].update(max_traces=2, memory_lengths=[0, 4], one_pool=True, other_text={"code": 1, "prose": 1})
     p["evaluate"]["rollouts"].update(problems=1, n=2, max_new_tokens=2)
     return p
 
@@ -79,6 +79,12 @@ def test_pipeline_end_to_end(tiny_qwen3_dir, tmp_path):
     occ = ev["policies"]["kvpop_mlp"]["occupancy_map"]  # [layer][head], its mean is occupancy
     assert sum(map(sum, occ)) / sum(map(len, occ)) == pytest.approx(ev["policies"]["kvpop_mlp"]["occupancy"], abs=1e-3)
     assert "occupancy_map" not in ev["policies"]["tova"]  # decoded, no full-sequence pattern
+    other = ev["other_text"]  # held-out code and prose, every policy but the oracles, against the base model
+    assert set(other) == {"code", "prose"}
+    for by_policy in other.values():
+        assert set(by_policy) == set(ev["policies"]) - {"oracle_target", "oracle_sources"}
+        assert by_policy["dense"]["kl"] == pytest.approx(0.0, abs=1e-6) and by_policy["streaming_llm"]["kl"] > 0
+        assert all({"kl", "top1_agreement"} <= set(m) for m in by_policy.values())
     filt = json.loads((tmp_path / "metrics/filter.json").read_text())
     assert filt["train"]["kept"] > 0 and filt["eval"]["quote_tokens"] > 0
     train = json.loads((tmp_path / "metrics/train/kvpop_mlp.json").read_text())
@@ -104,6 +110,13 @@ def check_tracking(db: Path, ev: dict) -> None:
     chart = chart.dropna(subset=["metrics.quote_accuracy"])
     got = dict(zip(chart["params.policy"], chart["metrics.quote_accuracy"], strict=True))
     assert got == pytest.approx({n: m["quote_accuracy"] for n, m in ev["policies"].items()})
+    for r in children:  # the other-text scores in each policy's own run
+        name = r.data.tags["policy"]
+        if name in ev["other_text"]["code"]:
+            assert r.data.metrics["other_text/code/kl"] == pytest.approx(ev["other_text"]["code"][name]["kl"])
+            assert "other_text/prose/top1_agreement" in r.data.metrics
+        else:
+            assert not any(k.startswith("other_text/") for k in r.data.metrics), name
     kinds = {r.data.tags["policy"]: r.data.tags["kind"] for r in children}
     assert kinds["dense"] == "reference" and kinds["oracle_target"] == "ceiling" and kinds["kvpop_mlp"] == "trained" and kinds["tova"] == "rule"
     assert kinds["kvpop_mlp, one pool"] == "trained"
