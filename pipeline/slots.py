@@ -15,9 +15,9 @@ from pathlib import Path
 
 from kvpop.modeling import model_shape
 from kvpop.policies import make_policy
+from validate import stop, write_marker
 
 from common import console, fail, params
-from validate import stop, write_marker
 
 MARKER = "the budget leaves every trained policy a long-range slot on models/base\n"
 

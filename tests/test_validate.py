@@ -80,9 +80,8 @@ def test_restore_without_a_baseline_file_changes_nothing(tmp_path):
 
 
 def test_slot_errors_name_the_budget_and_the_policy():
-    from slots import slot_errors
-
     from kvpop.config import parse_params
+    from slots import slot_errors
 
     shape = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
     p = parse_params({"budget": 48, "sinks": 4, "window": 32, "train": {"policies": ["kvpop_mlp"]}})
