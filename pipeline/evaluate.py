@@ -5,7 +5,8 @@
    ``oracle_sources`` (keeps the definitions the quotes copy) beside the trained policies;
 2. sampled rollouts on held-out problems (pass@1, absolute and relative to dense);
 3. cost: peak cache memory and decode tokens/s, and the cache-memory curve over generated length;
-4. competition benchmarks (evaluate.benchmarks) where reachable.
+4. competition benchmarks (evaluate.benchmarks) where reachable;
+5. held-out code and prose (evaluate.other_text): KL and top-1 agreement to the base model's dense attention.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from pathlib import Path
 import torch
 
 from kvpop import tracking
-from kvpop.evaluate import Candidate, evaluate_fidelity, keep_map, one_pool_twin, pad_records, score_positions
+from kvpop.data.other_text import held_out_records, token_ids
+from kvpop.evaluate import OTHER_TEXT_SKIPS_ORACLES, Candidate, evaluate_fidelity, evaluate_other_text, keep_map, one_pool_twin, pad_records, score_positions
 from kvpop.export import CheckpointError, load_export
 from kvpop.filter import read_jsonl
 from kvpop.geometry import CacheLayout
 from kvpop.modeling import load_model, model_shape
-from kvpop.plots import plot_accuracy_vs_budget, plot_keep_map, plot_memory_curve, plot_occupancy
+from kvpop.plots import plot_keep_map, plot_memory_curve, plot_occupancy
 from kvpop.policies import make_policy, policy_class
 from kvpop.rollouts import BenchmarkUnavailable, Problem, chat_prompt_ids, load_benchmark, memory_curve, pass_at_1, rollout_problems
 from report import print_table
@@ -75,6 +77,32 @@ def plot_keep_maps(cands, record: dict, path: Path, *, layout: CacheLayout) -> N
                         "colour: share of the rest of the trace a token stays cached")
 
 
+def other_text(p, tok, teacher, cands, say, device: str) -> dict:
+    """``evaluate.other_text``: held-out code and prose pieces of at most ``train.seq_len`` tokens, every
+    candidate but the oracles scored against the base model's dense attention (:func:`kvpop.evaluate.evaluate_other_text`)."""
+    want = p.evaluate.other_text.model_dump()
+    pieces = {kind: held_out_records(token_ids(tok), kind, n, max_tokens=p.train.seq_len) for kind, n in want.items() if n}
+    for kind, recs in pieces.items():
+        if len(recs) < want[kind]:
+            say(f"[yellow]evaluate.other_text.{kind}: {want[kind]} pieces asked, {len(recs)} found of "
+                f"{p.train.seq_len // 2}-{p.train.seq_len} tokens (train.seq_len)")
+    if any(c.policy.oracle for c in cands):
+        say(f"other text: no oracle row ({OTHER_TEXT_SKIPS_ORACLES})")
+    offset, total = {}, 0
+    for kind, recs in pieces.items():
+        offset[kind], total = total, total + len(recs)
+    if device == "cuda":  # one shape, as the fidelity traces
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        pieces = {kind: pad_records(recs, p.train.seq_len, pad_id) for kind, recs in pieces.items()}
+    with Progress("other text: pieces", total) as bar:
+        other = evaluate_other_text(pieces, teacher, cands, layout=p.layout, device=device,
+                                    progress=lambda kind, i, n: bar.update(offset[kind] + i, kind=kind))
+    for kind, by_policy in other.items():
+        say(f"other text, {kind} ({len(pieces[kind])} pieces), KL to the base model's dense attention: "
+            + ", ".join(f"{n} {m['kl']:.4f}" for n, m in by_policy.items()))
+    return other
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--base", default="models/base")
@@ -114,6 +142,7 @@ def main() -> None:
             scored_records = pad_records(fid_records, max(p.train.seq_len, *lengths), pad_id)
         with Progress("fidelity: traces", len(fid_records)) as bar:
             results = evaluate_fidelity(scored_records, teacher, cands, layout=p.layout, device=device, progress=lambda i, n: bar.update(i))
+        other = other_text(p, tok, teacher, cands, say, device) if cfg.other_text.code or cfg.other_text.prose else None
 
         rc = cfg.rollouts
         # prefer prompts longer than the budget (eviction happens); a budget above every prompt uses them all
@@ -160,20 +189,18 @@ def main() -> None:
                "mean_trace_tokens": sum(lengths) / len(lengths), "rollout_problems": len(problems), "rollouts_per_problem": rc.n}
         if benchmarks:
             out["benchmarks"] = benchmarks
+        if other is not None:
+            out["other_text"] = other
         write_json(args.out, out)
         points = [{"budget": p.budget, "policy": n, **{k: v for k, v in m.items() if k != "occupancy_map"}} for n, m in results.items()]
-        write_json(plots / "budget_points.json", points)  # DVC plot: compare budgets across experiments
+        # this run's points only: across budgets, DVC compares experiments (dvc plots diff <exp>...), from their own files
+        write_json(plots / "budget_points.json", points)
         plot_memory_curve(curves, plots / "cache_memory.png")  # no lines where evaluate.memory_lengths is []
         say("keep map: which positions each layer's KV heads keep over the first held-out trace")
         plot_keep_maps(cands, fid_records[0], plots / "keep_map.png", layout=p.layout)
         by_name = {c.name: c.policy for c in cands}
         plot_occupancy({n: m["occupancy_map"] for n, m in results.items() if "occupancy_map" in m and by_name[n].evicts},
                        plots / "occupancy.png", title=f"entries held per layer and KV head at the traces' end, over the budget {p.budget}")
-        # long-range quote accuracy vs budget, this run's points over every earlier experiment's (MLflow)
-        history = tracking.evaluated_points("quote_accuracy")
-        for n, m in results.items():
-            history.setdefault(n, {})[p.budget] = m["quote_accuracy"]
-        plot_accuracy_vs_budget({n: sorted(pts.items()) for n, pts in history.items()}, plots / "accuracy_vs_budget.png", "quote_accuracy")
         # one child run per policy, same metric names in each: MLflow charts a metric across policies
         # and budgets; the parent keeps the stage's own figures and the artifacts
         for name, m in results.items():
@@ -181,6 +208,9 @@ def main() -> None:
             kind = "ceiling" if pol.oracle else "trained" if pol.trained else "rule" if pol.evicts else "reference"
             with run.child(name, {"policy": name, **common}, tags={"policy": name, "kind": kind}) as child:
                 child.metrics(m)
+                for kind, by_policy in (other or {}).items():
+                    if name in by_policy:
+                        child.metrics(by_policy[name], prefix=f"other_text/{kind}/")
         run.metrics({"budget": p.budget, "eval_tokens": eval_tokens})
         run.artifact(args.out)
         run.artifact(plots)

@@ -4,13 +4,14 @@ DVC deletes a stage's outputs just before it runs the stage's command, so a stag
 param itself has already lost the previous run's outputs. This stage comes first: ``base_model``
 (and through it every stage) depends on its marker ``data/params.valid``, so a bad value stops
 ``dvc repro`` here with the key named, before anything is deleted. The marker is persistent and its
-content never changes, so a valid change of params re-runs only the stages that read it. Where an
-earlier run left a base model, the budget is also checked against each trained policy's needs.
+content never changes, so a valid change of params re-runs only the stages that read it. It reads
+params.yaml alone; what needs the base model (each trained policy's long-range slots) is checked
+by the ``slots`` stage, which declares the model as its input and stops the run the same way.
 
 Inside ``dvc exp run -S key=value`` DVC has written the experiment's values into params.yaml before
-this runs, and leaves them there when the run fails. When they are invalid, this stage puts the
-keys the command line set back to their values at the experiment's baseline commit, so params.yaml
-is as it was (byte for byte when nothing else in it had changed since that commit).
+any stage runs, and leaves them there when the run fails. When they are invalid, :func:`stop` puts
+the keys the command line set back (:func:`restore_params`), so params.yaml is as it was before the
+command: every other line, the user's uncommitted edits included, is left as it is.
 """
 
 from __future__ import annotations
@@ -28,34 +29,6 @@ from kvpop.config import ParamsError, load_params
 from common import console, write_text
 
 MARKER = "params.yaml is valid (kvpop.config.Params)\n"
-
-
-def policy_errors(p, base: Path) -> list[str]:
-    """What params.yaml alone cannot tell: whether the budget leaves each trained policy a long-range
-    slot, which for ``kvpop`` depends on the model's head dim (its mLSTM state takes slots). Read from
-    the base model of an earlier run (``models/base/config.json``); without one there is no output
-    to lose yet, and the train stage checks it itself."""
-    if not (base / "config.json").is_file():
-        return []
-    from types import SimpleNamespace
-
-    from transformers import AutoConfig
-
-    from kvpop.modeling import model_shape
-    from kvpop.policies import make_policy
-
-    shape = model_shape(SimpleNamespace(config=AutoConfig.from_pretrained(base)))
-    errors = []
-    for name in p.train.policies:
-        pol = make_policy(name, **{k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}, scorer_hidden=p.train.scorer_hidden)
-        try:
-            k = pol.long_range_slots(p.layout, head_dim=shape["head_dim"])
-        except ValueError as err:
-            errors.append(f"  budget: {err} (train.policies: {name})")
-            continue
-        if k <= 0:
-            errors.append(f"  budget: {p.budget} leaves {name} no long-range slot (sinks {p.sinks}, window {p.window})")
-    return errors
 
 
 def set_param_keys(argv: list[str]) -> list[str] | None:
@@ -87,7 +60,16 @@ def set_param_keys(argv: list[str]) -> list[str] | None:
 
 def exp_run_overrides() -> list[str] | None:
     """The ``-S`` keys of the ``dvc exp run`` that started this process (its nearest ancestor that
-    is one), or None outside one (or where /proc does not tell)."""
+    is one), or None outside one (or where /proc does not tell).
+
+    Why the parent processes' command lines: DVC records the ``-S`` overrides nowhere a stage can
+    read. It hands the stage ``DVC_EXP_BASELINE_REV``, ``DVC_EXP_NAME`` and ``DVC_ROOT`` only, and
+    the experiment's commit (``refs/exps/exec/EXEC_MERGE``) holds params.yaml after the overrides,
+    with the user's uncommitted edits merged in (DVC 3.x, ``BaseStashQueue._stash_exp``): a diff
+    against the baseline cannot tell an override from a user's edit. So this reads the command
+    lines of this process's own ancestors (``/proc/<pid>/cmdline`` and ``stat``, at most 16
+    levels) and nothing else; on a system without /proc, params.yaml keeps the experiment's values
+    and :func:`stop` says so."""
     pid = os.getppid()
     for _ in range(16):
         proc = Path(f"/proc/{pid}")
@@ -129,52 +111,106 @@ def revert_keys(current: dict, baseline: dict, keys: list[str]) -> dict:
     return out
 
 
-def restore_params(path: Path, baseline_rev: str, keys: list[str]) -> str:
-    """Put the keys an experiment set back to ``baseline_rev``'s values; returns what was done."""
+def _as_dvc_writes(text: str, baseline: dict | None = None, keys: list[str] = ()) -> str:
+    """``text`` loaded and dumped the way DVC rewrites params.yaml for ``-S`` (ruamel's round trip,
+    every collection in block style), with ``keys`` reverted to ``baseline`` first."""
     from ruamel.yaml import YAML  # DVC's own YAML library: keeps comments and layout
+    from ruamel.yaml.comments import CommentedBase
 
+    ry = YAML()
+    ry.default_flow_style = False
+    doc = ry.load(text) or {}
+    if keys:
+        revert_in_place(doc, baseline or {}, keys)
+
+    def block(node) -> None:
+        if isinstance(node, CommentedBase):
+            node.fa.set_block_style()
+        for child in node.values() if isinstance(node, dict) else node if isinstance(node, list) else ():
+            block(child)
+
+    block(doc)
+    buf = io.StringIO()
+    ry.dump(doc, buf)
+    return buf.getvalue()
+
+
+def _apply_edits(committed: str, rewritten: str, edited: str, cwd: Path) -> str | None:
+    """``committed`` with the edits that turn ``rewritten`` (``committed`` as DVC rewrites it) into
+    ``edited``: a three-way merge (``git merge-file``), so the user's uncommitted lines come back into
+    the committed text and DVC's reformatting of the others goes; None on a conflict."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=cwd) as tmp:
+        files = []
+        for name, text in (("committed", committed), ("rewritten", rewritten), ("edited", edited)):
+            (Path(tmp) / name).write_text(text)
+            files.append(str(Path(tmp) / name))
+        res = subprocess.run(["git", "merge-file", "-p", "--quiet", *files], capture_output=True, text=True, cwd=cwd)
+    return res.stdout if res.returncode == 0 else None
+
+
+def restore_params(path: Path, baseline_rev: str, keys: list[str]) -> str:
+    """Put the keys an experiment set back to ``baseline_rev``'s values; returns what was done.
+
+    Every other line stays as the user had it before the command, uncommitted edits included: DVC
+    rewrote the whole file (ruamel, flow collections as blocks, ``null`` as nothing), so the user's
+    edits are the difference between the committed file and the current one, both as DVC writes them,
+    merged back into the committed text. Where that merge conflicts or reads differently, the file as
+    DVC wrote it, keys reverted, is written instead (same values, DVC's layout).
+
+    A key the command line set is put back to its value at the baseline commit: where the user had
+    also edited that key without committing, that edit is lost (DVC keeps the workspace as it was
+    before the command only in a stash it drops before the stages run)."""
     git = subprocess.run(["git", "show", f"{baseline_rev}:./{path.name}"], capture_output=True, text=True, cwd=path.parent)
     if git.returncode != 0:
         return f"params.yaml keeps the experiment's values (no {path.name} at the baseline {baseline_rev[:7]})"
     baseline_text = git.stdout
     baseline = yaml.safe_load(baseline_text) or {}
-    ry = YAML()
-    doc = ry.load(path.read_text()) or {}
-    revert_in_place(doc, baseline, keys)
-    buf = io.StringIO()
-    ry.dump(doc, buf)
-    if yaml.safe_load(buf.getvalue()) == baseline:  # nothing else had changed: the committed text, byte for byte
+    reverted = _as_dvc_writes(path.read_text(), baseline, keys)
+    want = yaml.safe_load(reverted)
+    if want == baseline:  # nothing else had changed: the committed text, byte for byte
         write_text(path, baseline_text)
         return f"params.yaml restored as at the baseline {baseline_rev[:7]}"
-    write_text(path, buf.getvalue())  # the user's other edits stay
+    merged = _apply_edits(baseline_text, _as_dvc_writes(baseline_text), reverted, path.parent)
+    write_text(path, merged if merged is not None and yaml.safe_load(merged) == want else reverted)  # the user's other edits stay
     return f"the keys {', '.join(keys)} of params.yaml set back to their values at the baseline {baseline_rev[:7]}"
+
+
+def stop(message: str, params_path: str | Path = "params.yaml"):
+    """Print ``message`` (a params error naming the key), put the keys a failing ``dvc exp run -S``
+    set back in ``params_path`` (outside one: nothing to put back), and exit with status 2. Every
+    stage that checks params before DVC clears an output ends this way (``validate``, ``slots``)."""
+    path = Path(params_path).resolve()
+    console.print(f"[bold red]{message}")
+    rev = os.environ.get("DVC_EXP_BASELINE_REV")
+    keys = exp_run_overrides() if rev else None
+    if keys:
+        console.print(restore_params(path, rev, keys))
+    elif rev:
+        console.print("params.yaml keeps the experiment's values (its dvc exp run command line could not be read): "
+                      f"git diff {rev[:7]} -- params.yaml shows them")
+    console.print("nothing else was run or deleted")
+    raise SystemExit(2)
+
+
+def write_marker(path: str | Path, text: str) -> None:
+    """A stage's constant marker, rewritten only when missing or different (its timestamp then stays)."""
+    out = Path(path)
+    if not out.is_file() or out.read_text() != text:
+        write_text(out, text)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--out", default="data/params.valid")
-    ap.add_argument("--base", default="models/base", help="an earlier run's base model, if any (for policy_errors)")
     args = ap.parse_args()
-    path = Path(args.params).resolve()
     try:
-        errors = policy_errors(load_params(path), Path(args.base))
-        if errors:
-            raise ParamsError("invalid params for the trained policies:\n" + "\n".join(errors))
+        load_params(args.params)
     except ParamsError as err:
-        console.print(f"[bold red]{err}")
-        rev = os.environ.get("DVC_EXP_BASELINE_REV")
-        keys = exp_run_overrides() if rev else None
-        if keys:
-            console.print(restore_params(path, rev, keys))
-        elif rev:
-            console.print("params.yaml keeps the experiment's values (its dvc exp run command line could not be read): "
-                          f"git diff {rev[:7]} -- params.yaml shows them")
-        console.print("nothing else was run or deleted")
-        raise SystemExit(2) from None
-    out = Path(args.out)
-    if not out.is_file() or out.read_text() != MARKER:
-        write_text(out, MARKER)
+        stop(str(err), args.params)
+    write_marker(args.out, MARKER)
     console.print(f"{args.params}: valid")
 
 

@@ -20,7 +20,7 @@ def micro_params(base_source: str) -> dict:
     p["filter"]["synthetic"].update(train_traces=6, eval_traces=3, min_chars=800, max_chars=1000)
     p["train"].update(steps=2, seq_len=1024, top_logits=16, scorer_hidden=8)
     p["train"]["policies"] = list(POLICIES)
-    p["evaluate"].update(max_traces=2, memory_lengths=[0, 4], one_pool=True)
+    p["evaluate"].update(max_traces=2, memory_lengths=[0, 4], one_pool=True, other_text={"code": 1, "prose": 1})
     p["evaluate"]["rollouts"].update(problems=1, n=2, max_new_tokens=2)
     return p
 
@@ -39,6 +39,7 @@ def stage(cwd: Path, script: str, *args: str) -> subprocess.CompletedProcess:
 def test_pipeline_end_to_end(tiny_qwen3_dir, tmp_path):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(micro_params(str(tiny_qwen3_dir))))
     stage(tmp_path, "base_model.py")
+    stage(tmp_path, "slots.py")
     stage(tmp_path, "filter.py")
     stage(tmp_path, "pack.py")
     for pol in POLICIES:
@@ -51,9 +52,9 @@ def test_pipeline_end_to_end(tiny_qwen3_dir, tmp_path):
         "params.yaml", "mlflow.db",
         "models/base/config.json", "models/base/generation_config.json", "models/base/model.safetensors",
         "models/base/tokenizer.json", "models/base/tokenizer_config.json", "models/base/chat_template.jinja",
-        "metrics/base_model.json", "data/filtered/train.jsonl", "data/filtered/eval.jsonl", "metrics/filter.json",
+        "metrics/base_model.json", "data/slots.valid", "data/filtered/train.jsonl", "data/filtered/eval.jsonl", "metrics/filter.json",
         "data/packed/train.safetensors", "metrics/pack.json", "metrics/eval.json",
-        "plots/cache_memory.png", "plots/accuracy_vs_budget.png", "plots/keep_map.png", "plots/budget_points.json",
+        "plots/cache_memory.png", "plots/keep_map.png", "plots/budget_points.json",
         "plots/occupancy.png",
     }
     for pol in POLICIES:
@@ -78,6 +79,12 @@ def test_pipeline_end_to_end(tiny_qwen3_dir, tmp_path):
     occ = ev["policies"]["kvpop_mlp"]["occupancy_map"]  # [layer][head], its mean is occupancy
     assert sum(map(sum, occ)) / sum(map(len, occ)) == pytest.approx(ev["policies"]["kvpop_mlp"]["occupancy"], abs=1e-3)
     assert "occupancy_map" not in ev["policies"]["tova"]  # decoded, no full-sequence pattern
+    other = ev["other_text"]  # held-out code and prose, every policy but the oracles, against the base model
+    assert set(other) == {"code", "prose"}
+    for by_policy in other.values():
+        assert set(by_policy) == set(ev["policies"]) - {"oracle_target", "oracle_sources"}
+        assert by_policy["dense"]["kl"] == pytest.approx(0.0, abs=1e-6) and by_policy["streaming_llm"]["kl"] > 0
+        assert all({"kl", "top1_agreement"} <= set(m) for m in by_policy.values())
     filt = json.loads((tmp_path / "metrics/filter.json").read_text())
     assert filt["train"]["kept"] > 0 and filt["eval"]["quote_tokens"] > 0
     train = json.loads((tmp_path / "metrics/train/kvpop_mlp.json").read_text())
@@ -97,12 +104,19 @@ def check_tracking(db: Path, ev: dict) -> None:
     assert len(parents) == 1 and {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
     assert not any("." in k for k in parents[0].data.metrics)  # no flattened <policy>.<metric> columns
     logged = {a.path for a in mlflow.MlflowClient().list_artifacts(parents[0].info.run_id, "plots")}
-    assert {"plots/keep_map.png", "plots/cache_memory.png", "plots/accuracy_vs_budget.png", "plots/occupancy.png"} <= logged
+    assert {"plots/keep_map.png", "plots/cache_memory.png", "plots/occupancy.png", "plots/budget_points.json"} == logged
     # what the UI's chart of one metric across runs reads: the runs of one budget, by policy
     chart = mlflow.search_runs(experiment_names=["kvpop"], filter_string="params.budget = '48' and tags.stage = 'evaluate'")
     chart = chart.dropna(subset=["metrics.quote_accuracy"])
     got = dict(zip(chart["params.policy"], chart["metrics.quote_accuracy"], strict=True))
     assert got == pytest.approx({n: m["quote_accuracy"] for n, m in ev["policies"].items()})
+    for r in children:  # the other-text scores in each policy's own run
+        name = r.data.tags["policy"]
+        if name in ev["other_text"]["code"]:
+            assert r.data.metrics["other_text/code/kl"] == pytest.approx(ev["other_text"]["code"][name]["kl"])
+            assert "other_text/prose/top1_agreement" in r.data.metrics
+        else:
+            assert not any(k.startswith("other_text/") for k in r.data.metrics), name
     kinds = {r.data.tags["policy"]: r.data.tags["kind"] for r in children}
     assert kinds["dense"] == "reference" and kinds["oracle_target"] == "ceiling" and kinds["kvpop_mlp"] == "trained" and kinds["tova"] == "rule"
     assert kinds["kvpop_mlp, one pool"] == "trained"
@@ -180,7 +194,7 @@ def test_bad_exp_params_touch_nothing(tiny_qwen3_dir, tmp_path):
     before = snapshot(repo)
     assert "models/export/kvpop_mlp/model.safetensors" in before and "metrics/eval.json" in before
     # an unknown key: DVC itself refuses it without "+"; with "+" it reaches the validate stage
-    # budget 40 passes params.yaml's own check (> sinks + window) but leaves kvpop's mLSTM no slot
+    # budget 40 passes params.yaml's own check (> sinks + window) but leaves kvpop's mLSTM no slot: the slots stage stops it
     cases = (("budget=30", "budget"), ("budget=40", "kvpop"), ("window=0", "window"),
              ("train.no_such_key=1", "no_such_key"), ("+train.no_such_key=1", "train.no_such_key"))
     for override, key in cases:

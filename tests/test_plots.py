@@ -1,7 +1,7 @@
 """The evaluate stage's PNG plots."""
 
 from kvpop.geometry import CacheLayout
-from kvpop.plots import plot_accuracy_vs_budget, plot_memory_curve, plot_occupancy
+from kvpop.plots import plot_memory_curve, plot_occupancy
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -14,15 +14,15 @@ def test_plot_memory_curve(tmp_path):
     assert data.startswith(PNG) and 1_000 < len(data) < 500_000
 
 
-def test_plot_accuracy_vs_budget(tmp_path):
+def test_line_plot_takes_unsorted_single_and_empty_series(tmp_path):
     points = {
-        "kvpop_mlp": [(512, 0.8), (128, 0.4), (256, 0.6)],  # unsorted (earlier experiments + this run)
+        "kvpop_mlp": [(512, 0.8), (128, 0.4), (256, 0.6)],  # unsorted
         "tova": [(256, 0.5)],  # a single point
-        "h2o": [],  # nothing yet: skipped
+        "h2o": [],  # nothing: skipped
     }
-    out = plot_accuracy_vs_budget(points, str(tmp_path / "acc.png"), "pass@1")
+    out = plot_memory_curve(points, str(tmp_path / "mem.png"))
     assert out.read_bytes().startswith(PNG) and out.stat().st_size > 1_000
-    assert plot_accuracy_vs_budget({}, tmp_path / "empty.png", "quote_accuracy").stat().st_size > 0
+    assert plot_memory_curve({}, tmp_path / "empty.png").stat().st_size > 0
 
 
 def test_keep_map_is_what_the_bounded_cache_holds(tiny_model):

@@ -77,3 +77,61 @@ def test_restore_without_a_baseline_file_changes_nothing(tmp_path):
     p.write_text("budget: 100\n")
     assert "keeps the experiment's values" in restore_params(p, rev, ["budget"])
     assert p.read_text() == "budget: 100\n"
+
+
+def test_slot_errors_name_the_budget_and_the_policy():
+    from kvpop.config import parse_params
+    from slots import slot_errors
+
+    shape = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
+    p = parse_params({"budget": 48, "sinks": 4, "window": 32, "train": {"policies": ["kvpop_mlp"]}})
+    assert slot_errors(p, shape) == ({"kvpop_mlp": 12}, [])
+    p = parse_params({"budget": 37, "sinks": 4, "window": 32, "train": {"policies": ["kvpop_mlp", "kvpop"]}})
+    slots, errors = slot_errors(p, shape)
+    assert slots["kvpop_mlp"] == 1 and len(errors) == 1 and errors[0].startswith("  budget:") and "kvpop" in errors[0]
+
+
+def exp_repo(tmp_path: Path, base_dir: Path) -> tuple[Path, dict]:
+    """A git + DVC repository with this checkout's validate and slots stages alone (a tiny model as
+    ``models/base``), reproduced and committed: ``dvc exp run`` reaches both in seconds."""
+    import os
+    import shutil
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {k: stages[k] for k in ("validate", "slots")}}, sort_keys=False))
+    for d in ("pipeline", "src"):
+        shutil.copytree(ROOT / d, repo / d, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copytree(base_dir, repo / "models" / "base")
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params.update(budget=48, sinks=4, window=32)
+    params["train"]["policies"] = ["kvpop_mlp", "kvpop"]
+    (repo / "params.yaml").write_text("# the user's comment\n" + yaml.safe_dump(params, sort_keys=False))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(repo / "src"),
+           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    for cmd in (["git", "init", "-q"], ["dvc", "init", "-q"], ["dvc", "repro", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "base"]):
+        res = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
+        assert res.returncode == 0, (cmd, res.stdout[-2000:], res.stderr[-2000:])
+    return repo, env
+
+
+@pytest.mark.slow
+def test_bad_exp_run_restores_params_as_before_the_command(tiny_qwen3_dir, tmp_path):
+    """``dvc exp run -S`` with a value that validate (params alone) or slots (the model's head dim)
+    refuses: params.yaml is as it was before the command, byte for byte, the user's uncommitted edit
+    and comment included, and no output changed."""
+    repo, env = exp_repo(tmp_path, tiny_qwen3_dir)
+    params = repo / "params.yaml"
+    edited = params.read_text().replace("steps: 16", "steps: 99  # the user's uncommitted edit")
+    assert edited != params.read_text()
+    params.write_text(edited)
+    marks = {m: (repo / m).read_bytes() for m in ("data/params.valid", "data/slots.valid")}
+    for override, stage, key in (("window=0", "validate", "window"), ("budget=40", "slots", "kvpop")):
+        res = subprocess.run([str(Path(sys.executable).parent / "dvc"), "exp", "run", "-S", override], cwd=repo, env=env,
+                             capture_output=True, text=True)
+        out = res.stdout + res.stderr
+        assert res.returncode != 0 and key in out and f"Running stage '{stage}'" in out, out[-3000:]
+        assert "set back" in out, out[-3000:]
+        assert params.read_text() == edited, override
+        assert {m: (repo / m).read_bytes() for m in marks} == marks

@@ -117,6 +117,16 @@ class OtherTextConfig(_Section):
     prose: int = Field(0, ge=0, description="pieces of the Python documentation's topics")
 
 
+class OtherTextEvalConfig(_Section):
+    """Held-out pieces of other kinds of text (:func:`kvpop.data.other_text.held_out_records`: the
+    no-harm check's standard-library modules and installed packages' descriptions, never mixed into
+    training), each at most ``train.seq_len`` tokens, scored against the base model's dense attention
+    (0 and 0: off)."""
+
+    code: int = Field(0, ge=0, description="pieces of held-out Python standard-library source")
+    prose: int = Field(0, ge=0, description="pieces of installed packages' descriptions (English prose)")
+
+
 class FilterConfig(_Section):
     """Stage ``filter``: traces to chat-formatted token sequences of at most ``max_tokens``."""
 
@@ -278,6 +288,11 @@ class EvaluateConfig(_Section):
         False,
         description="also rank every trained kvpop_mlp's priorities with one pool of slots for the whole model "
         "(kvpop.policies.OnePool): a '<name>, one pool' row, decoded by the reference pool cache",
+    )
+    other_text: OtherTextEvalConfig = Field(
+        OtherTextEvalConfig(),
+        description="pieces of held-out code and prose on which every evaluated policy (not the oracles) is scored "
+        "teacher-forced against the base model's dense attention: KL and top-1 agreement (kvpop.evaluate.evaluate_other_text)",
     )
 
     @field_validator("policies")

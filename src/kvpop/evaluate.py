@@ -25,7 +25,7 @@ trace runs anyway (:class:`TargetCapture`, no extra forward).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -357,3 +357,38 @@ def evaluate_fidelity(
             progress(n + 1, len(records))
     # an oracle that no trace could serve (e.g. oracle_sources without recorded sources) reports nothing
     return {name: a.result() for name, a in acc.items() if a.traces}
+
+
+#: why the oracles have no other-text score: they are ceilings, not policies a user runs, and read the
+#: scored text's future (oracle_sources the quotes' recorded sources, which other text has none of)
+OTHER_TEXT_SKIPS_ORACLES = "oracles are ceilings that read the scored text's future (quote records), not policies that run on other text"
+
+
+@torch.no_grad()
+def evaluate_other_text(
+    pieces: Mapping[str, Sequence[dict]],
+    teacher,
+    candidates: Iterable[Candidate],
+    *,
+    layout: CacheLayout,
+    device: str | torch.device = "cpu",
+    progress: Callable[[str, int, int], None] | None = None,
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Does a policy harm text unlike its training rows? ``{kind: {policy: {"kl", "top1_agreement",
+    "pieces"}}}`` of every candidate on each kind's pieces (``{kind: records}``, e.g. from
+    :func:`kvpop.data.other_text.held_out_records`; every next-token prediction scored), teacher-forced
+    against ``teacher``'s dense attention (:func:`evaluate_fidelity`: a trained export is compared with
+    the base model, so fine-tuning and eviction count together, as a user sees them).
+
+    Candidates as for fidelity: a decode-only rule (``needs_attention``: TOVA, H2O) scores its first
+    ``max_traces`` pieces by token-by-token decoding (``pieces`` says how many); the oracles are left
+    out (:data:`OTHER_TEXT_SKIPS_ORACLES`). A kind without pieces is left out."""
+    candidates = [c for c in candidates if not c.policy.oracle]
+    out = {}
+    for kind, records in pieces.items():
+        if not records:
+            continue
+        tick = (lambda i, n, kind=kind: progress(kind, i, n)) if progress else None
+        res = evaluate_fidelity(records, teacher, candidates, layout=layout, device=device, progress=tick)
+        out[kind] = {name: {"kl": m["kl"], "top1_agreement": m["top1_agreement"], "pieces": m["traces"]} for name, m in res.items()}
+    return out

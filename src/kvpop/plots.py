@@ -68,14 +68,6 @@ def plot_memory_curve(curves: Mapping[str, Sequence[tuple[int, float]]], path: s
                       zero_based=True)
 
 
-def plot_accuracy_vs_budget(
-    points: Mapping[str, Sequence[tuple[int, float]]], path: str | Path, metric_name: str
-) -> Path:
-    """``metric_name`` vs KV budget, one line per policy; ``points`` may merge the current run with
-    earlier experiments' metrics (several budgets per policy)."""
-    return _line_plot(points, path, xlabel="KV budget (tokens)", ylabel=metric_name, title=f"{metric_name} vs budget")
-
-
 def plot_keep_map(maps: Mapping[str, Any], path: str | Path, *, marks: Mapping[str, Sequence[int]] | None = None, title: str = "") -> Path:
     """One panel per policy: rows are (layer, KV head), columns positions of one trace, the colour the
     share of its remaining trace a token stayed in that head's cache (:func:`kvpop.evaluate.keep_map`;

@@ -1,5 +1,6 @@
 """The one module that talks to MLflow.
 
+Stages only write here; none reads it back (what a stage reads is a declared DVC input).
 Every stage logs one run (named after the stage) into a single tracking store at a fixed
 absolute location: ``<repo>/mlflow.db`` (SQLite), unless ``MLFLOW_TRACKING_URI`` says otherwise.
 Runs carry the DVC experiment name (``DVC_EXP_NAME``, set by ``dvc exp run``; ``workspace``
@@ -153,26 +154,3 @@ class UntrackedRun:
 
     def lightning_logger(self):
         return False  # Lightning's "no logger"
-
-
-def evaluated_points(metric: str, *, stage: str = "evaluate") -> dict[str, dict[int, float]]:
-    """``{policy: {budget: value}}`` of ``metric`` from every earlier evaluate run's child runs in
-    the store (every experiment, every budget); where several runs evaluated a policy at one budget,
-    the latest counts. Empty when the store holds none (or cannot be read), or with tracking off."""
-    if not tracking_enabled():
-        return {}
-    import mlflow
-
-    _quiet()
-    mlflow.set_tracking_uri(tracking_uri())
-    try:
-        runs = mlflow.search_runs(experiment_names=[EXPERIMENT], filter_string=f"tags.stage = '{stage}'", output_format="list",
-                                  order_by=["attributes.start_time ASC"])
-    except Exception:  # noqa: BLE001 - a missing or foreign store: nothing earlier to show
-        return {}
-    out: dict[str, dict[int, float]] = {}
-    for r in runs:
-        policy, budget, value = r.data.params.get("policy"), r.data.params.get("budget"), r.data.metrics.get(metric)
-        if policy is not None and budget is not None and value is not None:
-            out.setdefault(policy, {})[int(budget)] = float(value)  # later runs overwrite earlier ones
-    return out

@@ -13,7 +13,8 @@ Sources that ship with every CPython, so nothing is downloaded:
 
 The no-harm check (``bench/bench_no_harm.py``) reads ``HELD_OUT_CODE`` and installed packages'
 descriptions (``*.dist-info/METADATA``), which are never mixed in, so a harm measured there stays a
-measurement on text the policy never saw. ``exclude`` drops further sources.
+measurement on text the policy never saw; :func:`held_out_records` cuts them into evaluation pieces
+(``evaluate.other_text``, :func:`kvpop.evaluate.evaluate_other_text`). ``exclude`` drops further sources.
 """
 
 from __future__ import annotations
@@ -84,15 +85,7 @@ def other_text_records(
     if n <= 0:
         return out
     if kind == "code":  # one file per piece source: cut each file on its own
-        for name, text in docs:
-            ids = list(tokenize(text))
-            for s in range(0, len(ids), max_tokens):
-                chunk = ids[s : s + max_tokens]
-                if len(chunk) >= min_tokens:
-                    out.append({"input_ids": chunk, "loss_mask": [1] * len(chunk), "source": name, "kind": kind})
-                    if len(out) == n:
-                        return out
-        return out
+        return _cut(docs, tokenize, kind, n, max_tokens=max_tokens, min_tokens=min_tokens)
     buf: list[int] = []  # prose: topics joined until a piece is full
     names: list[str] = []
     for name, text in docs:
@@ -105,3 +98,50 @@ def other_text_records(
             if len(out) == n:
                 return out
     return out
+
+
+def _cut(docs: Iterable[tuple[str, str]], tokenize, kind: str, n: int, *, max_tokens: int, min_tokens: int) -> list[dict]:
+    """Up to ``n`` records: each document cut on its own into pieces of ``max_tokens`` tokens, in
+    order, a piece shorter than ``min_tokens`` (a document's tail) left out."""
+    out: list[dict] = []
+    for name, text in docs:
+        ids = list(tokenize(text))
+        for s in range(0, len(ids), max_tokens):
+            chunk = ids[s : s + max_tokens]
+            if len(chunk) >= min_tokens:
+                out.append({"input_ids": chunk, "loss_mask": [1] * len(chunk), "source": name, "kind": kind})
+                if len(out) == n:
+                    return out
+    return out
+
+
+def held_out_documents(kind: str) -> Iterator[tuple[str, str]]:
+    """(source name, text) of the text the no-harm check reads, never mixed into training: ``code``,
+    the standard-library modules ``HELD_OUT_CODE``; ``prose``, installed packages' long descriptions
+    (``*.dist-info/METADATA`` after its headers), in path order."""
+    if kind not in KINDS:
+        raise ValueError(f"other text kind {kind!r}: expected one of {', '.join(KINDS)}")
+    paths = sysconfig.get_paths()
+    if kind == "code":
+        for name in HELD_OUT_CODE:
+            f = Path(paths["stdlib"]) / name
+            if f.is_file():
+                yield str(f), f.read_text(errors="replace")
+        return
+    for f in sorted(Path(paths["purelib"]).glob("*.dist-info/METADATA")):
+        yield str(f), f.read_text(errors="replace").partition("\n\n")[2]
+
+
+def held_out_records(tokenize: Callable[[str], Sequence[int]], kind: str, n: int, *, max_tokens: int, min_tokens: int | None = None) -> list[dict]:
+    """Up to ``n`` evaluation records of ``kind`` from :func:`held_out_documents`, each document cut on
+    its own into pieces of ``min_tokens``..``max_tokens`` tokens (default min: ``max_tokens // 2``; the
+    no-harm bench's 768..1536), with the fields of :func:`other_text_records` (every token scored).
+
+    Raises:
+        ValueError: an unknown kind, or ``max_tokens``/``min_tokens`` out of order.
+    """
+    min_tokens = max_tokens // 2 if min_tokens is None else min_tokens
+    if not 0 < min_tokens <= max_tokens:
+        raise ValueError(f"other text: need 0 < min_tokens <= max_tokens, got {min_tokens} and {max_tokens}")
+    docs = held_out_documents(kind)
+    return _cut(docs, tokenize, kind, n, max_tokens=max_tokens, min_tokens=min_tokens) if n > 0 else []
