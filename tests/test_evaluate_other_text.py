@@ -12,9 +12,10 @@ from kvpop.attention import register
 from kvpop.config import ParamsError, parse_params
 from kvpop.data.other_text import HELD_OUT_CODE, code_documents, held_out_records, token_ids
 from kvpop.evaluate import Candidate, evaluate_other_text
+from kvpop.geometry import CacheLayout
 from kvpop.policies import make_policy
 
-GEO = dict(budget=20, sinks=2, window=8)  # k = 10 long-range slots; pieces of 48..96 tokens
+GEO = dict(layout=CacheLayout(20, 2, 8))  # k = 10 long-range slots; pieces of 48..96 tokens
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def test_dense_is_exact_and_a_bounded_policy_is_not(scored):
         for m in by_policy.values():
             assert set(m) == {"kl", "top1_agreement", "pieces"}
         assert by_policy["dense"]["kl"] == pytest.approx(0.0, abs=1e-6) and by_policy["dense"]["top1_agreement"] == 1.0
-        assert len(pieces[kind][0]["input_ids"]) > GEO["budget"] and by_policy["streaming_llm"]["kl"] > 1e-6
+        assert len(pieces[kind][0]["input_ids"]) > GEO["layout"].budget and by_policy["streaming_llm"]["kl"] > 1e-6
         assert by_policy["h2o"]["kl"] > 1e-6
         assert by_policy["dense"]["pieces"] == len(pieces[kind]) and by_policy["h2o"]["pieces"] == 1  # decode-only: max_traces
 
