@@ -188,7 +188,7 @@ def fill_cache(eng, ctx: int, seed: int) -> float:
             eng.prio[i].fill_(float("-inf")).scatter_(2, slots, torch.randn(B, Hk, n, generator=g, device=dev, dtype=torch.float64))
     eng.p.fill_(ctx)
     eng.seen = ctx
-    eng.tok.copy_(torch.randint(0, 1000, (B, 1), generator=g, device=dev))
+    eng.tok.copy_(torch.randint(0, min(1000, eng.model.config.vocab_size), (B, 1), generator=g, device=dev))  # (B, 1) the next input
     sync(dev)
     return time.perf_counter() - t0
 
