@@ -13,7 +13,7 @@ invocation:
 * the same engine with a dense static cache (preallocated for the longest context, reading only
   the filled blocks), at the same contexts;
 * batch 16 and 64 at 32K for the bounded cache, and dense where it fits (said where it does not);
-  the cache is put straight into its state at 32K (:func:`fill`; ``--batch-fill prefill`` prefills
+  the cache is put straight into its state at 32K (:func:`kvpop.benchmarking.fill_cache`; ``--batch-fill prefill`` prefills
   B * 32K tokens instead), since a step does the same work whatever the entries hold.
 
 * ``--parts policies``: decode memory of each evicting policy at ``--policy-context`` (32K), batch 1,
@@ -37,65 +37,35 @@ For each row: ms per step, tokens/s, peak memory, the bandwidth floor
 ``(weight bytes + B * KV bytes of the held entries) / copy bandwidth`` and the fraction of it
 reached; ratios against eager ``generate`` and against dense at the same context.
 
-    PYTHONPATH=src python3 bench/bench_decode.py --out results/bench_decode_h200.json   # every row and the goals (about 7 min)
+    PYTHONPATH=src python3 bench/bench_decode.py      # every row and the goals (about 7 min) -> results/bench_decode/h200.json
     PYTHONPATH=src python3 bench/bench_decode.py --parts b1,batch    # the decode rows only (about 2 min)
     PYTHONPATH=src python3 bench/bench_decode.py --parts b1          # batch-1 rows only
     PYTHONPATH=src python3 bench/bench_decode.py --parts batch       # batch 16/64 rows only
-    PYTHONPATH=src python3 bench/bench_decode.py --parts policies --out results/bench_decode_policies_h200.json
+    PYTHONPATH=src python3 bench/bench_decode.py --parts policies --out results/bench_decode/policies_h200.json
     PYTHONPATH=src python3 bench/bench_decode.py --small --out /tmp/d.json   # tiny model (also on CPU)
+
+``--out`` defaults to ``results/bench_decode/<device>.json`` (``<device>_small.json`` with ``--small``),
+written with :func:`kvpop.provenance.write_result` (command, commit, device, versions, date) after every row.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from kvpop.benchmarking import copy_bandwidth, default_out, fill_cache, qwen3_4b_config, random_ids, run_script, sync
 from kvpop.decode.cache import enable
 from kvpop.decode.engine import COMPILE_MODES, DecodeEngine, engine_refusal, kv_bytes_per_token, weight_bytes
 from kvpop.decode.generate import new_cache
 from kvpop.geometry import CacheLayout
 from kvpop.policies import make_policy
+from kvpop.provenance import device_name, write_result
 
 GB = 1e9
-
-
-def qwen3_4b(small: bool):
-    from transformers import Qwen3Config
-
-    if small:
-        return Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-                           num_key_value_heads=2, head_dim=32, max_position_embeddings=1 << 18, tie_word_embeddings=True)
-    return Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                       num_key_value_heads=8, head_dim=128, max_position_embeddings=1 << 18, tie_word_embeddings=True,
-                       rope_theta=1_000_000.0, rms_norm_eps=1e-6)
-
-
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def copy_bandwidth(dev, nbytes: int) -> float:
-    """Bytes per second moved by a device-to-device copy (read + write)."""
-    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    sync(dev)
-    t0 = time.perf_counter()
-    n = 20
-    for _ in range(n):
-        y.copy_(x)
-    sync(dev)
-    return 2 * nbytes * n / (time.perf_counter() - t0)
 
 
 def time_steps(eng: DecodeEngine, steps: int, warmup: int) -> tuple[float, float]:
@@ -114,11 +84,6 @@ def time_steps(eng: DecodeEngine, steps: int, warmup: int) -> tuple[float, float
 
 def peak(dev) -> float:
     return torch.cuda.max_memory_allocated(dev) / GB if dev.type == "cuda" else float("nan")
-
-
-def random_ids(B: int, S: int, vocab: int, seed: int, dev) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (B, S), generator=g).to(dev)
 
 
 def eager_generate(model, ctx: int, new: int, dev) -> float:
@@ -147,44 +112,6 @@ def grow(eng: DecodeEngine, target: int, vocab: int, seed: int) -> float:
     return time.perf_counter() - t0
 
 
-@torch.no_grad()
-def fill(eng: DecodeEngine, ctx: int, seed: int) -> float:
-    """Put the cache directly into the state it has after ``ctx`` tokens (random keys, values and
-    priorities; the positions a bounded cache holds then: the sinks, the last ``window`` tokens in
-    their ring slots, ``k`` long-range tokens) -> seconds. A step does the same work whatever the
-    entries hold, so this times decoding at ``ctx`` without prefilling B * ctx tokens (prefill is
-    timed at batch 1)."""
-    if eng.delayed:
-        raise ValueError("fill: a delayed rule's recurrent state cannot be filled at random; use --batch-fill prefill")
-    if ctx > eng.slots and eng.kind == "dense":
-        raise ValueError(f"fill: the dense cache holds {eng.slots} tokens, not {ctx}")
-    t0 = time.perf_counter()
-    g = torch.Generator(eng.device).manual_seed(seed)
-    B, Hk, dev = eng.B, eng.Hk, eng.device
-    if eng.kind == "dense":
-        held = slots = torch.arange(ctx, device=dev).expand(B, Hk, ctx)  # (B, Hk, n) positions, and their slots
-    else:
-        fixed = torch.cat([torch.arange(min(ctx, eng.sinks), device=dev), torch.arange(max(eng.sinks, ctx - eng.window), ctx, device=dev)])
-        older = max(0, ctx - eng.window - eng.sinks)  # tokens that have left the window
-        lr_n = min(eng.long_range, older)
-        lr = torch.rand(B * Hk, older, generator=g, device=dev).argsort(-1)[:, :lr_n].sort(-1).values + eng.sinks  # random survivors
-        held = torch.cat([fixed.expand(B * Hk, -1), lr], -1).view(B, Hk, -1)
-        slots = torch.cat([eng.home_slot(fixed), torch.arange(eng.lr, eng.lr + lr_n, device=dev)]).expand(B, Hk, -1)
-    n = held.shape[-1]
-    for i in range(len(eng.layers)):
-        eng.pos[i].fill_(-1).scatter_(2, slots, held)
-        for buf in (eng.keys[i], eng.values[i]):
-            x = torch.randn(B, Hk, n, eng.D, generator=g, device=dev, dtype=torch.float32).to(buf.dtype)
-            buf.zero_().scatter_(2, slots[..., None].expand(-1, -1, -1, eng.D), x)
-        if eng.prio:
-            eng.prio[i].fill_(float("-inf")).scatter_(2, slots, torch.randn(B, Hk, n, generator=g, device=dev, dtype=torch.float64))
-    eng.p.fill_(ctx)
-    eng.seen = ctx
-    eng.tok.copy_(torch.randint(0, 1000, (B, 1), generator=g, device=dev))
-    sync(dev)
-    return time.perf_counter() - t0
-
-
 def row(name, *, B, ctx, budget, timed, eng, floor_bytes, bw, base_bytes, dev, prefill_s, extra=None):
     s_step, warm = timed
     return {
@@ -200,7 +127,7 @@ def row(name, *, B, ctx, budget, timed, eng, floor_bytes, bw, base_bytes, dev, p
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=None, help="default: results/bench_decode/<device>[_small].json")
     ap.add_argument("--small", action="store_true", help="tiny Qwen3 config and short contexts (smoke test)")
     ap.add_argument("--parts", default="b1,batch,goals", help="comma list of: b1 (eager + batch-1 rows), batch (batch 16/64 at "
                     "--batch-context), policies (decode memory per policy), goals (issue 15's table: the b1 and batch rows with the time "
@@ -242,7 +169,8 @@ def main() -> None:
     if args.small:
         contexts, budgets, batches, args.batch_context, args.policy_context = [512, 1024], [384], [4], 1024, 1024
         args.chunk, args.steps, args.eager_new = 256, 8, 4
-    cfg = qwen3_4b(args.small)
+    args.out = args.out or default_out(__file__, small=args.small)
+    cfg = qwen3_4b_config(args.small)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     with torch.device(dev):
@@ -258,9 +186,6 @@ def main() -> None:
     sync(dev)
     base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
     info = {
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "date": dt.date.today().isoformat(), "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
         "model": "qwen3-small" if args.small else "Qwen3-4B architecture (random weights)", "dtype": str(dtype),
         "weight_gb": round(wbytes / GB, 3), "kv_bytes_per_token": per_tok, "copy_bandwidth_tb_s": round(bw / 1e12, 3),
         "steps": args.steps, "chunk": args.chunk, "policy": "kvpop_mlp (random scorer weights)", "batch_fill": args.batch_fill,
@@ -271,8 +196,7 @@ def main() -> None:
     def done(r):
         rows.append(r)
         print(json.dumps(r), flush=True)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"info": info, "rows": rows}, indent=1) + "\n")
+        write_result(args.out, {"info": info, "rows": rows})
 
     vocab = cfg.vocab_size
     if "b1" in parts:
@@ -315,7 +239,7 @@ def main() -> None:
                     torch.cuda.reset_peak_memory_stats(dev)
                 eng = DecodeEngine(model, policy, layout=CacheLayout(budget, 4, 256), batch_size=B, chunk=args.chunk, compile_mode=modes[0],
                                    fused=fuse[-1])
-                pre = grow(eng, ctx, vocab, ctx + B) if args.batch_fill == "prefill" else fill(eng, ctx, ctx + B)
+                pre = grow(eng, ctx, vocab, ctx + B) if args.batch_fill == "prefill" else fill_cache(eng, ctx, ctx + B)
                 timed = time_steps(eng, args.steps, args.warmup)
                 done(row("bounded", B=B, ctx=ctx, budget=budget, timed=timed, eng=eng, floor_bytes=wbytes + B * min(ctx, eng.slots) * per_tok,
                          bw=bw, base_bytes=base, dev=dev, prefill_s=pre))
@@ -331,7 +255,7 @@ def main() -> None:
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             eng = DecodeEngine(model, None, max_len=max_len, batch_size=B, chunk=args.chunk, compile_mode=modes[0])
-            pre = grow(eng, ctx, vocab, ctx + B) if args.batch_fill == "prefill" else fill(eng, ctx, ctx + B)
+            pre = grow(eng, ctx, vocab, ctx + B) if args.batch_fill == "prefill" else fill_cache(eng, ctx, ctx + B)
             timed = time_steps(eng, args.steps, args.warmup)
             done(row("dense", B=B, ctx=ctx, budget=None, timed=timed, eng=eng, floor_bytes=wbytes + B * ctx * per_tok, bw=bw,
                      base_bytes=base, dev=dev, prefill_s=pre, extra={"fits": True}))
@@ -348,7 +272,7 @@ def main() -> None:
         torch.cuda.empty_cache() if dev.type == "cuda" else None
         subs = run_goal_scripts(args.out, budget=budgets[0], small=args.small)
         table = goals(rows, subs, budget=budgets[0], batch=max(batches), contexts=contexts)
-        args.out.write_text(json.dumps({"info": info, "rows": rows, "goals": table, "goal_scripts": subs}, indent=1) + "\n")
+        write_result(args.out, {"info": info, "rows": rows, "goals": table, "goal_scripts": subs})
     summarize(info, rows)
     if "goals" in parts:
         print_goals(table)
@@ -412,7 +336,6 @@ def run_goal_scripts(out: Path, *, budget: int, small: bool) -> dict:
     """bench_ttft.py and bench_train_step.py, each in its own process, their JSON beside ``out``
     (``<stem>_ttft.json``, ``<stem>_train_step.json``) -> {name: {"out", "rc", "error"}}."""
     here = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent / "src"), str(here), os.environ.get("PYTHONPATH", "")])}
     jobs = {
         "ttft": [here / "bench_ttft.py", "--budget", str(budget), *(["--small"] if small else [])],
         "train_step": [here / "bench_train_step.py", *(["--cpu-smoke"] if small else ["--model", "4b"])],
@@ -421,7 +344,7 @@ def run_goal_scripts(out: Path, *, budget: int, small: bool) -> dict:
     for name, cmd in jobs.items():
         path = out.with_name(f"{out.stem}_{name}.json")
         print(f"--- goals: {name} -> {path}", flush=True)
-        proc = subprocess.run([sys.executable, *map(str, cmd), "--out", str(path)], env=env, capture_output=True, text=True)
+        proc = run_script(cmd[0], [*cmd[1:], "--out", path])
         print(proc.stdout[-3000:], flush=True)
         subs[name] = {"out": str(path), "rc": proc.returncode, "error": proc.stderr[-2000:] if proc.returncode else None}
     return subs
@@ -471,7 +394,7 @@ def summarize(info: dict, rows: list[dict]) -> None:
     """One table: absolute figures with the ratios beside them."""
     eager = next((r for r in rows if r["engine"] == "hf_eager_generate"), None)
     dense = {(r["batch"], r["context"], r.get("compile_mode")): r for r in rows if r["engine"] == "dense" and "ms_per_step" in r}
-    print(f"\n{info['device']}, {info['model']}, copy bandwidth {info['copy_bandwidth_tb_s']} TB/s, weights {info['weight_gb']} GB")
+    print(f"\n{device_name()}, {info['model']}, copy bandwidth {info['copy_bandwidth_tb_s']} TB/s, weights {info['weight_gb']} GB")
     hdr = (f"{'engine':<18}{'compile':>8}{'B':>4}{'context':>9}{'budget':>7}{'ms/step':>9}{'tok/s':>9}{'floor%':>8}{'peak GB':>9}{'vs eager':>9}"
            f"{'vs dense':>9}{'warm-up s':>10}")
     print(hdr)

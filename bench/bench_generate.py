@@ -14,25 +14,23 @@ prompt of the embedded model's own tokens, cut to length) through
 Prints tokens/s (prefill included, as ``kvpop generate`` reports it), the ratio of each path
 to ``hf``, and whether the engine's greedy tokens equal the reference path's (the text users got
 before the engine was their default). Each figure is the median of ``--reps`` runs after one
-warm-up run. ``--out`` writes the figures as JSON.
+warm-up run. ``--out`` (default ``results/bench_generate/cpu.json``) takes the figures as JSON,
+written through :func:`kvpop.provenance.write_result`.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import platform
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from kvpop.benchmarking import default_out, time_calls
 from kvpop.decode import generate
 from kvpop.geometry import CacheLayout
 from kvpop.modeling import load_model, model_shape
 from kvpop.policies import make_policy
+from kvpop.provenance import write_result
 
 PROMPT = (
     "Solve step by step. Let a = 17 and b = 25. Compute c = a * 3 + b, then d = c - 11, then e = d * 2. "
@@ -49,13 +47,9 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 
 
 def timed(fn, reps: int) -> tuple[float, object]:
-    fn()  # warm-up
-    times, out = [], None
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+    """(median seconds of ``reps`` calls after one warm-up call, the last call's result)."""
+    t = time_calls(fn, reps=reps, warmup=1)
+    return t.median, t.out
 
 
 def main() -> None:
@@ -71,7 +65,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="rows decoded together (copies of the prompt)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--out", type=Path, default=None, help="default: results/bench_generate/cpu.json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -109,11 +103,9 @@ def main() -> None:
             same = "" if path == "engine" else str(torch.equal(got["engine"], new))
             print(f"{name:<16}{path:<11}{tps:>10.1f}{tps / hf_tps:>8.2f}  {same}")
         rows[f"{name}/engine"]["same_tokens_as_reference"] = torch.equal(got["engine"], got["reference"])
-    if args.out:
-        meta = {"date": dt.date.today().isoformat(), "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                "torch": torch.__version__, "transformers": __import__("transformers").__version__, **vars(args)}
-        meta["out"] = str(args.out)
-        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    out = args.out or default_out(__file__, cuda=False)  # the model runs on the CPU
+    meta = {"threads": torch.get_num_threads(), **vars(args), "out": str(out)}
+    write_result(out, {"meta": meta, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -6,14 +6,12 @@ the fast path where it applies), for an export (default: the CPU pipeline's ``kv
 configuration after one warm-up call; "busy" runs a spinning process on one core meanwhile. Prints
 tokens/s and the ratio to 1 thread in the same condition, and what ``auto`` picks.
 
-    PYTHONPATH=src .venv/bin/python bench/bench_threads.py --out results/threads_cpu.json
+    PYTHONPATH=src .venv/bin/python bench/bench_threads.py     # -> results/bench_threads/cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import subprocess
 import sys
 import time
@@ -21,9 +19,11 @@ from pathlib import Path
 
 import torch
 
+from kvpop.benchmarking import default_out
 from kvpop.decode import generate
 from kvpop.export import load_export
 from kvpop.geometry import CacheLayout
+from kvpop.provenance import write_result
 from kvpop.threads import auto_threads, usable_cores
 
 
@@ -37,15 +37,14 @@ def tokens_per_s(model, tok, pol, meta, ids, threads: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--export", default="models/export/kvpop_mlp")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="default: results/bench_threads/cpu.json")
     args = ap.parse_args()
     model, tok, pol, meta = load_export(args.export)
     model.eval()
     ids = tok("Let apple = 381. Let pear = 22. " * 40).input_ids[:600]
     cores = usable_cores()
     counts = sorted({1, cores})
-    res = {"export": args.export, "cores": cores, "prompt_tokens": len(ids), "new_tokens": 48, "torch": torch.__version__,
-           "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "tokens_per_s": {}}
+    res = {"export": args.export, "cores": cores, "prompt_tokens": len(ids), "new_tokens": 48, "tokens_per_s": {}}
     for cond in ("idle", "one core busy"):
         spin = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if cond != "idle" else None
         try:
@@ -60,9 +59,7 @@ def main() -> None:
     for cond, by in res["tokens_per_s"].items():
         for n, v in by.items():
             print(f"{cond:<16}{n:>8}{v:>10.2f}{v / by[1]:>12.2f}x   {res['auto_picks'][cond] if n == counts[0] else ''}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=2) + "\n")
+    write_result(args.out or default_out(__file__, cuda=False), res)
 
 
 if __name__ == "__main__":

@@ -29,9 +29,12 @@ the phases of the step: teacher forward (with its top-256), student forward (wit
 (with the recomputation of every layer), optimizer. Medians over ``--steps`` steps after
 ``--warmup`` steps (the first compiles FlexAttention).
 
-    PYTHONPATH=src python bench/bench_train_step.py --out $OUT/train_step.json       # one H200
+    PYTHONPATH=src python bench/bench_train_step.py                                  # one H200 -> results/bench_train_step/h200.json
     PYTHONPATH=src python bench/bench_train_step.py --model small --out /tmp/ts.json  # 4 layers of the 4B
     PYTHONPATH=src python bench/bench_train_step.py --cpu-smoke --out /tmp/ts.json    # CPU, tiny, 256 tokens
+
+``--out`` (default ``results/bench_train_step/<device>[_small].json``) is written through
+:func:`kvpop.provenance.write_result` after every variant.
 
 Needs pydantic (:class:`kvpop.config.TrainConfig`), which the device image lacks: carry its wheels
 (pydantic, pydantic_core, annotated-types, typing-inspection) as the device notes say.
@@ -41,10 +44,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime as dt
 import functools
 import gc
-import json
 import statistics
 import time
 from collections import defaultdict
@@ -55,9 +56,11 @@ import torch
 
 import kvpop.attention as kv_attention
 from kvpop.attention import register
+from kvpop.benchmarking import default_out
 from kvpop.config import TrainConfig
 from kvpop.geometry import CacheLayout
 from kvpop.policies import Dense, make_policy
+from kvpop.provenance import device_name, versions, write_result
 from kvpop.train import PackedDataset, build_training
 
 # Qwen3 architectures (hidden, intermediate, layers, query heads, KV heads); head_dim 128, vocab 151,936, tied
@@ -286,7 +289,8 @@ def summarize(res: dict) -> dict:
 
 def print_table(res: dict, summ: dict) -> None:
     c = res["config"]
-    print(f"\n{res['device']}, torch {res['torch']}, transformers {res['transformers']}, {res['date']}")
+    v = versions()
+    print(f"\n{device_name()}, torch {v.get('torch')}, transformers {v.get('transformers')}")
     print(f"{c['model']} ({c['params_b']:.2f}B parameters, {c['layers']} layers, {c['heads']}/{c['kv_heads']} heads), "
           f"1 x {c['tokens']:,} tokens ({len(c['doc_lens'])} documents), budget {c['budget']} (sinks {c['sinks']}, "
           f"window {c['window']}, k {c['k']}), {c['precision']}, activation checkpointing; medians of {c['steps']} steps")
@@ -356,7 +360,7 @@ def run_model(name: str, args, dev, cuda: bool, res: dict, out: Path) -> None:
         res["variants"][label] = run_variant(label, teacher, student, policy, rows, args, cuda)
         del policy
         gc.collect()
-        out.write_text(json.dumps(res, indent=2))  # partial results after every variant
+        write_result(out, res)  # partial results after every variant
     res["summary"] = summarize(res)
 
 
@@ -373,7 +377,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--variants", nargs="+", default=["dense", "kvpop_mlp"], choices=["dense", "kvpop_mlp"])
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU, tiny Qwen3, one 256-token row")
-    ap.add_argument("--out", default="results/bench_train_step_h200.json")
+    ap.add_argument("--out", default=None, help="default: results/bench_train_step/<device>[_small].json")
     ap.add_argument("--tmp-dir", default="/tmp/bench_train_step", help="Lightning's default_root_dir (nothing is written there)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.cpu_smoke
@@ -384,15 +388,8 @@ def main() -> None:
     elif not cuda:
         raise SystemExit("no CUDA device: use --cpu-smoke for the CPU run")
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-    import transformers
-
-    res = {
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    res: dict = {}
+    out = Path(args.out) if args.out else default_out(__file__, small=args.cpu_smoke, cuda=cuda)
     t0 = time.time()
     names = FALLBACK if args.model == "auto" else [args.model]
     for i, name in enumerate(names):
@@ -410,7 +407,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
     res["seconds_total"] = round(time.time() - t0, 1)
-    out.write_text(json.dumps(res, indent=2))
+    write_result(out, res)
     print_table(res, res["summary"])
     print(f"wrote {out} ({res['seconds_total']} s)")
 

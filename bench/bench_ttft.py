@@ -21,9 +21,10 @@ prefills a ``--prompt``-token prompt into a bounded cache (``kvpop_mlp``, random
 ``--budget``), decodes ``--steps`` tokens and reports: seconds to import torch and kvpop, to build
 the model, to prefill, for the first and the second step (compiled: the compile, then the CUDA
 graph's capture), the steady ms per step, and the time to the first token from process start.
-The parent prints the table with the ratios against ``cold`` and writes ``--out``.
+The parent prints the table with the ratios against ``cold`` and writes ``--out`` (default
+``results/bench_ttft/<device>[_small].json``) through :func:`kvpop.provenance.write_result`.
 
-    PYTHONPATH=src python3 bench/bench_ttft.py --out results/bench_ttft_h200.json
+    PYTHONPATH=src python3 bench/bench_ttft.py                # -> results/bench_ttft/h200.json
     PYTHONPATH=src python3 bench/bench_ttft.py --small --modes eager --out /tmp/ttft.json   # CPU smoke test
 
 Compiling needs CUDA: on a CPU only ``eager`` runs.
@@ -36,12 +37,9 @@ import time
 START = time.time()  # the child's clock starts before the heavy imports
 
 import argparse  # noqa: E402
-import datetime as dt  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 MODES = ("cold", "warm", "eager")
@@ -53,15 +51,14 @@ def child(args) -> dict:
         os.environ["KVPOP_COMPILE_CACHE"] = str(args.cache)
     import torch
 
+    from kvpop.benchmarking import qwen3_4b_config, random_ids, sync
     from kvpop.decode.engine import DecodeEngine
     from kvpop.geometry import CacheLayout
     from kvpop.policies import make_policy
 
-    from bench_decode import qwen3_4b, random_ids, sync
-
     t = {"import_s": time.time() - START}
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = qwen3_4b(args.small)
+    cfg = qwen3_4b_config(args.small)
     t0 = time.time()
     from transformers import AutoModelForCausalLM
 
@@ -102,7 +99,7 @@ def child(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="default: results/bench_ttft/<device>[_small].json")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)} (warm needs cold first)")
     ap.add_argument("--cache", type=Path, default=Path("/tmp/kvpop-ttft-cache"), help="the compile cache folder (emptied by cold)")
     ap.add_argument("--prompt", type=int, default=4096)
@@ -121,7 +118,11 @@ def main() -> None:
         args.prompt, args.budget, args.steps = 512, 384, 8
     import torch
 
+    from kvpop.benchmarking import default_out, run_script
+    from kvpop.provenance import device_name, write_result
+
     cuda = torch.cuda.is_available()
+    args.out = args.out or default_out(__file__, small=args.small)
     modes = [m for m in args.modes.split(",") if m]
     if bad := [m for m in modes if m not in MODES]:
         raise SystemExit(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
@@ -136,13 +137,11 @@ def main() -> None:
             shutil.rmtree(cache, ignore_errors=True)
         elif mode == "warm" and not cache.is_dir():
             raise SystemExit(f"warm needs the folder a cold run filled ({cache}); run cold first")
-        cmd = [sys.executable, __file__, "--child", mode, "--cache", str(cache), "--prompt", str(args.prompt), "--budget", str(args.budget),
-               "--steps", str(args.steps), "--compile-mode", cm or "layer", *(["--small"] if args.small else [])]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-        for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # the cache folder is the one under test
-            env.pop(var, None)
+        cmd = ["--child", mode, "--cache", cache, "--prompt", args.prompt, "--budget", args.budget, "--steps", args.steps,
+               "--compile-mode", cm or "layer", *(["--small"] if args.small else [])]
         t0 = time.time()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        # the cache folder is the one under test
+        proc = run_script(__file__, cmd, drop_env=("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"))
         wall = time.time() - t0
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode != 0 or line is None:
@@ -150,20 +149,16 @@ def main() -> None:
         name = f"{mode}, {cm}" if cm else mode
         rows[name] = {**json.loads(line.removeprefix("RESULT ")), "process_wall_s": round(wall, 1), **({"compile_mode": cm} if cm else {})}
         print(f"{name}: {rows[name]}", flush=True)
-    info = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__, "date": dt.date.today().isoformat(),
-            "model": "qwen3-small" if args.small else "Qwen3-4B architecture (random weights)", "prompt": args.prompt,
+    info = {"model": "qwen3-small" if args.small else "Qwen3-4B architecture (random weights)", "prompt": args.prompt,
             "budget": args.budget, "policy": "kvpop_mlp (random scorer)", "cache": str(args.cache), "compile_modes": cmodes}
-    print(f"\n{info['device']}, {info['model']}, prompt {args.prompt}, budget {args.budget}")
+    print(f"\n{device_name()}, {info['model']}, prompt {args.prompt}, budget {args.budget}")
     print(f"{'mode':<14}{'to first token s':>18}{'import s':>10}{'first step s':>14}{'prefill s':>11}{'ms/step':>10}{'vs cold':>9}")
     cold = next((r for n, r in rows.items() if n.startswith("cold")), None)  # the first compile mode's
     for mode, r in rows.items():
         ratio = f"{cold['to_first_token_s'] / r['to_first_token_s']:.1f}x" if cold else ""
         print(f"{mode:<14}{r['to_first_token_s']:>18.1f}{r['import_s']:>10.1f}{r['first_step_s']:>14.1f}{r['prefill_s']:>11.2f}"
               f"{r['steady_ms_per_step']:>10.2f}{ratio:>9}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"info": info, "modes": rows}, indent=1) + "\n")
+    write_result(args.out, {"info": info, "modes": rows})
 
 
 if __name__ == "__main__":

@@ -11,10 +11,10 @@ The three see the same rows at every step (``kvpop.train.EpochBatches``) and the
 by the global token count, so (a), (b), (c) follow the same loss curve up to bf16 rounding and
 reduction order. Written to ``--out`` (JSON): per-step ``kl``, ``score_loss`` and ``loss`` of each
 run, max abs/rel difference of (b) and (c) against (a), per-GPU peak memory during training and
-median step time. Each run is a fresh process (started here; Lightning's own launcher starts its
+median step time, through :func:`kvpop.provenance.write_result`. Each run is a fresh process (started here; Lightning's own launcher starts its
 second rank), so memory figures do not mix.
 
-    PYTHONPATH=src python bench/multigpu_train.py --out results/multigpu_train_h200.json
+    PYTHONPATH=src python bench/multigpu_train.py       # 2 GPUs -> results/multigpu_train/h200.json
     PYTHONPATH=src python bench/multigpu_train.py --cpu-smoke --out /tmp/smoke.json   # tiny, CPU, gloo (no FSDP)
 
 Needs torch, lightning, transformers and pydantic (:class:`kvpop.config.TrainConfig`; no DVC, MLflow,
@@ -29,13 +29,15 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from kvpop.benchmarking import default_out, run_script
+from kvpop.provenance import write_result
 
 PRESETS = {  # Qwen3 shapes (random init); vocab as the real models
     "qwen3-4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
@@ -142,7 +144,7 @@ def compare(ref: list[dict], other: list[dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="result JSON")
+    ap.add_argument("--out", default=None, help="result JSON (default: results/multigpu_train/<device>[_small].json)")
     ap.add_argument("--preset", default=None, choices=sorted(PRESETS), help="model shape (default qwen3-4b; tiny with --cpu-smoke)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=None)
@@ -163,22 +165,20 @@ def main() -> None:
     args.budget = args.budget or (48 if smoke else 512)
     if args.worker:
         return worker(args)
+    args.out = args.out or str(default_out(__file__, small=smoke, cuda=not smoke))
 
     modes = (args.modes or ("single,ddp" if smoke else "single,ddp,fsdp")).split(",")
     if not smoke and torch.cuda.device_count() < 2:
         sys.exit(f"needs 2 GPUs, found {torch.cuda.device_count()}")
     result = {"preset": args.preset, "config": PRESETS[args.preset], "steps": args.steps, "seq_len": args.seq_len, "global_batch_rows": 2,
               "policy": "kvpop_mlp", "budget": args.budget, "sinks": args.sinks, "window": args.window,
-              "precision": "32-true" if smoke else "bf16-mixed", "device": "cpu (smoke)" if smoke else torch.cuda.get_device_name(0),
-              "torch": torch.__version__, "runs": {}}
+              "precision": "32-true" if smoke else "bf16-mixed", "runs": {}}
     with tempfile.TemporaryDirectory() as parts:
         for mode in modes:
-            cmd = [sys.executable, __file__, "--worker", mode, "--part", parts, "--out", args.out, "--preset", args.preset,
-                   "--steps", str(args.steps), "--seq-len", str(args.seq_len), "--budget", str(args.budget), "--sinks", str(args.sinks),
-                   "--window", str(args.window), "--seed", str(args.seed)] + (["--cpu-smoke"] if smoke else [])
+            cmd = ["--worker", mode, "--part", parts, "--out", args.out, "--preset", args.preset, "--steps", args.steps, "--seq-len", args.seq_len,
+                   "--budget", args.budget, "--sinks", args.sinks, "--window", args.window, "--seed", args.seed] + (["--cpu-smoke"] if smoke else [])
             t0 = time.time()
-            env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
-            res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            res = run_script(__file__, cmd, drop_env=("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"))
             run = {"wall_s": round(time.time() - t0, 1), "returncode": res.returncode}
             if res.returncode != 0:
                 run["error"] = res.stderr[-4000:]
@@ -200,8 +200,7 @@ def main() -> None:
         peaks = {m: max(r["peak_gb_per_gpu"]) for m, r in result["runs"].items() if r.get("peak_gb_per_gpu") and r["peak_gb_per_gpu"][0] is not None}
         if "single" in peaks:
             result["peak_gb_ratio_vs_single"] = {m: round(v / peaks["single"], 3) for m, v in peaks.items() if m != "single"}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps({k: result.get(k) for k in ("agreement_vs_single", "peak_gb_ratio_vs_single")}, indent=2))
 
 

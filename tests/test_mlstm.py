@@ -218,7 +218,7 @@ def test_kvpop_k_rejects_a_budget_without_slots():
         kvpop_k(CacheLayout(262, 4, 256), 64)
 
 
-# S = 16384 (Hk 8, D 128) is timed by bench/bench_cpu_scale.py, out of the default suite
+# S = 16384 (Hk 8, D 128) is timed by bench/kernels/bench_cpu_scale.py, out of the default suite
 @pytest.mark.parametrize(("S", "Hk", "Dh", "chunk"), [(1024, 3, 64, 256)])
 def test_timing_raw_scores(S, Hk, Dh, chunk):
     """CPU time of one layer's raw_scores (printed, not asserted): forward, and forward + backward."""

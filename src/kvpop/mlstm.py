@@ -411,7 +411,7 @@ class MLSTMScorer(nn.Module):
         # how raw_scores computes (speed/memory, not model settings; both forms give the same scores):
         # form "chunkwise" (linear in S): chunk = tokens of the time axis per chunk (Lc); None: by device,
         # CHUNK_CUDA on CUDA, where the chunk loop is launch-bound (an H200, forward + backward of one
-        # layer at S = 4,096: 0.131 s at Lc = 256, 0.017 s at 2,048; bench/bench_mlstm.py), CHUNK_CPU on
+        # layer at S = 4,096: 0.131 s at Lc = 256, 0.017 s at 2,048; bench/kernels/bench_mlstm.py), CHUNK_CPU on
         # the CPU, where it is compute-bound and the work grows as S (Lc + window); memory O((Lc + window) Lc);
         # form "parallel" (the quadratic reference twin): chunk = read-out tokens per chunk
         self.form, self.chunk = form, chunk

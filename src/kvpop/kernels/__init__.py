@@ -33,7 +33,7 @@ SELECTION_KERNELS_ENV = "KVPOP_SELECTION_KERNELS"
 def selection_kernels_enabled() -> bool:
     """Whether the training selection's kernels (:mod:`kvpop.kernels.order`, :mod:`kvpop.kernels.blockmask`)
     run on CUDA: yes where Triton is installed, unless ``KVPOP_SELECTION_KERNELS=0`` asks for their
-    tensor twins (to compare the two, as bench/bench_selection.py does, or to rule a kernel out)."""
+    tensor twins (to compare the two, as bench/kernels/bench_selection.py does, or to rule a kernel out)."""
     value = os.environ.get(SELECTION_KERNELS_ENV, "1")
     if value not in ("0", "1"):
         raise ValueError(f"{SELECTION_KERNELS_ENV} must be 0 (the tensor twins) or 1 (the Triton kernels), got {value!r}")

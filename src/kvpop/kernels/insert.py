@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 I64_MAX = tl.constexpr(9223372036854775807)  # a global a compiled kernel may read
-LAUNCH: dict[str, int] = {}  # overrides of launch_config's "block_d" / "num_warps" (bench/bench_insert.py's grid)
+LAUNCH: dict[str, int] = {}  # overrides of launch_config's "block_d" / "num_warps" (bench/kernels/bench_insert.py's grid)
 
 
 @triton.jit
@@ -108,7 +108,7 @@ def insert_token(
 
 def launch_config(K: int, D: int) -> dict[str, int]:
     """The MLP's key/value tile rows ``BD`` and the warps per program for ``K`` long-range lanes: the
-    fastest of bench/bench_insert.py's grid on an H200 (tiles of 16-128 rows, 4-16 warps; whole-D tiles,
+    fastest of bench/kernels/bench_insert.py's grid on an H200 (tiles of 16-128 rows, 4-16 warps; whole-D tiles,
     4 warps up to 2,048 lanes and 8 above: results/bench_insert_h200.json), unless ``LAUNCH`` overrides."""
     return {"BD": min(LAUNCH.get("block_d", D), D), "num_warps": LAUNCH.get("num_warps", 4 if K <= 2048 else 8)}
 

@@ -16,14 +16,15 @@ result). On an H200 at batch 64 (results/bench_flex_decode_h200.json) flex's own
 per row and KV head, was already the fastest and reads the keys and values at 89% of the copy
 bandwidth; splitting the slots over more programs was slower. The engine therefore passes no options.
 
-    PYTHONPATH=src:bench python3 bench/bench_flex_decode.py --out results/bench_flex_decode_h200.json
-    PYTHONPATH=src:bench python3 bench/bench_flex_decode.py --batches 64 --out /tmp/f.json
+    PYTHONPATH=src python3 bench/kernels/bench_flex_decode.py         # -> results/bench_flex_decode/h200.json
+    PYTHONPATH=src python3 bench/kernels/bench_flex_decode.py --batches 64 --out /tmp/f.json
+
+Written through :func:`kvpop.provenance.write_result` after every row.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import functools
 import json
 import time
@@ -32,9 +33,9 @@ from pathlib import Path
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
+from kvpop.benchmarking import copy_bandwidth, cuda_graph_seconds, default_out
 from kvpop.decode.engine import BLOCK, block_mask, slot_mask_mod
-
-from bench_decode import copy_bandwidth
+from kvpop.provenance import write_result
 
 
 def make_call(opts: dict | None, *, G: int, scale: float, kv_blocks: torch.Tensor, kv_indices: torch.Tensor):
@@ -49,31 +50,10 @@ def make_call(opts: dict | None, *, G: int, scale: float, kv_blocks: torch.Tenso
 
 
 def time_setting(fn, bufs: list[tuple], p: torch.Tensor, reps: int) -> tuple[float, torch.Tensor]:
-    """Microseconds per call of ``fn`` over every layer's buffers, replayed from one CUDA graph; the
-    last layer's output."""
-    outs = [fn(q, k, v, pos, p) for q, k, v, pos in bufs]  # compile, warm up
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for q, k, v, pos in bufs:
-            fn(q, k, v, pos, p)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [fn(q, k, v, pos, p) for q, k, v, pos in bufs]
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    us = start.elapsed_time(end) * 1e3 / (reps * len(bufs))
-    last = outs[-1].clone()
-    del graph
-    return us, last
+    """Microseconds per call of ``fn`` over every layer's buffers, replayed from one CUDA graph
+    (:func:`kvpop.benchmarking.cuda_graph_seconds`); the last layer's output."""
+    s, outs = cuda_graph_seconds(lambda: [fn(q, k, v, pos, p) for q, k, v, pos in bufs], replays=reps, warmup=1)
+    return s * 1e6 / len(bufs), outs[-1]
 
 
 def result_row(B: int, stage: str, opts: dict | None, us: float, out: torch.Tensor, *, floor_us: float, base_us: float,
@@ -97,7 +77,7 @@ def settings(B: int, Hk: int, sms: int, best: dict) -> dict[str, list[dict]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=None, help="default: results/bench_flex_decode/<device>.json")
     ap.add_argument("--batches", default="64,1")
     ap.add_argument("--slots", type=int, default=2048, help="cache slots per row and KV head (the budget)")
     ap.add_argument("--heads", type=int, default=32)
@@ -109,13 +89,13 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_flex_decode.py measures FlexAttention's CUDA decode kernel: it needs a CUDA device")
+    args.out = args.out or default_out(__file__)
     dev = torch.device("cuda")
     H, Hk, D, T, L = args.heads, args.kv_heads, args.head_dim, -(-args.slots // BLOCK) * BLOCK, args.layers
     G, scale = H // Hk, D**-0.5
     bw = copy_bandwidth(dev, 4 << 30)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    info = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "heads": H, "kv_heads": Hk, "head_dim": D, "slots": T, "layers": L, "dtype": "bfloat16", "sms": sms,
+    info = {"heads": H, "kv_heads": Hk, "head_dim": D, "slots": T, "layers": L, "dtype": "bfloat16", "sms": sms,
             "copy_bandwidth_tb_s": round(bw / 1e12, 3), "timer": "CUDA events over CUDA-graph replays of every layer's call"}
     print(json.dumps(info), flush=True)
     rows: list[dict] = []
@@ -137,8 +117,7 @@ def main() -> None:
         def record(r: dict) -> None:
             rows.append(r)
             print(json.dumps(r), flush=True)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"info": info, "rows": rows}, indent=1) + "\n")
+            write_result(args.out, {"info": info, "rows": rows})
 
         row = functools.partial(result_row, B, floor_us=floor_us, base_us=base_us, ref=ref)
         record(row("default", None, base_us, ref))

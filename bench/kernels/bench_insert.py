@@ -1,11 +1,13 @@
 """The fused insert kernel (kvpop.kernels.insert) alone: microseconds per launch for each launch setting.
 
-    PYTHONPATH=src python3 bench/bench_insert.py --out /tmp/insert.json
+    PYTHONPATH=src python3 bench/kernels/bench_insert.py                  # -> results/bench_insert/h200.json
+    PYTHONPATH=src python3 bench/kernels/bench_insert.py --budgets 2048 --batches 1 --out /tmp/insert.json
 
 One layer's buffers of the Qwen3-4B engine (8 KV heads, head_dim 128, scorer width 64) at budget
 2,048 and 4,096, batch 1 and 64, kvpop_mlp's rule (MLP + decay) with every long-range slot full; each
 setting's launches are captured in one CUDA graph (as the engine's step replays them) and timed over
-its replays. ``kvpop.kernels.insert.launch_config`` holds the setting the engine uses (the fastest here).
+its replays (:func:`kvpop.benchmarking.cuda_graph_seconds`). ``kvpop.kernels.insert.launch_config`` holds
+the setting the engine uses (the fastest here). Written through :func:`kvpop.provenance.write_result`.
 """
 
 from __future__ import annotations
@@ -18,36 +20,32 @@ from pathlib import Path
 
 import torch
 
+from kvpop.benchmarking import cuda_graph_seconds, default_out
 from kvpop.kernels import insert as ins
+from kvpop.provenance import write_result
 
 
 def time_launches(fn, reps: int = 200) -> float:
-    """Mean microseconds of ``fn`` over ``reps`` calls replayed from one CUDA graph."""
-    for _ in range(3):
-        fn()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    """Mean microseconds of ``fn`` over ``reps`` calls captured in one CUDA graph, replayed 5 times."""
+
+    def launches():
         for _ in range(reps):
             fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * reps)
+
+    s, _ = cuda_graph_seconds(launches, replays=5, warmup=1)
+    return s * 1e6 / reps
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=None, help="default: results/bench_insert/<device>.json")
     ap.add_argument("--block-d", default="16,32,64,128")
     ap.add_argument("--warps", default="4,8,16")
     ap.add_argument("--budgets", default="2048,4096")
     ap.add_argument("--batches", default="1,64")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_insert.py times a Triton kernel: it needs a CUDA device")
     dev = torch.device("cuda")
     Hk, D, F, sinks, window = 8, 128, 64, 4, 256
     gen = torch.Generator(dev).manual_seed(0)
@@ -74,9 +72,8 @@ def main() -> None:
             rows.append({"budget": budget, "batch": B, "block_d": bd, "num_warps": w, "us_per_launch": round(us, 2)})
             print(json.dumps(rows[-1]), flush=True)
     ins.LAUNCH.clear()
-    info = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "kv_heads": Hk, "head_dim": D, "scorer_hidden": F}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"info": info, "rows": rows}, indent=1) + "\n")
+    info = {"kv_heads": Hk, "head_dim": D, "scorer_hidden": F, "timer": "CUDA events over CUDA-graph replays of 200 launches"}
+    write_result(args.out or default_out(__file__), {"info": info, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -11,44 +11,32 @@ parameters, and the chunkwise and parallel forms checkpoint per chunk, as in tra
   mlp              ``kvpop.scorer.MLPScorer.raw_scores`` (hidden 64), the baseline of every ratio
 
 ratio = t(row) / t(mlp), measured at the same S in the same run. Seconds are the median of
-``--reps`` calls after ``--warmup`` calls (CUDA: synchronized around each call).
+``--reps`` calls after ``--warmup`` calls (:func:`kvpop.benchmarking.time_calls`: CUDA events on CUDA).
+Written through :func:`kvpop.provenance.write_result` (default ``results/bench_mlstm/<device>[_small].json``).
 
-    PYTHONPATH=src python3 bench/bench_mlstm.py                                  # CPU, S = 2048 4096 8192
-    PYTHONPATH=src python3 bench/bench_mlstm.py --seq 2048 4096 --reps 2
-    PYTHONPATH=src python3 bench/bench_mlstm.py --device cuda --out results/bench_mlstm_h200.json
-    PYTHONPATH=src python3 bench/bench_mlstm.py --seq 4096 --chunks 64 128 256 --no-parallel   # chunk sweep
+    PYTHONPATH=src python3 bench/kernels/bench_mlstm.py                                  # CPU, S = 2048 4096 8192
+    PYTHONPATH=src python3 bench/kernels/bench_mlstm.py --small                          # smoke test: S = 512 1024, one rep
+    PYTHONPATH=src python3 bench/kernels/bench_mlstm.py --device cuda                    # -> results/bench_mlstm/h200.json
+    PYTHONPATH=src python3 bench/kernels/bench_mlstm.py --seq 4096 --chunks 64 128 256 --no-parallel   # chunk sweep
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import functools
-import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from kvpop.benchmarking import default_out, time_calls
 from kvpop.mlstm import MLSTMScorer
+from kvpop.provenance import write_result
 from kvpop.scorer import MLPScorer
 
 
 def timeit(fn, *, warmup: int, reps: int, cuda: bool) -> float:
     """Median seconds of ``fn()``."""
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return time_calls(fn, warmup=warmup, reps=reps, cuda=cuda).median
 
 
 def fwd_bwd(scorer, k, v, proj, **kw):
@@ -72,8 +60,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
-    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--small", action="store_true", help="smoke test: S = 512 1024, one rep, no warm-up")
+    ap.add_argument("--out", type=Path, default=None, help="the result JSON (default: results/bench_mlstm/<device>[_small].json)")
     args = ap.parse_args()
+    if args.small:
+        args.seq, args.reps, args.warmup = [512, 1024], 1, 0
     if args.threads:
         torch.set_num_threads(args.threads)
     dev, cuda = torch.device(args.device), args.device == "cuda"
@@ -85,10 +76,8 @@ def main() -> None:
         mlp.layers[0].w2.normal_()  # the zero-initialized output layer would give w1 no gradient
     forms = [] if args.no_parallel else [("mlstm parallel", "parallel", args.parallel_chunk)]
     forms += [("mlstm chunkwise", "chunkwise", L) for L in args.chunks]
-    res = {"date": dt.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__, "device": args.device,
-           "device_name": torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)",
-           "B": B, "Hk": Hk, "head_dim": Dh, "window": W, "d_k": 16, "d_v": 16, "rows": []}
-    print(f"forward + backward of raw_scores, one layer: B={B} Hk={Hk} D={Dh} window={W}, one document per row; {res['device_name']}")
+    res = {"device": args.device, "threads": torch.get_num_threads(), "B": B, "Hk": Hk, "head_dim": Dh, "window": W, "d_k": 16, "d_v": 16, "rows": []}
+    print(f"forward + backward of raw_scores, one layer: B={B} Hk={Hk} D={Dh} window={W}, one document per row; {args.device}, {res['threads']} threads")
     print(f"{'S':>6}  {'scorer':<16} {'chunk':>6}  {'seconds':>9}  {'ratio vs mlp':>12}")
     for S in args.seq:
         gen = torch.Generator().manual_seed(S)
@@ -105,10 +94,8 @@ def main() -> None:
         for name, chunk, t in rows:
             print(f"{S:>6}  {name:<16} {chunk!s:>6}  {t:>9.4f}  {t / t_mlp:>11.2f}x")
             res["rows"].append({"S": S, "scorer": name, "chunk": chunk or None, "seconds": t, "ratio_vs_mlp": t / t_mlp})
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    out = write_result(args.out or default_out(__file__, small=args.small, cuda=cuda), res)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -9,34 +9,30 @@ tests/test_mlstm.py); they are timings, so they live here. Each row prints secon
   (ii) MLSTMScorer.raw_scores forward, one layer, Hk=8, D=128     vs its own cost at S=1024 x (S / 1024)
        ratio = t(S) / (t(1024) * S / 1024); 1 = linear in S, S / 1024 = quadratic
 
-    PYTHONPATH=src python3 bench/bench_cpu_scale.py
-    PYTHONPATH=src python3 bench/bench_cpu_scale.py --small            # smoke test, S = 2048
-    PYTHONPATH=src python3 bench/bench_cpu_scale.py --out results/bench_cpu_scale.json
+    PYTHONPATH=src python3 bench/kernels/bench_cpu_scale.py            # -> results/bench_cpu_scale/cpu.json
+    PYTHONPATH=src python3 bench/kernels/bench_cpu_scale.py --small    # smoke test, S = 2048 -> results/bench_cpu_scale/cpu_small.json
+
+Written through :func:`kvpop.provenance.write_result` (``--out`` to choose the file).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import math
-import time
 from pathlib import Path
 
 import torch
 
+from kvpop.benchmarking import default_out, time_calls
 from kvpop.mlstm import MLSTMScorer
+from kvpop.provenance import write_result
 from kvpop.selection import eviction_times
 
 
 def best_of(fn, reps: int) -> tuple[float, object]:
     """(fastest of ``reps`` calls in seconds, the last result)."""
-    times, out = [], None
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return min(times), out
+    t = time_calls(fn, reps=reps)
+    return t.best, t.out
 
 
 def packed_row(S: int, pad: int = 100) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,14 +89,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
     ap.add_argument("--small", action="store_true", help="smoke test: S=2048, base 512, one rep")
-    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--out", type=Path, default=None, help="the result JSON (default: results/bench_cpu_scale/cpu[_small].json)")
     args = ap.parse_args()
     if args.small:
         args.seq, args.base_seq, args.reps = 2048, 512, 1
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    res = {"date": dt.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    res = {"threads": torch.get_num_threads()}
     sel = res["selection"] = bench_selection(args.seq, args.kv_heads, args.reps)
     print(f"(i)  eviction_times S={sel['S']} Hk={sel['Hk']}: {sel['eviction_times_s']:.4f} s/call"
           f"  | torch.sort {sel['sort_s']:.4f} s/call  | ratio ours/sort {sel['ratio']:.1f}x")
@@ -109,10 +105,8 @@ def main() -> None:
           f"  | S={ml['S_base']}: {ml['raw_scores_base_s']:.4f} s/call  | ratio vs linear scaling {ml['ratio']:.2f}"
           f" (t ~ S^{ml['exponent']:.2f})")
     print(f"threads={res['threads']}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    out = write_result(args.out or default_out(__file__, small=args.small, cuda=False), res)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@ Qwen3-4B attention shapes (32 query heads, 8 KV heads, head_dim 128), bf16, B=1,
 row, budget 12.5% of S (sinks 4 + window 256 + learned top-k with random priorities, the worst case
 for block sparsity). Times are medians of several reps after warm-ups, measured with CUDA events.
 
-    PYTHONPATH=src python3 bench/bench_selection.py --out results/bench_selection_h200.json
-    PYTHONPATH=src python3 bench/bench_selection.py --small     # CPU smoke test, tiny sizes
+    PYTHONPATH=src python3 bench/kernels/bench_selection.py           # -> results/bench_selection/h200.json
+    PYTHONPATH=src python3 bench/kernels/bench_selection.py --small   # CPU smoke test, tiny sizes -> results/bench_selection/cpu_small.json
+
+Written through :func:`kvpop.provenance.write_result` after every size (a partial run leaves numbers).
 
 Rows (ratio = baseline / ours, > 1 means ours is faster, except (iv) where it is target / sparse):
   (i)   eviction_times (wavelet matrix)          vs brute-force per-query top-k (chunked); on CUDA with
@@ -20,12 +22,8 @@ Rows (ratio = baseline / ours, > 1 means ours is faster, except (iv) where it is
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import math
 import os
-import statistics
-import time
 from pathlib import Path
 from unittest import mock
 
@@ -33,8 +31,10 @@ import torch
 from torch.nn import functional as F
 
 from kvpop.attention import flex_execute
+from kvpop.benchmarking import default_out, time_calls
 from kvpop.kernels import SELECTION_KERNELS_ENV, selection_kernels_enabled
 from kvpop.masks import block_mask_from_eviction_times, make_eviction_mask_mod
+from kvpop.provenance import device_name, versions, write_result
 from kvpop.selection import eviction_times
 from kvpop.target import future_attention_target
 
@@ -43,25 +43,8 @@ TENSOR_TWINS = mock.patch.dict(os.environ, {SELECTION_KERNELS_ENV: "0"})
 
 
 def timeit(fn, *, warmup: int, reps: int, cuda: bool) -> float:
-    """Median seconds of ``fn()``."""
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    """Median seconds of ``fn()`` (:func:`kvpop.benchmarking.time_calls`: CUDA events on CUDA)."""
+    return time_calls(fn, warmup=warmup, reps=reps, cuda=cuda).median
 
 
 def brute_force_topk(prio, pos, *, sinks: int, window: int, k: int, q_chunk: int, chunks: list[int]):
@@ -231,7 +214,7 @@ def print_table(res: dict) -> None:
     line("(iv) target flex / sparse fwd+bwd", lambda r: f"{rx(g(r, 'iv_ratio_flex_over_sparse'))} ({ms(g(r, 'iv_target_flex_s'))})")
     line("(iv) target chunked / sparse fwd+bwd", lambda r: f"{rx(g(r, 'iv_ratio_chunked_over_sparse'))} ({ms(g(r, 'iv_target_chunked_s'))})")
     line("block sparsity of our BlockMask (% skipped)", lambda r: "-" if g(r, "block_sparsity_pct") is None else f"{g(r, 'block_sparsity_pct'):.1f}%")
-    print(f"\n{res['device']}, torch {res['torch']}, {res['date']}; Qwen3-4B shapes H={res['config']['heads']} "
+    print(f"\n{device_name()}, torch {versions().get('torch')}; Qwen3-4B shapes H={res['config']['heads']} "
           f"Hk={res['config']['kv_heads']} D={res['config']['head_dim']} {res['config']['dtype']} B=1, budget S/8")
     print("\n".join(lines))
 
@@ -249,7 +232,7 @@ def main() -> None:
     ap.add_argument("--max-bf-chunks", type=int, default=32, help="time at most this many chunks, extrapolate the rest")
     ap.add_argument("--skip-create-block-mask", action="store_true")
     ap.add_argument("--small", action="store_true", help="CPU smoke test: tiny sizes")
-    ap.add_argument("--out", default="results/bench_selection_h200.json")
+    ap.add_argument("--out", default=None, help="default: results/bench_selection/<device>[_small].json")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if args.small:
@@ -257,20 +240,16 @@ def main() -> None:
         args.window, args.warmup, args.reps, args.q_chunk, args.max_bf_chunks = 64, 1, 2, 256, 4
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
     res = {
-        "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "config": {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
                    "dtype": "bfloat16" if dev == "cuda" else "float32", "batch": 1, "budget": "S/8",
                    "priorities": "uniform random (worst case for block sparsity)", "warmup": args.warmup,
                    "reps": args.reps, "statistic": "median", "timer": "CUDA events" if dev == "cuda" else "perf_counter"},
         "sizes": [],
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out) if args.out else default_out(__file__, small=args.small)
     for S in args.sizes:
         bench_size(S, args, dev, res)
-        out.write_text(json.dumps(res, indent=2))  # after every size, so partial runs leave numbers
+        write_result(out, res)  # after every size, so partial runs leave numbers
         if dev == "cuda":
             torch.cuda.empty_cache()
     print_table(res)
