@@ -10,6 +10,7 @@ from kvpop.benchmarking import RESULTS, default_out, fill_cache, random_ids, run
 from kvpop.decode import enable
 from kvpop.decode.engine import DecodeEngine
 from kvpop.policies import make_policy
+from kvpop.geometry import CacheLayout
 
 SINKS, WINDOW, K = 4, 16, 12
 
@@ -49,7 +50,7 @@ def test_fill_cache_holds_what_a_prefill_holds(tiny_model, ctx):
     slots hold as many (random) older tokens; the cache has seen ``ctx`` tokens and steps on."""
     model = enable(tiny_model("qwen3"))
     policy = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
-    kw = dict(budget=SINKS + WINDOW + K, sinks=SINKS, window=WINDOW, batch_size=2, chunk=128)
+    kw = dict(layout=CacheLayout(SINKS + WINDOW + K, SINKS, WINDOW), batch_size=2, chunk=128)
     ref, eng = DecodeEngine(model, policy, **kw), DecodeEngine(model, policy, **kw)
     ref.prefill(random_ids(2, ctx, 96, 0, "cpu"))
     fill_cache(eng, ctx, seed=0)
