@@ -9,8 +9,8 @@ import torch
 from kvpop.benchmarking import RESULTS, default_out, fill_cache, random_ids, run_script, time_calls
 from kvpop.decode import enable
 from kvpop.decode.engine import DecodeEngine
-from kvpop.policies import make_policy
 from kvpop.geometry import CacheLayout
+from kvpop.policies import make_policy
 
 SINKS, WINDOW, K = 4, 16, 12
 
