@@ -317,6 +317,21 @@ class SparseContext:
         self.gate_relaxations.append(relax)
         return out.transpose(1, 2).contiguous()
 
+    def add_scorer_loss(self, r_hat: Tensor, r_tgt: Tensor, log_gamma: Tensor) -> None:
+        """One layer's scorer loss under :attr:`scorer_training`: ``r_hat`` (B, Hk, S) with the scorer's graph,
+        ``r_tgt`` (B, Hk, S) the layer's target before its pooling, ``log_gamma`` (Hk,) with the decay's graph.
+        Computed now, or, where the pool spans layers, by :meth:`finish_scorer_losses` (:attr:`losses`)."""
+        st = self.scorer_training
+        if pools_across_layers(st.pool):  # needs every layer's target: the loss waits for finish_scorer_losses
+            self._pending.append((r_hat, r_tgt, log_gamma))
+        else:
+            self._scorer_loss(r_hat, pool_targets([r_tgt], st.pool, st.blend)[0], log_gamma)
+
+    def mean_scorer_loss(self) -> Tensor:
+        """The scorer loss of the forward: the mean over layers of :attr:`losses` (after
+        :meth:`finish_scorer_losses`), float32 (a layer without decisions gives float64 0)."""
+        return torch.stack([x.float() for x in self.losses]).mean()
+
     def _scorer_loss(self, r_hat: Tensor, r_tgt: Tensor, log_gamma: Tensor) -> None:
         st = self.scorer_training
         with _kept_saved_tensors():
