@@ -41,7 +41,7 @@ def candidates(p, base: str, exports: Path, precision: str):
         decode_only = policy_class(name).needs_attention
         pol = make_policy(name, **shape)
         if name == "oracle_target":  # the ceiling of the configured training target
-            pol.configure(target=p.train.target, target_beta=p.train.target_beta, pool=p.train.target_pool, blend=p.train.target_blend)
+            pol.configure(target=p.train.target)
         out.append(Candidate(name, teacher, pol, max_traces=p.evaluate.decode_traces if decode_only else None))
     for name in p.train.policies:
         try:

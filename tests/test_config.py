@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from kvpop.config import TRAIN_KEYS_NOT_IN_RESULT, ParamsError, TrainConfig, load_params, parse_params
+from kvpop.target import TargetSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,10 +47,19 @@ def test_train_stage_depends_on_every_key_that_changes_a_training():
         (lambda r: r["train"].update(strategy="deepspeed"), "train.strategy"),
         (lambda r: r["train"].update(checkpoint_format="sharded", strategy="ddp", devices=2), "train.checkpoint_format"),
         (lambda r: r["train"].update(checkpoint_every=0), "train.checkpoint_every"),
-        (lambda r: r["train"].update(target="median"), "train.target"),
-        (lambda r: r["train"].update(target_beta=0), "train.target_beta"),
-        (lambda r: r["train"].update(target_beta=-2.0), "train.target_beta"),
-        (lambda r: r["train"].update(target_beta=float("inf")), "train.target_beta"),
+        (lambda r: r["train"].update(target="median"), "train.target: unknown target kind 'median'"),
+        (lambda r: r["train"].update(target="max.pool"), "train.target: unknown target scope 'pool'"),
+        (lambda r: r["train"].update(target="power:0"), "train.target: beta of 'power:0'"),
+        (lambda r: r["train"]["target"].update(kind="median"), "train.target.kind"),
+        (lambda r: r["train"]["target"].update(beta=0), "train.target.beta"),
+        (lambda r: r["train"]["target"].update(beta=-2.0), "train.target.beta"),
+        (lambda r: r["train"]["target"].update(beta=float("inf")), "train.target.beta"),
+        (lambda r: r["train"]["target"].update(scope="heads"), "train.target.scope"),
+        (lambda r: r["train"]["target"].update(blend=1.5), "train.target.blend"),
+        (lambda r: r["train"]["target"].update(blend=-0.1), "train.target.blend"),
+        (lambda r: r["train"]["target"].update(pool="model"), "train.target.pool: unknown key"),
+        (lambda r: r["train"].update(target_beta=8.0), "train.target_beta: unknown key"),  # the flat keys are gone
+        (lambda r: r["train"].update(target=3), "train.target"),
         (lambda r: r["train"].update(boundary_weight="margin"), "train.boundary_weight"),
         (lambda r: (r["evaluate"].update(one_pool=True), r["train"].update(policies=["streaming_llm_plus", "kvpop", "dms"])), "evaluate.one_pool"),
     ],
@@ -70,20 +80,35 @@ def test_missing_and_malformed_files(tmp_path):
         load_params(f)
 
 
-@pytest.mark.parametrize("target, beta", [("mean", None), ("power", 16.0), ("max", None)])
-def test_target_reaches_scorer_training(target, beta):
-    """train.target / train.target_beta (default: the paper's mean, beta 8) reach the ScorerTraining of the run."""
+@pytest.mark.parametrize(
+    "value, spec",
+    [
+        ({"kind": "mean"}, TargetSpec(kind="mean")),
+        ({"kind": "power", "beta": 16.0}, TargetSpec(kind="power", beta=16.0)),
+        ({"kind": "max", "scope": "model"}, TargetSpec(kind="max", scope="model")),
+        ({"kind": "max", "beta": 8.0, "scope": "blend", "blend": 0.8}, TargetSpec(scope="blend", blend=0.8)),
+        ("mean", TargetSpec(kind="mean")),  # the compact form, as `dvc exp run -S train.target=...` writes it
+        ("power:16", TargetSpec(kind="power", beta=16.0)),
+        ("max.layer", TargetSpec(scope="layer")),
+        ("max.blend:0.75", TargetSpec(scope="blend", blend=0.75)),
+        ("power:4.blend:0.5", TargetSpec(kind="power", beta=4.0, scope="blend")),
+    ],
+)
+def test_target_reaches_scorer_training(value, spec):
+    """train.target, nested or compact (default: max, beta 8, group, blend 0.5, the repo's), reaches the ScorerTraining
+    of the run as one TargetSpec."""
     from kvpop.train import TrainSettings
 
     r = raw()
-    r["train"].pop("target"), r["train"].pop("target_beta")
-    assert (parse_params(r).train.target, parse_params(r).train.target_beta) == ("mean", 8.0)  # defaults
-    r["train"]["target"] = target
-    if beta is not None:
-        r["train"]["target_beta"] = beta
+    assert r["train"]["target"] == TargetSpec().model_dump()  # params.yaml holds the one default
+    r["train"].pop("target")
+    assert parse_params(r).train.target == TargetSpec() == TargetSpec(kind="max", beta=8.0, scope="group", blend=0.5)
+    r["train"]["target"] = value
     p = parse_params(r)
+    assert p.train.target == spec
     st = TrainSettings.from_config(p.train, sinks=p.sinks, window=p.window, long_range=p.long_range, seed=0).scorer_training
-    assert (st.target, st.target_beta) == (target, beta if beta is not None else 8.0)
+    assert st.target == spec
+    assert p.train.model_dump()["target"] == spec.model_dump()  # the run's recorded params: the nested fields
 
 
 @pytest.mark.parametrize("weighting", ["tie", "regret", "uniform"])
@@ -100,32 +125,9 @@ def test_boundary_weight_reaches_scorer_training(weighting):
     assert st.weighting == weighting
 
 
-@pytest.mark.parametrize("pool", ["group", "layer", "model"])
-def test_target_pool_reaches_scorer_training(pool):
-    """train.target_pool (default: the paper's per-query-group target) reaches the boundary loss's settings."""
-    from kvpop.train import TrainSettings
-
-    r = raw()
-    r["train"].pop("target_pool", None)
-    assert parse_params(r).train.target_pool == "group"
-    r["train"]["target_pool"] = pool
-    p = parse_params(r)
-    st = TrainSettings.from_config(p.train, sinks=p.sinks, window=p.window, long_range=p.long_range, seed=0).scorer_training
-    assert st.pool == pool
-    r["train"]["target_pool"] = "heads"
-    with pytest.raises(Exception, match="target_pool"):
-        parse_params(r)
-
-
-def test_target_blend_reaches_scorer_training_and_is_bounded():
-    """train.target_blend (pool "blend": the weight of the model-wide target) reaches the settings; outside [0, 1] it is refused."""
-    from kvpop.train import TrainSettings
-
-    r = raw()
-    r["train"].update(target_pool="blend", target_blend=0.8)
-    p = parse_params(r)
-    assert TrainSettings.from_config(p.train, sinks=p.sinks, window=p.window, long_range=p.long_range, seed=0).scorer_training.blend == 0.8
-    for bad in (-0.1, 1.5):
-        r["train"]["target_blend"] = bad
-        with pytest.raises(Exception, match="target_blend"):
-            parse_params(r)
+def test_target_keys_of_params_yaml_are_the_spec_fields():
+    """params.yaml nests train.target as the TargetSpec's fields (one dvc.yaml entry, train.target, covers them)."""
+    assert set(raw()["train"]["target"]) == set(TargetSpec.model_fields) == {"kind", "beta", "scope", "blend"}
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    evaluate = [k if isinstance(k, str) else next(iter(k)) for k in stages["evaluate"]["params"]]
+    assert "train.target" in evaluate and not any(k.startswith("train.target_") for k in evaluate)

@@ -138,12 +138,12 @@ def test_the_target_ceiling_with_one_pool(llama):
     from kvpop.evaluate import teacher_targets
 
     ids = torch.randint(0, 96, (2, 80), generator=torch.Generator().manual_seed(8))
-    per_head = make_policy("oracle_target").configure(target="max", target_beta=8.0)
-    shared = make_policy("oracle_target").configure(target="max", target_beta=8.0, shared=True)
+    per_head = make_policy("oracle_target").configure(target="max")
+    shared = make_policy("oracle_target").configure(target="max", shared=True)
     assert shared.global_budget and not per_head.global_budget and not type(shared).global_budget
     for row in range(2):
         one = ids[row : row + 1]
-        t = teacher_targets(llama, one, window=WINDOW, target="max")  # a random model's: alike in every head
+        t = teacher_targets(llama, one, window=WINDOW, kind="max")  # a random model's: alike in every head
         t[0] = t[0] + torch.tensor([0.0, 3.0]).view(1, 2, 1)  # so one head's tokens rank higher, by design
         targets = {("max", 8.0): t}
         for o in (per_head, shared):
@@ -162,7 +162,7 @@ def test_the_target_ceiling_with_one_pool(llama):
     kl, n = 0.0, 0  # the same by hand: each trace's own targets, its pool's pattern, KL over the scored positions
     for rec in recs:
         one = torch.tensor([rec["input_ids"]])
-        shared.fit_trace(input_ids=one, record={}, targets={("max", 8.0): teacher_targets(llama, one, window=WINDOW, target="max")})
+        shared.fit_trace(input_ids=one, record={}, targets={("max", 8.0): teacher_targets(llama, one, window=WINDOW, kind="max")})
         logits, _ = captured_forward(llama, shared, one, sinks=SINKS, window=WINDOW, long_range=K)
         ref = torch.log_softmax(llama(input_ids=one).logits[0].float(), -1)
         kl += (ref.exp() * (ref - torch.log_softmax(logits, -1))).sum(-1)[:-1].sum().item()

@@ -14,6 +14,7 @@ from kvpop.decode.engine import engine_refusal
 from kvpop.evaluate import Candidate, evaluate_fidelity, teacher_targets
 from kvpop.policies import make_policy, names
 from kvpop.selection import NEVER
+from kvpop.target import TargetSpec
 
 EPS = 1e-6
 
@@ -55,7 +56,7 @@ def test_teacher_targets_equal_the_definition_on_eager_attention(tiny_model, kin
         torch.set_default_dtype(torch.float32)
     ids = torch.randint(0, kv.config.vocab_size, (1, 40))
     window = 5
-    got = teacher_targets(kv, ids, window=window, target=kind, target_beta=beta)
+    got = teacher_targets(kv, ids, window=window, kind=kind, beta=beta)
     att = eager(input_ids=ids, output_attentions=True).attentions  # per layer (1, H, S, S)
     Hk = kv.config.num_key_value_heads
     assert len(got) == len(att) == kv.config.num_hidden_layers
@@ -64,27 +65,46 @@ def test_teacher_targets_equal_the_definition_on_eager_attention(tiny_model, kin
         torch.testing.assert_close(got[layer].double(), want, atol=1e-5, rtol=1e-5)
 
 
+def test_oracle_target_takes_one_target_spec():
+    """configure(target=...) takes a TargetSpec or its compact form; the teacher's targets it asks for are the
+    spec's (kind, beta), its scope applied on top; a bad spec is refused at configure time, naming the bad part."""
+    pol = make_policy("oracle_target")
+    assert pol.target == TargetSpec() and pol.teacher_target() == ("max", 8.0)  # the canonical default
+    spec = TargetSpec(kind="power", beta=4.0, scope="blend", blend=0.25)
+    assert pol.configure(target="power:4.blend:0.25").target == spec
+    assert pol.configure(target=spec).target is spec and pol.teacher_target() == ("power", 4.0)
+    ts = [torch.randn(1, 2, 9) for _ in range(3)]  # per layer (1, Hk, S)
+    assert pol.fit_trace(input_ids=torch.zeros(1, 9, dtype=torch.long), record={}, targets={("power", 4.0): ts})
+    model_max = torch.stack(ts).amax(dim=(0, 2))[:, None]  # (1, 1, S)
+    for r, t in zip(pol.r_tgt, ts, strict=True):
+        torch.testing.assert_close(r, 0.75 * t + 0.25 * model_max)
+    with pytest.raises(ValueError, match="unknown target scope 'pool'"):
+        pol.configure(target="max.pool")
+    with pytest.raises(ValueError, match="beta"):
+        pol.configure(target={"kind": "power", "beta": 0.0})
+
+
 def test_teacher_targets_ignore_right_padding(tiny_model):
     """Padding after the trace (``length``) sends no attention: the trace's targets are those of the
     unpadded trace."""
     model = tiny_model(attn_implementation=register())
     ids = torch.randint(0, model.config.vocab_size, (1, 30))
     padded = torch.cat([ids, torch.zeros(1, 10, dtype=torch.long)], 1)
-    plain = teacher_targets(model, ids, window=4, target="max")
-    pad = teacher_targets(model, padded, window=4, target="max", length=30)
+    plain = teacher_targets(model, ids, window=4, kind="max")
+    pad = teacher_targets(model, padded, window=4, kind="max", length=30)
     for a, b in zip(plain, pad, strict=True):
         torch.testing.assert_close(b[..., :30], a, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("pool", ["group", "model"])
-def test_oracle_target_keeps_the_tokens_the_target_ranks_first(tiny_model, pool):
+@pytest.mark.parametrize("scope", ["group", "model"])
+def test_oracle_target_keeps_the_tokens_the_target_ranks_first(tiny_model, scope):
     model = tiny_model(attn_implementation=register())
     S, sinks, window, k = 48, 2, 6, 5
     ids = torch.randint(0, model.config.vocab_size, (1, S))
-    pol = make_policy("oracle_target").configure(target="max", target_beta=8.0, pool=pool)
-    raw = teacher_targets(model, ids, window=window, target="max", target_beta=8.0)
+    pol = make_policy("oracle_target").configure(target=TargetSpec(kind="max", scope=scope))
+    raw = teacher_targets(model, ids, window=window, kind="max", beta=8.0)
     assert pol.fit_trace(input_ids=ids, record={}, targets={pol.teacher_target(): raw})
-    if pool == "model":  # one ranking for every layer and head: the max over all of them
+    if scope == "model":  # one ranking for every layer and head: the max over all of them
         best_of_all = torch.stack(raw).amax(dim=(0, 2))  # (1, S)
         for r in pol.r_tgt:
             assert torch.equal(r, best_of_all[:, None].expand_as(r))

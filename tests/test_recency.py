@@ -94,18 +94,18 @@ def test_oracle_target_ranks_by_the_target_plus_the_same_age_term():
     g = torch.Generator().manual_seed(5)
     targets = {("max", 8.0): [torch.randn(1, Hk, S, generator=g) for _ in range(L)]}
     k, v, pos = kv(S, B=1)
-    plain = make_policy("oracle_target").configure(target="max", target_beta=8.0)
-    tilted = make_policy("oracle_target").configure(target="max", target_beta=8.0, recency=0.3)
+    plain = make_policy("oracle_target").configure(target="max")
+    tilted = make_policy("oracle_target").configure(target="max", recency=0.3)
     for o in (plain, tilted):
         o.fit_trace(input_ids=torch.zeros(1, S, dtype=torch.long), record={}, targets=targets)
     for layer in range(L):
         want = plain.scores(layer, k, v, pos).prio + 0.3 * pos[:, None].double()
         assert torch.allclose(tilted.scores(layer, k, v, pos).prio, want, rtol=0, atol=1e-12)
-    share = make_policy("oracle_target").configure(target="max", target_beta=8.0, recency=0.01, space="share")
+    share = make_policy("oracle_target").configure(target="max", recency=0.01, space="share")
     share.fit_trace(input_ids=torch.zeros(1, S, dtype=torch.long), record={}, targets=targets)
     want = targets[("max", 8.0)][1].double().exp() + 0.01 * pos[:, None].double()  # the decay against the share, exp(target)
     assert torch.allclose(share.scores(1, k, v, pos).prio, want, rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="recency must be >= 0"):
-        make_policy("oracle_target").configure(target="max", target_beta=8.0, recency=-1.0)
+        make_policy("oracle_target").configure(target="max", recency=-1.0)
     with pytest.raises(ValueError, match="space must be"):
-        make_policy("oracle_target").configure(target="max", target_beta=8.0, space="linear")
+        make_policy("oracle_target").configure(target="max", space="linear")

@@ -67,7 +67,7 @@ def test_the_oracle_and_a_scorer_that_fits_it_rank_alike():
     L, S = 2, 48
     policy = share_policy(recency=0.05)
     k, v, pos = kv(S, B=1)
-    oracle = make_policy("oracle_target").configure(target="max", target_beta=8.0, recency=0.05, space="share")
+    oracle = make_policy("oracle_target").configure(target="max", recency=0.05, space="share")
     r = [policy.scores(layer, k, v, pos).r_hat.detach() for layer in range(L)]
     oracle.fit_trace(input_ids=torch.zeros(1, S, dtype=torch.long), record={}, targets={("max", 8.0): r})
     doc = torch.zeros_like(pos)

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from kvpop.target import TARGET_KINDS, TargetSpec, future_attention_target, pool_targets
+from kvpop.target import TARGET_KINDS, TargetSpec, future_attention_target, scope_targets
 
 B, H, HK, S, D = 2, 6, 2, 70, 16
 WINDOW = 5
@@ -304,31 +304,32 @@ def test_cuda_flex_matches_chunked(shape, kind, many_compiles):
     torch.testing.assert_close(chunked.cpu(), cpu, atol=1e-4, rtol=0)
 
 
-def test_pool_targets():
-    """group: unchanged; layer: max over the layer's KV heads; model: max over every layer and head."""
+def test_scope_targets():
+    """group: unchanged; layer: max over the layer's KV heads; model: max over every layer and head; a scope or weight
+    no TargetSpec takes is refused with the spec's message."""
     g = torch.Generator().manual_seed(0)
     ts = [torch.randn(2, 3, 7, generator=g) for _ in range(4)]  # 4 layers of (B, Hk, S)
-    assert all(a is b for a, b in zip(pool_targets(ts, "group"), ts, strict=True))
-    for L, t in enumerate(pool_targets(ts, "layer")):
+    assert all(a is b for a, b in zip(scope_targets(ts, "group"), ts, strict=True))
+    for L, t in enumerate(scope_targets(ts, "layer")):
         for b in range(2):
             for h in range(3):
                 for s in range(7):
                     assert t[b, h, s] == max(ts[L][b, g2, s] for g2 in range(3))
-    for t in pool_targets(ts, "model"):
+    for t in scope_targets(ts, "model"):
         for b in range(2):
             for h in range(3):
                 for s in range(7):
                     assert t[b, h, s] == max(ts[L2][b, g2, s] for L2 in range(4) for g2 in range(3))
-    with pytest.raises(ValueError, match="pool"):
-        pool_targets(ts, "heads")
+    with pytest.raises(ValueError, match="(?s)scope.*'group', 'layer', 'model' or 'blend'"):
+        scope_targets(ts, "heads")
     # blend: weight 0 is the group's targets, 1 the model's; 0.25 a quarter of the way
-    for w, ends in ((0.0, ts), (1.0, pool_targets(ts, "model"))):
-        assert all(torch.equal(a, b.expand_as(a)) for a, b in zip(pool_targets(ts, "blend", w), ends, strict=True))
-    model = pool_targets(ts, "model")
-    for L, t in enumerate(pool_targets(ts, "blend", 0.25)):
+    for w, ends in ((0.0, ts), (1.0, scope_targets(ts, "model"))):
+        assert all(torch.equal(a, b.expand_as(a)) for a, b in zip(scope_targets(ts, "blend", w), ends, strict=True))
+    model = scope_targets(ts, "model")
+    for L, t in enumerate(scope_targets(ts, "blend", 0.25)):
         assert torch.allclose(t, 0.75 * ts[L] + 0.25 * model[L])
-    with pytest.raises(ValueError, match="blend weight"):
-        pool_targets(ts, "blend", 1.5)
+    with pytest.raises(ValueError, match="(?s)blend.*less than or equal to 1"):
+        scope_targets(ts, "blend", 1.5)
 
 
 # Canonical compact forms: str(parse(text)) == text, and the fields each one sets.

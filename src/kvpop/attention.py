@@ -46,7 +46,7 @@ from kvpop.masks import block_mask_from_eviction_times, dense_mask, make_evictio
 from kvpop.policies import Policy
 from kvpop.policies.base import GateRelaxation
 from kvpop.selection import NEVER, decaying_eviction_times, eviction_times
-from kvpop.target import TargetKind, TargetPool, future_attention_target, pool_targets, pools_across_layers
+from kvpop.target import TargetSpec, future_attention_target, scope_targets
 
 ATTN_IMPLEMENTATION = "kvpop"
 Executor = Literal["sdpa", "flex"]
@@ -132,11 +132,8 @@ class ScorerTraining:
     tie_margin: float = 0.5
     query_samples: int = 0
     target_normalizer: Literal["sparse", "dense"] = "sparse"
-    target: TargetKind = "mean"  # kind of future_attention_target: mean (the paper's), power or max
-    target_beta: float = 8.0  # order of the power mean (target "power" only)
+    target: TargetSpec = field(default_factory=TargetSpec)  # kind, beta, scope and blend of the target (kvpop.target)
     weighting: BoundaryWeight = "tie"  # boundary-loss weights (kvpop.boundary.boundary_loss)
-    pool: TargetPool = "group"  # over which heads the target is maximized (kvpop.target.pool_targets)
-    blend: float = 0.5  # pool "blend": the weight of the model-wide maximum
     calibration: float = 0.0  # weight of kvpop.boundary.calibration_loss beside the boundary loss
     generator: torch.Generator | None = None
 
@@ -292,12 +289,12 @@ class SparseContext:
                 impl = "flex" if self.executor == "flex" else "chunked"
                 r_tgt = future_attention_target(
                     q.detach(), k.detach(), lse.detach(), self.doc_ids, window=self.window, scale=scale, impl=impl,
-                    kind=st.target, beta=st.target_beta,
+                    kind=st.target.kind, beta=st.target.beta,
                 )
-            if pools_across_layers(st.pool):  # needs every layer's target: the loss waits for finish_scorer_losses
+            if st.target.spans_layers:  # needs every layer's target: the loss waits for finish_scorer_losses
                 self._pending.append((scores.r_hat, r_tgt, scores.log_gamma))
             else:
-                self._scorer_loss(scores.r_hat, pool_targets([r_tgt], st.pool, st.blend)[0], scores.log_gamma)
+                self._scorer_loss(scores.r_hat, scope_targets([r_tgt], st.target.scope, st.target.blend)[0], scores.log_gamma)
         return out.transpose(1, 2).contiguous()
 
     def _attend_gated(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, key: object) -> Tensor:
@@ -350,11 +347,12 @@ class SparseContext:
     def finish_scorer_losses(self) -> list[Tensor]:
         """The boundary loss of every trained layer, after the forward pass (:attr:`losses`).
 
-        Under ``pool="model"`` or ``"blend"`` a layer's target depends on every layer's, so those losses are
+        Under target scope ``"model"`` or ``"blend"`` a layer's target depends on every layer's, so those losses are
         computed here, once the forward has seen all layers; call it before reading ``losses``."""
         if self._pending:
-            pooled = pool_targets([t for _, t, _ in self._pending], self.scorer_training.pool, self.scorer_training.blend)
-            for (r_hat, _, log_gamma), r_tgt in zip(self._pending, pooled, strict=True):
+            spec = self.scorer_training.target
+            scoped = scope_targets([t for _, t, _ in self._pending], spec.scope, spec.blend)
+            for (r_hat, _, log_gamma), r_tgt in zip(self._pending, scoped, strict=True):
                 self._scorer_loss(r_hat, r_tgt, log_gamma)
             self._pending.clear()
         return self.losses

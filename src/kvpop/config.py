@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvpop.boundary import BoundaryWeight
 from kvpop.policies import OnePool, names, policy_class
-from kvpop.target import TargetKind, TargetPool
+from kvpop.target import TargetSpec
 
 #: The embedded default teacher: SmolLM2-135M-Instruct, shipped as GGUF inside a PyPI wheel.
 EMBEDDED_MODEL = "embedded"
@@ -160,22 +160,12 @@ class TrainConfig(_Section):
     target_normalizer: Literal["sparse", "dense"] = Field(
         "sparse", description="log-normalizers of the target: the student's sparse ones, or dense"
     )
-    target: TargetKind = Field(
-        "mean",
-        description="how the future attention a token receives becomes its target: 'mean' (the paper's), 'power' "
-        "(power mean of order target_beta) or 'max' (kvpop.target)",
-    )
-    target_beta: float = Field(
-        8.0, gt=0, allow_inf_nan=False, description="order beta of the 'power' target (1: the mean; large: toward the max)"
-    )
-    target_pool: TargetPool = Field(
-        "group", description="over which heads the target is maximized: 'group' (the paper's: each KV head's query "
-        "group), 'layer' (every KV head of the layer), 'model' (every layer and KV head: one label per token) or 'blend' "
-        "(the group's and the model's, weighed by target_blend; kvpop.target)"
-    )
-    target_blend: float = Field(
-        0.5, ge=0, le=1, allow_inf_nan=False, description="target_pool 'blend': the weight of the model-wide target "
-        "(0.5: the mean of the two log targets; 0 is 'group', 1 is 'model')"
+    target: TargetSpec = Field(
+        default_factory=TargetSpec,
+        description="the scorer's training target (kvpop.target.TargetSpec): a mapping {kind, beta, scope, blend} or "
+        "its compact form KIND[.SCOPE], e.g. 'max', 'power:16', 'max.model', 'max.blend:0.75'; kind: 'mean' (the "
+        "paper's), 'power' (power mean of order beta) or 'max'; scope, over which heads the target is maximized: "
+        "'group' (the paper's), 'layer', 'model' or 'blend' (the group's and the model's, weighed by blend)",
     )
     boundary_weight: BoundaryWeight = Field(
         "tie", description="boundary-loss weights: 'tie' (the paper's near-tie discount x class balance), 'regret' "

@@ -35,9 +35,9 @@ from kvpop.attention import SparseContext
 from kvpop.modeling import model_shape
 from kvpop.policies import Dense, OnePool, Policy, one_pool
 from kvpop.selection import NEVER, global_decaying_eviction_times
-from kvpop.target import future_attention_target
+from kvpop.target import TargetKind, future_attention_target
 
-TargetKey = tuple[str, float]  # (train.target, train.target_beta)
+TargetKey = tuple[str, float]  # (kind, beta) of a TargetSpec (train.target): what future_attention_target computes
 
 
 @dataclass
@@ -233,10 +233,11 @@ def keep_map(model, policy: Policy, input_ids: Tensor, *, sinks: int, window: in
 
 
 @torch.no_grad()
-def teacher_targets(model, input_ids: Tensor, *, window: int, target: str = "mean", target_beta: float = 8.0, length: int | None = None) -> list[Tensor]:
-    """The training target (kind ``target``) of every layer from the dense ``model`` on one trace (1, S):
-    a list of (1, Hk, S) float32; ``length``: tokens of the trace proper, the rest right padding."""
-    key = (target, float(target_beta))
+def teacher_targets(model, input_ids: Tensor, *, window: int, kind: TargetKind = "max", beta: float = 8.0, length: int | None = None) -> list[Tensor]:
+    """The training target of ``kind`` (and ``beta``, kind power; a TargetSpec's, before its scope) of every
+    layer from the dense ``model`` on one trace (1, S): a list of (1, Hk, S) float32; ``length``: tokens of
+    the trace proper, the rest right padding."""
+    key = (kind, float(beta))
     _, t = _forward(model, Dense(), input_ids, sinks=0, window=window, long_range=input_ids.shape[1], kinds=(key,), length=length)
     return t[key]
 

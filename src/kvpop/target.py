@@ -34,16 +34,19 @@ The target is the maximum over the ``G`` query heads sharing KV head ``h`` (quer
 
 Padding tokens and tokens with an empty ``U_t`` get ``log(eps)``.
 
-*Pooling* (:func:`pool_targets`, ``train.target_pool``) widens that maximum beyond the query
-group: ``"group"`` (the paper's) keeps ``r_tgt(h, t)`` per KV head; ``"layer"`` takes the maximum
-over every KV head of the layer; ``"model"`` over every layer and KV head, so that each token gets
-one label, the strongest need any head of the model has for it (every head then learns to keep
-what some head will need: a copy needs the source in the heads that find it and in the heads
-that read it, which the per-head target splits apart); ``"blend"`` weighs the group's and the
-model's (log) targets, ``(1 - w) r_tgt(h, t) + w max_{l, g} r_tgt(l, g, t)`` with ``w =
-train.target_blend`` (0.5: their mean; 0 is ``"group"``, 1 is ``"model"``): a head ranks what it
-reads itself and what any head needs (pooling over the model keeps more far facts at more KL;
+The *scope* (:func:`scope_targets`, ``train.target.scope``) widens that maximum beyond the
+query group: ``"group"`` (the paper's) keeps ``r_tgt(h, t)`` per KV head; ``"layer"`` takes the
+maximum over every KV head of the layer; ``"model"`` over every layer and KV head, so that each
+token gets one label, the strongest need any head of the model has for it (every head then learns
+to keep what some head will need: a copy needs the source in the heads that find it and in the
+heads that read it, which the per-head target splits apart); ``"blend"`` weighs the group's and
+the model's (log) targets, ``(1 - w) r_tgt(h, t) + w max_{l, g} r_tgt(l, g, t)`` with ``w =
+train.target.blend`` (0.5: their mean; 0 is ``"group"``, 1 is ``"model"``): a head ranks what it
+reads itself and what any head needs (scope model keeps more far facts at more KL;
 BENCHMARKS.md).
+
+:class:`TargetSpec` holds the four choices (kind, beta, scope, blend) as one value, written
+compactly as ``max``, ``power:16``, ``max.model``, ``max.blend:0.75`` (``train.target``).
 
 Shapes: ``B`` batch, ``H`` query heads, ``Hk`` KV heads, ``G = H / Hk``,
 ``S`` sequence length, ``D`` head dim.
@@ -85,8 +88,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvpop.selection import document_spans
 
-__all__ = ["TARGET_KINDS", "TARGET_POOLS", "TARGET_SCOPES", "TargetKind", "TargetPool", "TargetScope", "TargetSpec", "check_pool",
-           "future_attention_target", "pool_targets", "pools_across_layers"]
+__all__ = ["TARGET_KINDS", "TARGET_SCOPES", "TargetKind", "TargetScope", "TargetSpec", "future_attention_target", "scope_targets"]
 
 #: How the future attention a token receives is aggregated (see the module docstring).
 TargetKind = Literal["mean", "power", "max"]
@@ -94,8 +96,6 @@ TARGET_KINDS: tuple[str, ...] = get_args(TargetKind)
 #: Over which heads the target takes its maximum (see the module docstring).
 TargetScope = Literal["group", "layer", "model", "blend"]
 TARGET_SCOPES: tuple[str, ...] = get_args(TargetScope)
-TargetPool = TargetScope  # old name, renamed below
-TARGET_POOLS = TARGET_SCOPES
 
 _GRAMMAR = ("KIND[.SCOPE], KIND one of mean, max, power[:BETA] and SCOPE one of group, layer, model, blend[:W] "
             "(e.g. max, power:16, max.model, max.blend:0.75)")
@@ -207,34 +207,22 @@ class TargetSpec(BaseModel):
         return self.scope in ("model", "blend")
 
 
-def check_pool(pool: str, blend: float = 0.5) -> None:
-    """A ValueError naming the problem unless ``pool`` is one of :data:`TARGET_POOLS` and ``blend`` lies in [0, 1]."""
-    if pool not in TARGET_POOLS:
-        raise ValueError(f"unknown target pool {pool!r}; one of {', '.join(TARGET_POOLS)}")
-    if not 0.0 <= blend <= 1.0:
-        raise ValueError(f"target blend weight must lie in [0, 1], got {blend}")
-
-
-def pool_targets(targets: list[torch.Tensor], pool: TargetPool, blend: float = 0.5) -> list[torch.Tensor]:
-    """Per-layer targets ``(B, Hk, S)`` -> the same list pooled by ``pool`` (module docstring).
+def scope_targets(targets: list[torch.Tensor], scope: TargetScope, blend: float = 0.5) -> list[torch.Tensor]:
+    """Per-layer targets ``(B, Hk, S)`` -> the same list widened to ``scope`` (module docstring).
 
     ``"group"`` returns the targets as they are; ``"layer"`` the maximum over each layer's KV heads;
     ``"model"`` the maximum over every layer and KV head (layers must agree in ``(B, Hk, S)``);
-    ``"blend"`` ``(1 - blend) * target + blend * that model-wide maximum``."""
-    check_pool(pool, blend)
-    if pool == "group":
+    ``"blend"`` ``(1 - blend) * target + blend * that model-wide maximum``. A ``scope`` or ``blend``
+    that no :class:`TargetSpec` accepts raises its ValueError (a pydantic ValidationError)."""
+    TargetSpec(scope=scope, blend=blend)  # the spec's checks, naming the bad field
+    if scope == "group":
         return list(targets)
-    if pool == "layer":
+    if scope == "layer":
         return [t.amax(dim=1, keepdim=True).expand_as(t) for t in targets]
     m = torch.stack(list(targets)).amax(dim=(0, 2), keepdim=True)[0]  # (B, 1, S)
-    if pool == "blend":
+    if scope == "blend":
         return [(1 - blend) * t + blend * m for t in targets]
     return [m.expand_as(t) for t in targets]
-
-
-def pools_across_layers(pool: TargetPool) -> bool:
-    """Whether a layer's pooled target needs every layer's (the loss then waits for the whole forward)."""
-    return pool in ("model", "blend")
 
 _compiled_flex_attention = None
 

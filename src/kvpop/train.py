@@ -137,8 +137,8 @@ class TrainSettings:
             scorer_warmup=cfg.scorer_warmup, weight_decay=cfg.weight_decay, top_logits=cfg.top_logits,
             scorer_training=ScorerTraining(
                 tau=cfg.tau, tie_margin=cfg.tie_margin, query_samples=cfg.query_samples,
-                target_normalizer=cfg.target_normalizer, target=cfg.target, target_beta=cfg.target_beta,
-                weighting=cfg.boundary_weight, pool=cfg.target_pool, blend=cfg.target_blend, calibration=cfg.scorer_calibration,
+                target_normalizer=cfg.target_normalizer, target=cfg.target, weighting=cfg.boundary_weight,
+                calibration=cfg.scorer_calibration,
                 generator=torch.Generator().manual_seed(seed),
             ),
             activation_checkpointing=cfg.activation_checkpointing,

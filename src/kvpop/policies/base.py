@@ -141,13 +141,13 @@ class Policy(nn.Module):
         raise NotImplementedError(f"policy {self.name!r} has no full-sequence pattern (needs_attention: decode only)")
 
     def teacher_target(self) -> tuple[str, float] | None:
-        """``oracle``: the (target, beta) of :func:`kvpop.target.future_attention_target` whose dense-
-        teacher values :meth:`fit_trace` needs, or None."""
+        """``oracle``: the (kind, beta) of :func:`kvpop.target.future_attention_target` (a
+        :class:`~kvpop.target.TargetSpec`'s) whose dense-teacher values :meth:`fit_trace` needs, or None."""
         return None
 
     def fit_trace(self, *, input_ids: Tensor, record: dict, targets: dict) -> bool:
         """``oracle``: look at the evaluated trace (input_ids (1, S), its filter record, the dense
-        teacher's targets ``{(target, beta): per-layer (1, Hk, S)}`` of the kinds the oracles asked
+        teacher's targets ``{(kind, beta): per-layer (1, Hk, S)}`` of the kinds the oracles asked
         for) before the forward that scores it; False if the trace lacks what the oracle needs (it
         is then skipped)."""
         raise NotImplementedError(f"policy {self.name!r} is not an oracle")

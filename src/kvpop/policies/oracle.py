@@ -5,9 +5,9 @@ teacher-forced evaluation alone (``oracle = True``: never trained, never decoded
 the trained policies they separate the two limits of a learned policy: what the training target
 would give if the scorer fitted it perfectly, and what the budget allows at all.
 
-* ``oracle_target``: the dense teacher's own ranking by the training target (``train.target``,
-  :func:`kvpop.target.future_attention_target`, pooled by ``train.target_pool``,
-  :func:`kvpop.target.pool_targets`), computed on the evaluated trace itself. Per layer and KV
+* ``oracle_target``: the dense teacher's own ranking by the training target (``train.target``, a
+  :class:`kvpop.target.TargetSpec`: :func:`kvpop.target.future_attention_target` of its kind,
+  widened to its scope by :func:`kvpop.target.scope_targets`), computed on the evaluated trace itself. Per layer and KV
   head, priority = the target ``r_tgt`` (no decay; with ``recency``, ``r_tgt + recency * pos``, the
   fixed age decay of :mod:`kvpop.scorer`, or with ``space="share"`` ``exp(r_tgt) + recency * pos``,
   the decay against the attention share itself): the best a perfectly fitted scorer of that target
@@ -32,7 +32,7 @@ from torch import Tensor
 
 from kvpop.policies.base import Policy, Scores
 from kvpop.scorer import check_recency, check_space
-from kvpop.target import check_pool, pool_targets
+from kvpop.target import TargetSpec, scope_targets
 
 
 class _Oracle(Policy):
@@ -49,35 +49,33 @@ class OracleTarget(_Oracle):
     name = "oracle_target"
     layer_independent = False
 
-    def __init__(self, target: str = "mean", target_beta: float = 8.0, pool: str = "group", blend: float = 0.5, recency: float = 0.0,
-                 space: str = "log", shared: bool = False):
+    def __init__(self, target: TargetSpec | str | None = None, recency: float = 0.0, space: str = "log", shared: bool = False):
         super().__init__()
-        self.configure(target=target, target_beta=target_beta, pool=pool, blend=blend, recency=recency, space=space, shared=shared)
+        self.configure(target=TargetSpec() if target is None else target, recency=recency, space=space, shared=shared)
         self.r_tgt: list[Tensor] = []  # per layer (1, Hk, S)
 
-    def configure(self, *, target: str, target_beta: float, pool: str = "group", blend: float = 0.5, recency: float = 0.0,
-                  space: str = "log", shared: bool = False) -> OracleTarget:
-        """The training target to rank by (``train.target``, ``train.target_beta``, ``train.target_pool``,
-        ``train.target_blend``), the fixed age decay per token on top (``train.scorer_recency``) and what
-        it is added to: ``"log"``, the target (a log attention share), or ``"share"``, its exp; returns self.
+    def configure(self, *, target: TargetSpec | str, recency: float = 0.0, space: str = "log", shared: bool = False) -> OracleTarget:
+        """The training target to rank by (``train.target``: a :class:`~kvpop.target.TargetSpec` or its
+        compact form, ``"max.model"``), the fixed age decay per token on top (``train.scorer_recency``)
+        and what it is added to: ``"log"``, the target (a log attention share), or ``"share"``, its exp;
+        returns self.
 
         ``shared``: the long-range slots of every layer and KV head form one pool (``global_budget``, as
         ``dbtrimkv``'s): the leavers and the pool's entries compete by these priorities across layers and
         heads (:func:`kvpop.selection.global_decaying_eviction_times` with ``decays=False``), so a head
         whose tokens the target ranks higher holds more than ``k``. The ceiling of a ranking by the same
         target under one budget for the whole model."""
-        check_pool(pool, blend)  # at configure time, not at the first trace
+        self.target = TargetSpec.model_validate(target)  # checked at configure time, not at the first trace
         check_space(space)
-        self.target, self.target_beta, self.pool, self.blend = target, target_beta, pool, blend
         self.recency, self.space = check_recency(recency), space
         self.global_budget = bool(shared)  # shadows the class's False
         return self
 
     def teacher_target(self) -> tuple[str, float]:
-        return self.target, float(self.target_beta)
+        return self.target.kind, self.target.beta
 
     def fit_trace(self, *, input_ids: Tensor, record: dict, targets: dict) -> bool:
-        self.r_tgt = pool_targets(targets[self.teacher_target()], self.pool, self.blend)
+        self.r_tgt = scope_targets(targets[self.teacher_target()], self.target.scope, self.target.blend)
         return True
 
     def scores(self, layer, keys, values, pos, **_):
