@@ -24,11 +24,11 @@ GEOMETRY = {"budget": 24, "sinks": 2, "window": 8}  # 14 long-range slots
 PARAMS = {**GEOMETRY, "train": {"policies": ["kvpop_mlp"], "scorer_hidden": 8, "target": "max", "scorer_lr": 0.03}}
 
 
-def records(n: int, seed: int, vocab: int, *, quotes: bool = False) -> list[dict]:
+def records(n: int, seed: int, vocab: int, *, quotes: bool = False, lengths: tuple[int, int] = (56, 80)) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
-        S = int(torch.randint(56, 80, (1,), generator=g))
+        S = int(torch.randint(*lengths, (1,), generator=g))
         r = {"id": f"t{seed}-{i}", "input_ids": torch.randint(0, vocab, (S,), generator=g).tolist(), "loss_mask": [0] * 8 + [1] * (S - 8)}
         if quotes:  # a copied definition: oracle_sources has something to keep
             r["quote_source_positions"], r["quote_positions"] = [10, 11], [S - 3, S - 2]
@@ -63,9 +63,9 @@ def test_cache_round_trip_reuse_and_rebuild(teacher, tmp_path):
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and torch.equal(a.targets[("max", 8.0)], b.targets[("max", 8.0)])
         assert a.source == b.source
     teacher_cache(teacher, recs, window=6, kinds=[("max", 8.0)], path=path, log=logs.append)  # other inputs: rebuilt, not reused
-    assert "other inputs, rebuilt" in logs[-1] and load_cache(path)[0]["window"] == 6
+    assert any("other inputs, rebuilt" in s for s in logs[-3:]) and load_cache(path)[0]["window"] == 6
     teacher_cache(teacher, recs, window=6, kinds=[("mean", 8.0)], path=path, log=logs.append)  # a missing kind: rebuilt with both
-    assert "missing, rebuilt" in logs[-1] and set(load_cache(path)[1][0].targets) == {("max", 8.0), ("mean", 8.0)}
+    assert any("missing, rebuilt" in s for s in logs[-3:]) and set(load_cache(path)[1][0].targets) == {("max", 8.0), ("mean", 8.0)}
 
 
 def test_cache_refuses_another_version_and_a_damaged_file(teacher, tmp_path):
@@ -112,15 +112,15 @@ def test_scorer_loss_is_the_boundary_loss_of_training(teacher, params, traces, o
 
 
 def test_a_fit_lowers_the_boundary_loss(teacher, params, traces):
-    fit = fit_scorer(make_variant(params), "kvpop_mlp", traces, shape=model_shape(teacher), epochs=4)
+    fit = fit_scorer(make_variant(params), "kvpop_mlp", traces, shape=model_shape(teacher), epochs=3)
     assert fit.name == "kvpop_mlp [params]" and not fit.policy.training
-    assert fit.log["steps"] == 16 and fit.log["score_loss_after"] < fit.log["score_loss_before"]
+    assert fit.log["steps"] == 12 and fit.log["score_loss_after"] < fit.log["score_loss_before"]
 
 
 def test_run_probe_rows(teacher, params, tmp_path):
     vocab = teacher.config.vocab_size
     variants = [make_variant(params), make_variant(params, ["train.target=max.layer", "train.scorer_calibration=1"])]
-    doc = run_probe(teacher, params, variants, records(3, 3, vocab), records(2, 4, vocab, quotes=True), one_pool=True,
+    doc = run_probe(teacher, params, variants, records(3, 3, vocab), records(2, 4, vocab, quotes=True, lengths=(36, 44)), one_pool=True,
                     cache=tmp_path / "c.pt")
     fits = ["kvpop_mlp [params]", "kvpop_mlp [train.target=max.layer, train.scorer_calibration=1]"]
     want = {"dense", "streaming_llm", "oracle_sources", "oracle_target (max)", "oracle_target (max.layer)", *fits,
