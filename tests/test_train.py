@@ -8,6 +8,7 @@ import torch
 from kvpop.attention import ScorerTraining, SparseContext, register
 from kvpop.modeling import tiny_config
 from kvpop.policies import make_policy
+from kvpop.target import TargetSpec
 from kvpop.train import DistillModule, PackedDataset, TrainSettings, make_loader, prediction_mask, topk_kl
 
 from conftest import packed_toy
@@ -165,11 +166,11 @@ def test_build_training_trains_two_steps(policy_name, tmp_path):
         assert "train/score_loss" in trainer.callback_metrics
 
 
-@pytest.mark.parametrize("pool", ["group", "layer", "model", "blend", "blend:0.8"])
-def test_pooled_target_losses_equal_the_boundary_loss_on_pooled_targets(pool):
-    """train.target_pool: each layer's boundary loss is the one of its target pooled over the heads
+@pytest.mark.parametrize("spec", ["mean", "mean.layer", "mean.model", "mean.blend", "mean.blend:0.8"])
+def test_scoped_target_losses_equal_the_boundary_loss_on_scoped_targets(spec):
+    """train.target's scope: each layer's boundary loss is the one of its target maximized over the heads
     (layer) or over every layer and head (model, computed after the forward); reference: the
-    per-head targets recorded by a "group" forward, pooled by hand (a plain loop, not pool_targets)."""
+    per-head targets recorded by a "group" forward, maximized by hand (a plain loop, not scope_targets)."""
     from kvpop.boundary import boundary_loss
 
     _, student = tiny_pair()
@@ -189,16 +190,16 @@ def test_pooled_target_losses_equal_the_boundary_loss_on_pooled_targets(pool):
 
     attention.boundary_loss = spy
     try:
-        ctx = SparseContext.for_rows(policy, doc, pos, sinks=2, window=6, long_range=5, scorer_training=ScorerTraining(pool="group"))
+        ctx = SparseContext.for_rows(policy, doc, pos, sinks=2, window=6, long_range=5, scorer_training=ScorerTraining(target=TargetSpec(kind="mean")))
         student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx)
     finally:
         attention.boundary_loss = real
-    pool, _, w = pool.partition(":")
-    blend = float(w or 0.5)
+    target = TargetSpec.parse(spec)
+    scope, blend = target.scope, target.blend  # blend: 0.5 unless written (mean.blend:0.8)
     ctx = SparseContext.for_rows(policy, doc, pos, sinks=2, window=6, long_range=5,
-                                 scorer_training=ScorerTraining(pool=pool, blend=blend))
+                                 scorer_training=ScorerTraining(target=target))
     student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx)
-    if pool in ("model", "blend"):
+    if scope in ("model", "blend"):
         assert ctx.losses == []  # waits for every layer
     losses = ctx.finish_scorer_losses()
     assert len(losses) == 2 and ctx.finish_scorer_losses() is losses and len(losses) == 2  # idempotent
@@ -208,15 +209,15 @@ def test_pooled_target_losses_equal_the_boundary_loss_on_pooled_targets(pool):
         for b in range(B):
             for h in range(Hk):
                 for t in range(S):
-                    heads = [(L, g) for g in range(Hk)] if pool == "layer" else [(L, h)]
-                    if pool in ("model", "blend"):
+                    heads = [(L, g) for g in range(Hk)] if scope == "layer" else [(L, h)]
+                    if scope in ("model", "blend"):
                         heads = [(l2, g) for l2 in range(len(recorded)) for g in range(Hk)]
                     want[b, h, t] = max(recorded[l2][1][b, g, t].item() for l2, g in heads)
-                    if pool == "blend":  # the head's own target and the model's maximum, weighed
+                    if scope == "blend":  # the head's own target and the model's maximum, weighed
                         want[b, h, t] = blend * want[b, h, t] + (1 - blend) * recorded[L][1][b, h, t].item()
         ref, _ = boundary_loss(r_hat, want, log_gamma, doc, pos, sinks=2, window=6, long_range=5)
-        assert torch.allclose(losses[L].detach().double(), ref.double(), atol=1e-6), (pool, L)
-    if pool != "group":  # pooling changes the labels on this toy: the test can tell the pools apart
+        assert torch.allclose(losses[L].detach().double(), ref.double(), atol=1e-6), (scope, L)
+    if scope != "group":  # the scope changes the labels on this toy: the test can tell the scopes apart
         plain, _ = boundary_loss(recorded[0][0], recorded[0][1], recorded[0][2], doc, pos, sinks=2, window=6, long_range=5)
         assert not torch.allclose(losses[0].detach().double(), plain.double(), atol=1e-6)
     losses[0].backward()  # the deferred loss still reaches the scorer

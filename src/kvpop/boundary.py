@@ -123,8 +123,8 @@ def boundary_loss(
     attention mass the decision keeps. No class balance (the regret already prices both errors).
 
     ``weighting="uniform"``: omega = 1, every decision counts the same (no tie discount, no class
-    balance). Under the model-pooled target it fitted the long-range sources best on the CPU scorer
-    fit (BENCHMARKS.md, scorer fit).
+    balance). Under the target of scope model (``max.model``) it fitted the long-range sources best on
+    the CPU scorer fit (BENCHMARKS.md, scorer fit).
 
     ``share > 0``: teacher and student rank on the attention share's scale with that age decay
     (:func:`kvpop.scorer.static_priority`; the learned decay unused), and the margins are differences

@@ -7,8 +7,9 @@ would give if the scorer fitted it perfectly, and what the budget allows at all.
 
 * ``oracle_target``: the dense teacher's own ranking by the training target (``train.target``, a
   :class:`kvpop.target.TargetSpec`: :func:`kvpop.target.future_attention_target` of its kind,
-  widened to its scope by :func:`kvpop.target.scope_targets`), computed on the evaluated trace itself. Per layer and KV
-  head, priority = the target ``r_tgt`` (no decay; with ``recency``, ``r_tgt + recency * pos``, the
+  widened to its scope by :func:`kvpop.target.scope_targets`), computed on the evaluated trace
+  itself. Per layer and KV head, priority = the target ``r_tgt`` (no decay; with ``recency``,
+  ``r_tgt + recency * pos``, the
   fixed age decay of :mod:`kvpop.scorer`, or with ``space="share"`` ``exp(r_tgt) + recency * pos``,
   the decay against the attention share itself): the best a perfectly fitted scorer of that target
   could do. With ``shared``, one pool of ``L x Hk x k`` slots for the whole model instead of ``k`` per head
