@@ -14,8 +14,19 @@ from kvpop.boundary import boundary_loss, calibration_loss
 from kvpop.config import parse_params
 from kvpop.modeling import model_shape
 from kvpop.probe import (
-    CACHE_VERSION, CacheError, ProbeError, ROW_KEYS, fit_scorer, load_cache, make_variant, run_probe, save_cache, scorer_loss,
-    split_overrides, target_key, teacher_cache,
+    CACHE_VERSION,
+    ROW_KEYS,
+    CacheError,
+    ProbeError,
+    fit_scorer,
+    load_cache,
+    make_variant,
+    run_probe,
+    save_cache,
+    scorer_loss,
+    split_overrides,
+    target_key,
+    teacher_cache,
 )
 from kvpop.target import scope_targets
 from kvpop.train import TrainSettings, training_policy
