@@ -291,10 +291,7 @@ class SparseContext:
                     q.detach(), k.detach(), lse.detach(), self.doc_ids, window=self.layout.window, scale=scale, impl=impl,
                     kind=st.target.kind, beta=st.target.beta,
                 )
-            if st.target.spans_layers:  # needs every layer's target: the loss waits for finish_scorer_losses
-                self._pending.append((scores.r_hat, r_tgt, scores.log_gamma))
-            else:
-                self._scorer_loss(scores.r_hat, scope_targets([r_tgt], st.target.scope, st.target.blend)[0], scores.log_gamma)
+            self.add_scorer_loss(scores.r_hat, r_tgt, scores.log_gamma)
         return out.transpose(1, 2).contiguous()
 
     def _attend_gated(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, key: object) -> Tensor:
@@ -314,6 +311,21 @@ class SparseContext:
                                            age_scaled=relax.age_scaled)
         self.gate_relaxations.append(relax)
         return out.transpose(1, 2).contiguous()
+
+    def add_scorer_loss(self, r_hat: Tensor, r_tgt: Tensor, log_gamma: Tensor) -> None:
+        """One layer's scorer loss under :attr:`scorer_training`: ``r_hat`` (B, Hk, S) with the scorer's graph,
+        ``r_tgt`` (B, Hk, S) the layer's target before its scope, ``log_gamma`` (Hk,) with the decay's graph.
+        Computed now, or, where the target's scope spans layers, by :meth:`finish_scorer_losses` (:attr:`losses`)."""
+        spec = self.scorer_training.target
+        if spec.spans_layers:  # needs every layer's target: the loss waits for finish_scorer_losses
+            self._pending.append((r_hat, r_tgt, log_gamma))
+        else:
+            self._scorer_loss(r_hat, scope_targets([r_tgt], spec.scope, spec.blend)[0], log_gamma)
+
+    def mean_scorer_loss(self) -> Tensor:
+        """The scorer loss of the forward: the mean over layers of :attr:`losses` (after
+        :meth:`finish_scorer_losses`), float32 (a layer without decisions gives float64 0)."""
+        return torch.stack([x.float() for x in self.losses]).mean()
 
     def _scorer_loss(self, r_hat: Tensor, r_tgt: Tensor, log_gamma: Tensor) -> None:
         st = self.scorer_training

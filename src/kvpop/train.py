@@ -229,7 +229,7 @@ class DistillModule(L.LightningModule):
             loss = loss + gate_loss
             logs.update({f"train/{k}": v for k, v in gate_logs.items()})
         if ctx.losses:
-            score_loss = torch.stack([x.float() for x in ctx.losses]).mean()  # a layer without decisions gives float64 0
+            score_loss = ctx.mean_scorer_loss()
             loss = loss + score_loss
             logs["train/score_loss"] = score_loss.detach()
             for key in ("agreement", "keep_rate"):
@@ -438,6 +438,15 @@ class Training:
         return trainer
 
 
+def training_policy(name: str, shape: Mapping[str, int], cfg: TrainConfig, **policy_kw: Any) -> Policy:
+    """A fresh policy ``name`` for a model of ``shape`` (:func:`kvpop.modeling.model_shape`) with ``cfg``'s
+    scorer settings (``scorer_hidden``, ``scorer_recency``, ``scorer_recency_space``) and ``policy_kw``
+    (e.g. ``scorer_dk``): the policy a training run on ``cfg`` starts from."""
+    dims = {k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}
+    return make_policy(name, **dims, scorer_hidden=cfg.scorer_hidden, scorer_recency=cfg.scorer_recency,
+                       scorer_recency_space=cfg.scorer_recency_space, **policy_kw)
+
+
 def build_training(
     teacher, policy: str | Policy, data, *, cfg: TrainConfig, layout: CacheLayout, seed: int,
     student=None, policy_kw: Mapping[str, Any] | None = None,
@@ -457,9 +466,7 @@ def build_training(
     L.seed_everything(seed, workers=True)
     shape = model_shape(teacher)
     if isinstance(policy, str):
-        dims = {k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}
-        policy = make_policy(policy, **dims, scorer_hidden=cfg.scorer_hidden, scorer_recency=cfg.scorer_recency,
-                             scorer_recency_space=cfg.scorer_recency_space, **(policy_kw or {}))
+        policy = training_policy(policy, shape, cfg, **(policy_kw or {}))
     layout = layout.for_policy(policy, head_dim=shape["head_dim"])
     if student is None:  # the teacher may be frozen already (an earlier run on it)
         student = copy.deepcopy(teacher).requires_grad_(True)
