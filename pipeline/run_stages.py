@@ -12,7 +12,9 @@ dependency tracking: every selected stage runs.
 
 ``--parallel STAGE`` runs the items of a foreach stage at the same time (several trainings fit on one
 GPU); their output goes to ``<log-dir>/<stage>@<item>.log``. A train stage killed part-way resumes
-from its checkpoint when run again (``pipeline/train.py``).
+from its checkpoint when run again (``pipeline/train.py``); ``--skip-done`` skips every command whose
+declared outputs (dvc.yaml ``outs``) all exist already, so a second call continues an interrupted
+run instead of training the finished policies again.
 """
 
 from __future__ import annotations
@@ -40,20 +42,29 @@ def lookup(params: dict, dotted: str):
     return node
 
 
-def commands(dvc: dict, params: dict) -> list[tuple[str, str | None, str]]:
-    """``(stage, item or None, command)`` for every stage of ``dvc.yaml`` in order, foreach stages expanded."""
+def expand(text: str, params: dict, item: str | None) -> str:
+    """``${item}`` and ``${dotted.key}`` of a dvc.yaml string, from the foreach item and the params."""
+    if item is not None:
+        text = text.replace("${item}", item)
+    return _VAR.sub(lambda v: str(lookup(params, v.group(1))), text)
+
+
+def commands(dvc: dict, params: dict) -> list[tuple[str, str | None, str, list[str]]]:
+    """``(stage, item or None, command, outs)`` for every stage of ``dvc.yaml`` in order, foreach stages
+    expanded; ``outs`` the stage's declared output paths."""
     out = []
     for name, stage in (dvc.get("stages") or {}).items():
+        items: list[str | None] = [None]
+        body = stage
         if "foreach" in stage:
             m = _VAR.fullmatch(str(stage["foreach"]).strip())
-            items = lookup(params, m.group(1)) if m else stage["foreach"]
-            if not isinstance(items, list):
-                raise ValueError(f"stage {name}: foreach must expand to a list, got {items!r}")
-            for item in items:
-                cmd = stage["do"]["cmd"].replace("${item}", str(item))
-                out.append((name, str(item), _VAR.sub(lambda v: str(lookup(params, v.group(1))), cmd)))
-        else:
-            out.append((name, None, _VAR.sub(lambda v: str(lookup(params, v.group(1))), stage["cmd"])))
+            found = lookup(params, m.group(1)) if m else stage["foreach"]
+            if not isinstance(found, list):
+                raise ValueError(f"stage {name}: foreach must expand to a list, got {found!r}")
+            items, body = [str(i) for i in found], stage["do"]
+        for item in items:
+            outs = [expand(o if isinstance(o, str) else next(iter(o)), params, item) for o in body.get("outs") or []]
+            out.append((name, item, expand(body["cmd"], params, item), outs))
     return out
 
 
@@ -69,10 +80,11 @@ def main() -> None:
     ap.add_argument("--to", dest="stop", help="last stage to run")
     ap.add_argument("--parallel", action="append", default=[], help="a foreach stage whose items run side by side (repeatable)")
     ap.add_argument("--log-dir", default="logs", help="logs of the items of a --parallel stage")
+    ap.add_argument("--skip-done", action="store_true", help="skip a command whose declared outputs all exist")
     args = ap.parse_args()
     params = yaml.safe_load((ROOT / args.params).read_text()) or {}
     cmds = commands(yaml.safe_load((ROOT / "dvc.yaml").read_text()), params)
-    names = list(dict.fromkeys(stage for stage, _, _ in cmds))
+    names = list(dict.fromkeys(stage for stage, *_ in cmds))
     for flag, stage in (("--from", args.start), ("--to", args.stop), *(("--parallel", s) for s in args.parallel)):
         if stage is not None and stage not in names:
             raise SystemExit(f"{flag} {stage!r}: no such stage in dvc.yaml ({', '.join(names)})")
@@ -80,7 +92,14 @@ def main() -> None:
     hi = names.index(args.stop) if args.stop else len(names) - 1
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     for stage in names[lo : hi + 1]:
-        group = [(item, cmd) for s, item, cmd in cmds if s == stage]
+        group = []
+        for s, item, cmd, outs in cmds:
+            if s != stage:
+                continue
+            if args.skip_done and outs and all((ROOT / o).exists() for o in outs):
+                print(f"[run] {stage}{'@' + item if item else ''}: outputs exist, skipped (--skip-done)", flush=True)
+                continue
+            group.append((item, cmd))
         t0 = time.time()
         if stage in args.parallel and len(group) > 1:
             logs = ROOT / args.log_dir

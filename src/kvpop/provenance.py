@@ -113,14 +113,29 @@ def check_envelope(doc: object) -> list[str]:
     return problems
 
 
-def write_result(path: str | Path, payload: dict, *, command: str | None = None, provenance: dict | None = None) -> Path:
-    """Write ``{"provenance": ..., **payload}`` to ``path`` atomically (a temp file, then a rename):
-    an interrupted write leaves the previous file whole. ``provenance`` defaults to :func:`envelope`."""
+def script_summary() -> str | None:
+    """The first line of the running script's docstring (``__main__``), or None."""
+    doc = getattr(sys.modules.get("__main__"), "__doc__", None) or ""
+    line = doc.strip().splitlines()[0].strip() if doc.strip() else ""
+    return line or None
+
+
+def write_result(path: str | Path, payload: dict, *, what: str | None = None, command: str | None = None,
+                 provenance: dict | None = None) -> Path:
+    """Write ``{"provenance": ..., "what": ..., **payload}`` to ``path`` atomically (a temp file, then a
+    rename): an interrupted write leaves the previous file whole. ``provenance`` defaults to
+    :func:`envelope`; ``what`` (one line: what the file measures, read by ``results/README.md``'s index,
+    :mod:`kvpop.results_index`) to the payload's own ``"what"``, else the first line of the running
+    script's docstring."""
     if "provenance" in payload:
         raise ValueError("the payload has its own 'provenance' key; pass it as provenance=")
+    what = what or payload.get("what") or script_summary()
+    if not what or "\n" in what:
+        raise ValueError(f"a result needs a one-line 'what' (what it measures), got {what!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"provenance": provenance if provenance is not None else envelope(command), **payload}
+    doc = {"provenance": provenance if provenance is not None else envelope(command), "what": what,
+           **{k: v for k, v in payload.items() if k != "what"}}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:

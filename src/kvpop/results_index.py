@@ -29,8 +29,8 @@ from kvpop.provenance import check_envelope
 
 #: folder -> the script that writes it, where the folder is not ``bench/<folder>.py``
 SCRIPTS = {
-    "quality": "bench/gpu_quality.py",
-    "other_text": "bench/bench_no_harm.py",
+    "quality": "bench/gpu_quality.py (retired; the pipeline's profiles since: `dvc exp run $(python pipeline/profiles.py 4k)`)",
+    "other_text": "bench/bench_no_harm.py (retired; the evaluate stage's `evaluate.other_text` since)",
     "pipeline": "the pipeline (`dvc exp run`), then `kvpop.evaluate.evaluate_fidelity`",
 }
 INDEX = "README.md"

@@ -3,15 +3,15 @@
 The scorers learn which tokens later queries attend to. Trained on one kind of text only (math
 reasoning traces), a scorer learns that kind's cues, and can rank other text (code, prose) worse
 than the recency rule does. Mixing pieces of other text into the training rows teaches the
-target on text of other shapes (``filter.other_text``; ``bench/scorer_fit.py --mix``,
-``bench/gpu_quality.py --mix``; the measured effect is in BENCHMARKS.md, quality).
+target on text of other shapes (``filter.other_text``; ``bench/scorer_fit.py --mix``; the measured
+effect is in BENCHMARKS.md, quality).
 
 Sources that ship with every CPython, so nothing is downloaded:
 
 * ``code``: the standard library's top-level modules, in name order, except ``HELD_OUT_CODE``;
 * ``prose``: the Python documentation's topic texts (``pydoc_data.topics``), in key order.
 
-The no-harm check (``bench/bench_no_harm.py``) reads ``HELD_OUT_CODE`` and installed packages'
+The other-text check (``evaluate.other_text``) reads ``HELD_OUT_CODE`` and installed packages'
 descriptions (``*.dist-info/METADATA``), which are never mixed in, so a harm measured there stays a
 measurement on text the policy never saw; :func:`held_out_records` cuts them into evaluation pieces
 (``evaluate.other_text``, :func:`kvpop.evaluate.evaluate_other_text`). ``exclude`` drops further sources.
