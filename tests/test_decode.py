@@ -169,19 +169,19 @@ def test_kvpop_policy_and_generate(model, tiny_tokenizer):
     assert 0.9 * mlp_stats.peak_cache_mb < stats.peak_cache_mb <= mlp_stats.peak_cache_mb
 
 
-def test_the_readme_transformers_snippet_decodes_with_the_bounded_cache(tiny_llama_dir):
-    """The README's ``model.generate`` snippet runs as written (a tiny model, a small context so that
+def test_the_documented_transformers_snippet_decodes_with_the_bounded_cache(tiny_llama_dir):
+    """The documentation's ``model.generate`` snippet (docs/decoding.md) runs as written (a tiny model, a small context so that
     eviction happens) and gives the tokens of the library's reference path at the same budget."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "decoding.md").read_text()
     code = re.search(r"```python\n(# a bounded KV cache in model\.generate\n.*?)```", readme, re.S).group(1)
     assert len(code.strip().splitlines()) <= 12
     code = code.replace('path = "models/base"', f"path = {str(tiny_llama_dir)!r}")
     code = code.replace("compression, context = 0.88, 8192", "compression, context = 0.75, 48").replace("sinks=4, window=256", "sinks=2, window=6")
     ns: dict = {}
-    exec(compile(code, "README.md", "exec"), ns)
+    exec(compile(code, "docs/decoding.md", "exec"), ns)
     ids, out, cache, model, tok = ns["ids"], ns["out"], ns["cache"], ns["model"], ns["tok"]
     assert isinstance(cache, BoundedCache) and cache.budget == 12 and out.shape[1] > cache.budget
     pos = cache.layers[0].pos  # (B, Hk, slots): generate wrote through the cache, and it evicted
