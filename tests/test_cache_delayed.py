@@ -84,10 +84,10 @@ def test_stored_tokens_follow_eviction_times(prefill, sinks, window, k, space):
                 p = layer.pos[b, h]
                 stored = p[p >= 0].sort().values
                 assert stored.tolist() == kept.tolist(), (b, h, t)
-                lr = p[layer.lr :]
-                lr_prio = layer.prio[b, h, layer.lr :][lr >= 0]
+                lr = p[layer.first_long_range :]
+                lr_prio = layer.prio[b, h, layer.first_long_range :][lr >= 0]
                 torch.testing.assert_close(lr_prio, prio[b, h, lr[lr >= 0]], rtol=0, atol=1e-9)
-                assert layer.prio[b, h, : layer.lr][p[: layer.lr] >= 0].isnan().all()
+                assert layer.prio[b, h, : layer.first_long_range][p[: layer.first_long_range] >= 0].isnan().all()
     assert all(s.shape[0] == B for s in layer.state)
 
 
@@ -133,4 +133,4 @@ def test_memory_is_flat_and_matches_the_mlp_variant(tiny_model):
     # close: the state costs at most the keys and values of the slots given up; the bookkeeping
     # (priority, position) of those slots is saved too
     assert 0.9 * ref.cache_bytes() < sizes[50] <= ref.cache_bytes()
-    assert torch.isfinite(cache.layers[1].prio[..., cache.layers[1].lr :]).all()  # long-range slots all scored
+    assert torch.isfinite(cache.layers[1].prio[..., cache.layers[1].first_long_range :]).all()  # long-range slots all scored

@@ -105,7 +105,7 @@ def test_chunked_prefill_keeps_the_cache_contents(model, name, tie_policy):
         got = eng.pos[i][..., : eng.slots].sort(-1).values
         assert torch.equal(got, want)
         # slot for slot the same layout: sinks first, the ring by position
-        assert torch.equal(eng.pos[i][..., : eng.lr], layer.pos[..., : eng.lr])
+        assert torch.equal(eng.pos[i][..., : eng.first_long_range], layer.pos[..., : eng.first_long_range])
 
 
 def test_dense_engine_equals_the_full_forward(model):

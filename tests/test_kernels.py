@@ -108,7 +108,7 @@ def test_fused_insert_breaks_ties_as_the_tensor_code():
     for trial in range(40):
         p = 200 + trial
         at = ref.home_slot(torch.tensor(p)).expand(4)
-        lr, T = ref.lr, ref.T
+        lr, T = ref.first_long_range, ref.T
         keys, values = torch.randn(2, 2, T, 16, generator=g), torch.randn(2, 2, T, 16, generator=g)
         pos = torch.randint(0, p - WINDOW, (2, 2, T), generator=g)
         # two levels per trial, the leaver's priority (its position p - window) below, equal to or above the lowest

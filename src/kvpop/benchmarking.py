@@ -177,7 +177,7 @@ def fill_cache(eng, ctx: int, seed: int) -> float:
         lr_n = min(eng.long_range, older)
         lr = torch.rand(B * Hk, older, generator=g, device=dev).argsort(-1)[:, :lr_n].sort(-1).values + eng.sinks  # random survivors
         held = torch.cat([fixed.expand(B * Hk, -1), lr], -1).view(B, Hk, -1)  # (B, Hk, n)
-        slots = torch.cat([eng.home_slot(fixed), torch.arange(eng.lr, eng.lr + lr_n, device=dev)]).expand(B, Hk, -1)  # (B, Hk, n)
+        slots = torch.cat([eng.home_slot(fixed), torch.arange(eng.first_long_range, eng.first_long_range + lr_n, device=dev)]).expand(B, Hk, -1)  # (B, Hk, n)
     n = held.shape[-1]
     for i in range(len(eng.layers)):
         eng.pos[i].fill_(-1).scatter_(2, slots, held)

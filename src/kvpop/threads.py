@@ -4,7 +4,7 @@ On a CPU, a decode step of a small model is a chain of small matrix products who
 a barrier every operation. With every core free, more threads are faster; with a core busy
 elsewhere, a thread that waits for it stalls all the others. Measured on this project's 2-core
 workplace (``bench/bench_threads.py``, greedy decoding of the CPU pipeline's ``kvpop_mlp`` export,
-2026-12-01, ``results/threads_cpu.json``): idle, 2 threads decode 1.60x faster than 1; with one core
+``results/bench_threads/cpu.json``): idle, 2 threads decode 1.60x faster than 1; with one core
 busy elsewhere, 2 threads run at 0.17x of 1 thread (6x slower).
 
 Pipeline stages do not use ``auto``: a stage's results must not depend on how busy the machine

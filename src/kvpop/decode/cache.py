@@ -88,7 +88,7 @@ class BoundedLayer(CacheLayerMixin):
         self.layer_idx, self.policy, self.layout = layer_idx, policy, layout
         self.slots, self.sinks, self.window = layout.slots, layout.sinks, layout.window
         self.long_range = layout.long_range
-        self.lr = layout.first_long_range
+        self.first_long_range = layout.first_long_range
         self.seen = 0  # tokens seen (not stored): the next token's position
         self.prio: Tensor | None = None  # (B, Hk, T) float64, -inf on empty slots
         self.pos: Tensor | None = None  # (B, Hk, T) int64 absolute position, -1 on empty slots
@@ -186,7 +186,7 @@ class BoundedLayer(CacheLayerMixin):
         else:
             prio = self.policy.token_scores(self.layer_idx, k, v, torch.full((B, 1), p, device=k.device))  # (B, Hk, 1)
         slot = self.layout.home_slot(p)
-        if p >= self.lr:  # the occupant of the ring slot (token p - window) leaves the window
+        if p >= self.first_long_range:  # the occupant of the ring slot (token p - window) leaves the window
             if delayed and self.long_range > 0:
                 self.prio[:, :, slot] = self.policy.exit_scores(
                     self.layer_idx, self.state, self.keys[:, :, slot], self.values[:, :, slot], p - self.window
@@ -204,7 +204,7 @@ class BoundedLayer(CacheLayerMixin):
         in log; :func:`kvpop.selection.decaying_eviction_times`), every other by ``prio``."""
         if self.long_range == 0:
             return
-        lr = slice(self.lr, self.slots)
+        lr = slice(self.first_long_range, self.slots)
         prio, pos = self.prio[:, :, lr], self.pos[:, :, lr]  # (B, Hk, k)
         leaver = self.prio[:, :, src : src + 1]
         if self.policy.decays:  # the same float64 products as the simulation
@@ -214,7 +214,7 @@ class BoundedLayer(CacheLayerMixin):
         # lowest-ranked slot: lowest priority, and the oldest among equal priorities
         victim = torch.where(prio == low, pos, torch.iinfo(torch.int64).max).argmin(-1, keepdim=True)  # (B, Hk, 1)
         wins = (leaver >= low) & (leaver > NEG_INF)  # the candidate is the newest: it wins ties; gated out (-inf, dms): it leaves
-        dst = victim + self.lr  # (B, Hk, 1)
+        dst = victim + self.first_long_range  # (B, Hk, 1)
         for buf in (self.keys, self.values, self.prio, self.pos):  # not the state
             idx = dst if buf.dim() == 3 else dst[..., None].expand(-1, -1, -1, buf.shape[-1])
             cand = buf[:, :, src : src + 1]
@@ -257,7 +257,7 @@ class BoundedLayer(CacheLayerMixin):
         """Write tokens ``top`` (B, Hk, n) into the first n long-range slots; priority ``-inf`` (not a
         survivor) leaves the slot empty."""
         n = top.shape[-1]
-        dst = slice(self.lr, self.lr + n)
+        dst = slice(self.first_long_range, self.first_long_range + n)
         self.keys[:, :, dst] = k.gather(2, top[..., None].expand(-1, -1, -1, k.shape[-1]))
         self.values[:, :, dst] = v.gather(2, top[..., None].expand(-1, -1, -1, v.shape[-1]))
         self.prio[:, :, dst] = top_prio
@@ -311,8 +311,8 @@ class BoundedLayer(CacheLayerMixin):
         self._keep_survivors(k, v, prio, evict)
         if state is not None:
             self._set_state(state)
-            fixed = self.prio[:, :, : self.lr]  # sinks and window: stored unscored (NaN), scored when they leave
-            fixed.copy_(torch.where(self.pos[:, :, : self.lr] >= 0, float("nan"), NEG_INF))
+            fixed = self.prio[:, :, : self.first_long_range]  # sinks and window: stored unscored (NaN), scored when they leave
+            fixed.copy_(torch.where(self.pos[:, :, : self.first_long_range] >= 0, float("nan"), NEG_INF))
         return out.transpose(1, 2)
 
     def _pattern_prefill(self, q, k, v, scale, prio, pos) -> tuple[Tensor, Tensor]:

@@ -216,7 +216,7 @@ class DecodeEngine:
         # (after every check above: a refused engine leaves the model as it was)
         self._wqkv = [pack_linears(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj) for l in self.layers]
         self._wgu = [pack_linears(l.mlp.gate_proj, l.mlp.up_proj) for l in self.layers]
-        self.lr = self.layout.first_long_range
+        self.first_long_range = self.layout.first_long_range
         pad = BLOCK if self.device.type == "cuda" else 1  # FlexAttention's blocks; SDPA (CPU) takes any length
         self.T = -(-self.slots // pad) * pad
         B, Hk, T, D, dev = self.B, self.Hk, self.T, self.D, self.device
@@ -391,9 +391,9 @@ class DecodeEngine:
         gaps = self.policy is not None and self.policy.gated
         filled = None if self.compiled or gaps else min(self.seen, self.slots)
         # eager and p < sinks + window: no token leaves the window yet, so no competition is written
-        evicting = self.kind == "bounded" and self.long_range > 0 and (self.compiled or self.seen > self.lr)
+        evicting = self.kind == "bounded" and self.long_range > 0 and (self.compiled or self.seen > self.first_long_range)
         lazy = self._lazy_state()
-        advance = self.delayed and not (lazy and self.seen <= self.lr)  # a delayed rule's state reads the token now
+        advance = self.delayed and not (lazy and self.seen <= self.first_long_range)  # a delayed rule's state reads the token now
         L = len(self.layers)
         for i, layer in enumerate(self.layers):
             if advance and lazy:
@@ -476,7 +476,7 @@ class DecodeEngine:
         if self.fused:  # the same in one kernel (no delayed rule here)
             from kvpop.kernels.insert import fused_insert
 
-            fused_insert(keys, values, pos, prio, k, v, p, at, rule.fused_scorer(li), lr=self.lr, slots=self.slots, sinks=self.sinks,
+            fused_insert(keys, values, pos, prio, k, v, p, at, rule.fused_scorer(li), lr=self.first_long_range, slots=self.slots, sinks=self.sinks,
                          window=self.window, evict=evicting)
             return
         if advance:
@@ -497,9 +497,9 @@ class DecodeEngine:
         else:
             cand_prio = rule.token_scores(li, occ_k[:, :, None], occ_v[:, :, None], (p - self.window).view(1, 1).expand(B, 1))
         cand_prio = cand_prio.double().reshape(B * Hk)
-        lr_prio, lr_pos = prio[:, :, self.lr : self.slots], pos[:, :, self.lr : self.slots]  # (B, Hk, k)
+        lr_prio, lr_pos = prio[:, :, self.first_long_range : self.slots], pos[:, :, self.first_long_range : self.slots]  # (B, Hk, k)
         low = lr_prio.amin(-1, keepdim=True)  # (B, Hk, 1); empty slots are -inf
-        victim = (torch.where(lr_prio == low, lr_pos, I64_MAX).argmin(-1) + self.lr).view(B * Hk)  # (B * Hk,)
+        victim = (torch.where(lr_prio == low, lr_pos, I64_MAX).argmin(-1) + self.first_long_range).view(B * Hk)  # (B * Hk,)
         # (B * Hk,); the leaver is newer than every slot: it wins ties; a gated-out one (-inf, dms) leaves
         wins = leaving & (cand_prio >= low.view(-1)) & (cand_prio > NEG_INF)
         src = torch.where(wins, at, victim)  # the victim slot then holds the leaver, or keeps its own token
@@ -537,7 +537,7 @@ class DecodeEngine:
         cos, sin = self.model.model.rotary_emb(x, pos)
         # CPU: while the cache is the prefix [0, c1) in position order (dense, or no token leaves the
         # window before c1), the chunk attends causally over that prefix and nothing is evicted
-        prefix = self.device.type != "cuda" and (self.kind == "dense" or c0 + C <= self.lr)
+        prefix = self.device.type != "cuda" and (self.kind == "dense" or c0 + C <= self.first_long_range)
         causal = torch.arange(c0 + C, device=self.device) <= pos[0][:, None] if prefix and c0 else None  # (C, c0 + C); c0 = 0: is_causal
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, self._wqkv[i], layer.input_layernorm(x), cos, sin)  # (B, H, C, D), (B, Hk, C, D)
@@ -616,14 +616,14 @@ class DecodeEngine:
         fixed = keep & ((cand_pos < self.sinks) | (cand_pos >= c1 - self.window))
         long = keep & ~fixed
         rank = long.long().cumsum(-1) - 1
-        dest = torch.where(fixed, self.home_slot(cand_pos), torch.where(long, self.lr + rank, T))  # T: discarded
+        dest = torch.where(fixed, self.home_slot(cand_pos), torch.where(long, self.first_long_range + rank, T))  # T: discarded
         self._scatter_layout(i, dest, cand_k, cand_v, cand_pos, cand_prio)
         return out
 
     def _scored_prio(self, i: int) -> Tensor:
         """Layer i's slot priorities (B, Hk, T) with the sink and window tokens scored (a static rule:
         the decode step stores them unscored, NaN, and scores each as it leaves the window)."""
-        prio, fixed = self.prio[i], slice(0, self.lr)
+        prio, fixed = self.prio[i], slice(0, self.first_long_range)
         if not prio[:, :, fixed].isnan().any():
             return prio
         pos = self.pos[i][:, 0, fixed]  # (B, sinks + window): sink and ring slots hold the same token in every head
@@ -672,7 +672,7 @@ class DecodeEngine:
         B, Hk = k.shape[:2]
         cand_prio = torch.full((B, Hk, off + k.shape[2]), NEG_INF, dtype=torch.float64, device=k.device)
         if off:
-            cand_prio[:, :, self.lr : self.slots] = self.prio[i][:, :, self.lr : self.slots]
+            cand_prio[:, :, self.first_long_range : self.slots] = self.prio[i][:, :, self.first_long_range : self.slots]
         return cand_prio.index_copy_(2, idx, prio.double())
 
     def _scatter_layout(self, i: int, dest: Tensor, k: Tensor, v: Tensor, pos: Tensor, prio: Tensor) -> None:

@@ -13,8 +13,8 @@
   :func:`kvpop.masks.block_lists_reference`; tested under the interpreter too.
 
 The last two are on by default on CUDA; ``KVPOP_SELECTION_KERNELS=0`` runs their twins instead
-(:func:`selection_kernels_enabled`). Their GPU tests (tests/test_gpu.py, tests/test_order.py) ran
-green on an H200 on 2026-12-02.
+(:func:`selection_kernels_enabled`), after their GPU tests (tests/test_gpu.py, tests/test_order.py)
+ran green on an H200 (BENCHMARKS.md).
 
 tests/test_kernels.py also compiles every kernel to a cubin for sm_80 and sm_90 on the CPU.
 
