@@ -33,7 +33,7 @@ def test_capabilities():
     # the cache takes the policy's k at the nominal budget
     assert BoundedCache(cfg, kvpop, layout=CacheLayout(20, 2, 8)).long_range == kvpop.long_range_slots(layout=CacheLayout(20, 2, 8), head_dim=16) == 9
     assert BoundedCache(cfg, mlp, layout=CacheLayout(20, 2, 8)).long_range == 10
-    with pytest.raises(ValueError, match="no long-range slot"):
+    with pytest.raises(ValueError, match="at least 1 long-range slot"):
         BoundedCache(cfg, kvpop, layout=CacheLayout(11, 2, 8))
 
 
