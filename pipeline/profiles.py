@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from kvpop.config import ParamsError, parse_params
+from kvpop.config import ParamsError, parse_params, read_mapping
 
 PROFILES = Path(__file__).resolve().parent.parent / "profiles"
 
@@ -38,16 +38,8 @@ def profile_path(name: str) -> Path:
 
 
 def read_yaml(path: Path) -> dict:
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in PROFILES.glob("*.yaml"))) if PROFILES.is_dir() else "none"
-        raise ParamsError(f"profile not found: {path} (profiles: {known})")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ParamsError(f"{path} is not valid YAML: {err}") from None
-    if not isinstance(raw, dict):
-        raise ParamsError(f"{path} must hold a mapping at the top level")
-    return raw
+    known = ", ".join(sorted(p.stem for p in PROFILES.glob("*.yaml"))) if PROFILES.is_dir() else "none"
+    return read_mapping(path, missing=f"profile not found (profiles: {known})")
 
 
 def leaves(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
@@ -95,7 +87,7 @@ def main() -> None:
     args = ap.parse_args()
     try:
         overrides = leaves(read_yaml(profile_path(args.profile)))
-        base = read_yaml(Path(args.params))
+        base = read_mapping(args.params)
         params = merged(base, overrides)
         parse_params(params)  # every key validated before anything is written or run
     except ParamsError as err:

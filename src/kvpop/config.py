@@ -357,15 +357,21 @@ def parse_params(raw: dict[str, Any]) -> Params:
         raise ParamsError(_format(err)) from None
 
 
-def load_params(path: str | Path = "params.yaml") -> Params:
-    """Read and validate ``params.yaml``."""
+def read_mapping(path: str | Path, missing: str = "params file not found") -> dict[str, Any]:
+    """The YAML mapping in ``path`` (a params file or a profile), unvalidated; a :class:`ParamsError`
+    naming the file when it is missing (``missing``: the message's start), not YAML or not a mapping."""
     path = Path(path)
     if not path.is_file():
-        raise ParamsError(f"params file not found: {path}")
+        raise ParamsError(f"{missing}: {path}")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise ParamsError(f"{path} is not valid YAML: {err}") from None
     if not isinstance(raw, dict):
         raise ParamsError(f"{path} must hold a mapping at the top level")
-    return parse_params(raw)
+    return raw
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Read and validate ``params.yaml``."""
+    return parse_params(read_mapping(path))
