@@ -14,30 +14,11 @@ import argparse
 from pathlib import Path
 
 from kvpop.modeling import model_shape
-from kvpop.policies import make_policy
-from validate import stop, write_marker
+from validate import slot_errors, stop, write_marker
 
 from common import console, fail, params
 
 MARKER = "the budget leaves every trained policy a long-range slot on models/base\n"
-
-
-def slot_errors(p, shape: dict[str, int]) -> tuple[dict[str, int], list[str]]:
-    """({policy: its long-range slots k}, errors naming the params key) of every entry of
-    ``train.policies`` at ``budget``/``sinks``/``window`` on a model of ``shape`` (:func:`kvpop.modeling.model_shape`)."""
-    dims = {k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}
-    slots, errors = {}, []
-    for name in p.train.policies:
-        try:
-            k = make_policy(name, **dims, scorer_hidden=p.train.scorer_hidden).long_range_slots(p.layout, head_dim=shape["head_dim"])
-        except ValueError as err:
-            errors.append(f"  budget: {err} (train.policies: {name})")
-            continue
-        if k <= 0:
-            errors.append(f"  budget: {p.budget} leaves {name} no long-range slot (sinks {p.sinks}, window {p.window}, "
-                          f"head dim {shape['head_dim']}; train.policies: {name})")
-        slots[name] = k
-    return slots, errors
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from kvpop.config import ParamsError, load_params
+from kvpop.policies import make_policy
 
 from common import console, write_text
 
@@ -201,15 +202,52 @@ def write_marker(path: str | Path, text: str) -> None:
         write_text(out, text)
 
 
+def slot_errors(p, shape: dict[str, int]) -> tuple[dict[str, int], list[str]]:
+    """({policy: its long-range slots k}, errors naming the params key) of every entry of
+    ``train.policies`` at ``budget``/``sinks``/``window`` on a model of ``shape`` (:func:`kvpop.modeling.model_shape`)."""
+    dims = {k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}
+    slots, errors = {}, []
+    for name in p.train.policies:
+        try:
+            k = make_policy(name, **dims, scorer_hidden=p.train.scorer_hidden).long_range_slots(p.layout, head_dim=shape["head_dim"])
+        except ValueError as err:
+            errors.append(f"  budget: {err} (train.policies: {name})")
+            continue
+        if k <= 0:
+            errors.append(f"  budget: {p.budget} leaves {name} no long-range slot (sinks {p.sinks}, window {p.window}, "
+                          f"head dim {shape['head_dim']}; train.policies: {name})")
+        slots[name] = k
+    return slots, errors
+
+
+def folder_source_errors(p) -> list[str]:
+    """:func:`slot_errors` already here when ``base_model.source`` is a local model folder (a value of
+    params.yaml, which the base_model stage reads too): a budget that leaves a policy no slot then
+    stops before any stage runs, so not even dvc.lock's entry of this stage changes. Other sources
+    (the embedded GGUF, a hub id) are checked by the slots stage on ``models/base``."""
+    config = Path(p.base_model.source) / "config.json"
+    if p.base_model.source == "embedded" or not config.is_file():
+        return []
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from kvpop.modeling import model_shape
+
+    return slot_errors(p, model_shape(SimpleNamespace(config=AutoConfig.from_pretrained(config.parent))))[1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--out", default="data/params.valid")
     args = ap.parse_args()
     try:
-        load_params(args.params)
+        p = load_params(args.params)
     except ParamsError as err:
         stop(str(err), args.params)
+    if errors := folder_source_errors(p):
+        stop("invalid params for the trained policies on this base model:\n" + "\n".join(errors), args.params)
     write_marker(args.out, MARKER)
     console.print(f"{args.params}: valid")
 

@@ -142,7 +142,7 @@ def test_gate_bias_applies_past_the_window_to_non_sinks_only():
 
 def test_leaving_tokens_and_the_budget_ratio_match_loops():
     _, doc, pos = packed_toy(3, 90, seed=4)
-    leaves = leaving_tokens(doc, pos, sinks=SINKS, window=WINDOW)
+    leaves = leaving_tokens(doc, pos, layout=CacheLayout.of(sinks=SINKS, window=WINDOW, long_range=0))
     counts = []
     for b in range(3):
         for d in sorted(set(doc[b].tolist()) - {-1}):

@@ -118,7 +118,7 @@ def test_sharded_checkpoint_exports_like_a_single_device_one(tiny_qwen3_dir, tmp
         assert torch.equal(merged[k], v), k
 
     p = yaml.safe_load((ROOT / "params.yaml").read_text())
-    p.update(layout=CacheLayout(40, 2, 8))
+    p.update(budget=40, sinks=2, window=8)
     p["train"]["scorer_hidden"] = 8
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(p))
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}

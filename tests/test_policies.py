@@ -120,14 +120,14 @@ def test_config_reads_the_registry():
 
 
 def test_the_readme_example_policy_plugs_in(monkeypatch, tiny_model):
-    """The README's ten-line policy, registered, runs through the registry and both decode paths."""
+    """The documented ten-line policy (docs/policies.md), registered, runs through the registry and both decode paths."""
     from kvpop.decode import generate
 
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "policies.md").read_text()
     code = re.search(r"```python\n(# src/kvpop/policies/key_norm\.py.*?)```", readme, re.S).group(1)
     assert len(code.strip().splitlines()) <= 12
     ns: dict = {}
-    exec(compile(code, "README.md", "exec"), ns)
+    exec(compile(code, "docs/policies.md", "exec"), ns)
     KeyNorm = ns["KeyNorm"]
     monkeypatch.setitem(policies.REGISTRY, "key_norm", KeyNorm)
     assert "key_norm" in names(trained=False) and "key_norm" not in names(needs_attention=True)
@@ -190,8 +190,8 @@ def test_no_import_cycle_in_the_library():
                       "dbtrimkv": 4_737_089}),
 ])
 def test_parameter_counts_in_the_readme(shape, counts):
-    """The README's table of scorer and gate sizes (SmolLM2-135M, Qwen3-4B) is what make_policy builds."""
-    readme = (ROOT / "README.md").read_text()
+    """The documented table of scorer and gate sizes (docs/policies.md; SmolLM2-135M, Qwen3-4B) is what make_policy builds."""
+    readme = (ROOT / "docs" / "policies.md").read_text()
     for name, n in counts.items():
         p = make_policy(name, num_layers=shape[0], num_kv_heads=shape[1], head_dim=shape[2])
         assert sum(x.numel() for x in p.parameters()) == n, name

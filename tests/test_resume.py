@@ -23,7 +23,6 @@ import torch
 import yaml
 
 from kvpop.export import CheckpointError
-from kvpop.geometry import CacheLayout
 from kvpop.pack import pack_records, save_packed
 from kvpop.resume import begin_run, checkpoint_name, complete_checkpoints, find_resume_checkpoint
 from kvpop.train import EpochBatches, PackedDataset, ResumableLoader
@@ -53,7 +52,7 @@ def make_workdir(path: Path, base: Path, **train) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     save_packed(pack_records(toy_records(), seq_len=128, pad_id=0), path / "data/packed/train.safetensors")
     p = yaml.safe_load((ROOT / "params.yaml").read_text())
-    p.update(layout=CacheLayout(48, 4, 32))
+    p.update(budget=48, sinks=4, window=32)
     p["base_model"]["source"] = str(base)
     p["train"].update(
         policies=[POLICY], steps=STEPS, seq_len=128, top_logits=16, scorer_hidden=8, batch_size=2, model_lr=1e-3,
