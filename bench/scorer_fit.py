@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from kvpop.config import ParamsError, load_params
-from kvpop.probe import CacheError, ProbeError, make_variant, mix_records, read_records, right_pad, run_probe, split_overrides
+from kvpop.probe import CacheError, ProbeError, make_variant, mix_records, read_records, run_probe, split_overrides
 
 USAGE = ("scorer_fit.py [--params P] [--variant K=V[,K=V...]]... [--epochs N] [--train-traces N] [--eval-traces N] [--one-pool] "
          "[--mix N] [--cache FILE] [--out NAME] [--device DEV] [--base DIR] [--data DIR]")
@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ProbeError(f"{path} not found: the pipeline's outputs come first (dvc repro filter)")
         import torch
 
+        from kvpop.evaluate import pad_records
         from kvpop.modeling import load_model
         from kvpop.provenance import write_result
         from kvpop.threads import set_threads
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             train += mix_records(tok, args.mix, max_tokens=params.filter.max_tokens)
         evals = read_records(args.data / "eval.jsonl", args.eval_traces)
         if torch.device(device).type == "cuda":  # one shape: one FlexAttention compile (the CPU runs SDPA, unpadded)
-            evals = right_pad(evals, tok.pad_token_id if tok.pad_token_id is not None else 0)
+            evals = pad_records(evals, max(len(r["input_ids"]) for r in evals), tok.pad_token_id if tok.pad_token_id is not None else 0)
         cache = args.cache
         if cache is None:
             key = hashlib.sha256(f"{args.base.resolve()}|{args.data.resolve()}|{len(train)}|{args.mix}|{params.window}".encode()).hexdigest()

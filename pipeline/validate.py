@@ -25,7 +25,6 @@ from pathlib import Path
 import yaml
 
 from kvpop.config import ParamsError, load_params
-from kvpop.policies import make_policy
 
 from common import console, write_text
 
@@ -205,6 +204,8 @@ def write_marker(path: str | Path, text: str) -> None:
 def slot_errors(p, shape: dict[str, int]) -> tuple[dict[str, int], list[str]]:
     """({policy: its long-range slots k}, errors naming the params key) of every entry of
     ``train.policies`` at ``budget``/``sinks``/``window`` on a model of ``shape`` (:func:`kvpop.modeling.model_shape`)."""
+    from kvpop.policies import make_policy  # torch: only when a model shape is known
+
     dims = {k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}
     slots, errors = {}, []
     for name in p.train.policies:

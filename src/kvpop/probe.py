@@ -184,14 +184,6 @@ def mix_records(tokenizer, n: int, *, max_tokens: int) -> list[dict]:
     return [r for kind in KINDS for r in other_text_records(token_ids(tokenizer), kind, n, max_tokens=max_tokens)]
 
 
-def right_pad(records: Sequence[dict], pad_id: int) -> list[dict]:
-    """Records right-padded to the longest one's length: one shape, one FlexAttention compile on CUDA.
-    The padding is never scored (``loss_mask`` 0) and ``trace_tokens`` tells the oracles where the trace ends."""
-    S = max(len(r["input_ids"]) for r in records)
-    return [{**r, "input_ids": r["input_ids"] + [pad_id] * (S - len(r["input_ids"])),
-             "loss_mask": r["loss_mask"] + [0] * (S - len(r["input_ids"])), "trace_tokens": len(r["input_ids"])} for r in records]
-
-
 # --- the teacher cache -----------------------------------------------------------------------------
 
 
