@@ -349,6 +349,7 @@ def global_decaying_eviction_times(
     previous: PoolRun | None = None,
     keep_run: bool = False,
     decays: bool = True,
+    until: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, PoolRun]:
     """Eviction times of one pool of long-range slots for every layer and KV head (``one_pool``: ``dbtrimkv``, ``OnePool``).
 
@@ -365,6 +366,11 @@ def global_decaying_eviction_times(
     :class:`PoolRun` of the same rows, from ``keep_run=True``) whose scores equal these before token
     ``j0``, the run starts from the previous pool at the last kept query at or before ``j0 + window``
     (the fixed point of :mod:`kvpop.decode.one_pool` re-simulates only what changed).
+
+    ``until``: simulate only the queries before it (default: all ``S``). The times are then right for every
+    decision at a query ``< until`` and ``NEVER`` for the rest; with ``keep_run`` the run also keeps the
+    pool before query ``until``, so a later run with ``previous=`` (whose scores changed from token
+    ``until - window`` on) continues there. :func:`kvpop.pool.pool_chunked` runs it so, a chunk at a time.
 
     ``decays=False``: ``log_beta`` holds static priorities (any real; higher is kept), compared as they
     are instead of as retentions; with ``F = 1`` this is :func:`eviction_times`'s rule (a pool of one
@@ -401,7 +407,8 @@ def global_decaying_eviction_times(
             run.e = torch.where(previous.e < start, previous.e, NEVER)  # evictions before start stand
         run.pools = {q: p for q, p in previous.pools.items() if q <= start}
     e = run.e
-    for q in range(start, S):
+    stop = S if until is None else min(S, until)
+    for q in range(start, stop):
         if keep_run and (q - window) % window == 0:
             run.pools[q] = (pool_pos.clone(), pool_f.clone())
         pool_pos = torch.where((pos[:, q] == 0)[:, None], -1, pool_pos)  # a new document: its pool starts empty
@@ -419,6 +426,8 @@ def global_decaying_eviction_times(
         dst = by_rank.gather(1, torch.where(stays, stays.cumsum(1) - 1, F))  # (B, F) the entry each leaver takes, P: none
         pool_pos = torch.cat([pool_pos, spare], 1).scatter_(1, dst, cand_pos[:, P:])[:, :P]
         pool_f = torch.cat([pool_f, spare], 1).scatter_(1, dst, flat)[:, :P]
+    if keep_run and stop < S:
+        run.pools[max(stop, start)] = (pool_pos.clone(), pool_f.clone())
     times = _only_eligible(e[:, :, :S], doc_ids, pos, sinks).reshape(B, L, Hk, S).permute(1, 0, 2, 3).contiguous()  # (L, B, Hk, S)
     return (times, run) if keep_run else times
 
