@@ -181,3 +181,25 @@ def test_training_runs_under_the_pools_pattern_with_one_loss_for_the_model(llama
     losses[0].backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for mlp in policy.scorer.layers for p in (mlp.w1, mlp.w2))
     assert all(p.grad is None for p in llama.parameters())
+
+
+@pytest.mark.parametrize("levels", [None, 3])
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_closed_form_is_the_pools_simulation(levels, packed):
+    from kvpop.selection import global_eviction_times
+
+    L, B, Hk, S = 3, 2, 2, 90
+    g = torch.Generator().manual_seed(17)
+    prio = torch.randn(L, B, Hk, S, generator=g, dtype=torch.float64) if levels is None else torch.randint(0, levels, (L, B, Hk, S), generator=g).double()
+    if packed:
+        doc = torch.tensor([[0] * 50 + [1] * 35 + [-1] * 5, [0] * 20 + [1] * 70])
+        pos = torch.stack([torch.cat([torch.arange(50), torch.arange(35), torch.zeros(5, dtype=torch.long)]),
+                           torch.cat([torch.arange(20), torch.arange(70)])])
+    else:
+        doc, pos = torch.zeros(B, S, dtype=torch.long), torch.arange(S).expand(B, S)
+    for k in (0, 1, 4):
+        kw = dict(sinks=2, window=7, long_range=k)
+        want = global_decaying_eviction_times(prio, doc, pos, decays=False, **kw).long()
+        got = global_eviction_times(prio, doc, pos, **kw).long()
+        assert torch.equal(got, want), k
+        assert (want < S).any()

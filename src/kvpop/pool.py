@@ -12,9 +12,11 @@ reads only the priorities of tokens ``<= p - window``. For a chunk of queries ``
 ``C <= window``, every such token is ``< c + C - window <= c``: written by an earlier chunk. A
 priority fixed when its token enters (read from the token's own key and value: ``kvpop_mlp``,
 ``dbtrimkv``, :class:`kvpop.policies.OnePool`) is therefore known for all of them once the earlier
-chunks have run, and the pool's simulation (:func:`kvpop.selection.global_decaying_eviction_times`,
-continued from the previous chunk's pool with ``until=c + C``) gives exactly the eviction times of
-the chunk's queries. The chunk then attends under them over the keys of every earlier chunk
+chunks have run, and the pool's rule gives exactly the eviction times of the chunk's queries: in closed
+form for static priorities (:func:`kvpop.selection.global_eviction_times`, right for queries before
+``c + window`` whatever the later tokens' placeholders hold), else by the simulation
+(:func:`kvpop.selection.global_decaying_eviction_times`, continued from the previous chunk's pool with
+``until=c + C``). The chunk then attends under them over the keys of every earlier chunk
 (kept per layer, post-RoPE) and its own, and its keys give the next priorities. By induction over
 the chunks every query attends to the pattern of the fixed point, which is unique
 (:mod:`kvpop.decode.one_pool`, "The fixed point"), so the two agree; the tests check it against the
@@ -43,7 +45,7 @@ from kvpop.geometry import CacheLayout
 from kvpop.masks import dense_mask, make_eviction_mask_mod
 from kvpop.modeling import model_shape
 from kvpop.policies import Policy
-from kvpop.selection import NEVER, global_decaying_eviction_times
+from kvpop.selection import NEVER, global_decaying_eviction_times, global_eviction_times
 
 
 @dataclass
@@ -108,14 +110,21 @@ def pool_chunked(model, policy: Policy, input_ids: Tensor, *, layout: CacheLayou
         doc_ids = torch.zeros_like(pos)
     ctx = ChunkContext(policy, doc_ids, pos, layout, num_layers=model_shape(model)["num_layers"])
     run, logits = None, []
-    sim = dict(sinks=layout.sinks, window=layout.window, long_range=layout.long_range, keep_run=True, decays=policy.decays)
+    geo = dict(sinks=layout.sinks, window=layout.window, long_range=layout.long_range)
+
+    def times(until: int | None) -> Tensor:  # static priorities: the closed form; retentions that decay: the simulation, continued
+        nonlocal run
+        if not policy.decays:
+            return global_eviction_times(ctx.prio, doc_ids, pos, **geo)
+        e, run = global_decaying_eviction_times(ctx.prio, doc_ids, pos, previous=run, until=until, keep_run=True, decays=True, **geo)
+        return e
+
     for c in range(0, S, C):
         if ctx.prio is not None:  # the chunk's queries compete over tokens < c only: their priorities are in
-            ctx.evict, run = global_decaying_eviction_times(ctx.prio, doc_ids, pos, previous=run, until=c + C, **sim)
+            ctx.evict = times(c + C)
         ctx.start = c
         out = model(input_ids=input_ids[:, c : c + C], position_ids=pos[:, c : c + C], kvpop_ctx=ctx, use_cache=False,
                     **({} if keep_logits else {"logits_to_keep": 1}))
         if keep_logits:
             logits.append(out.logits.float())
-    evict = global_decaying_eviction_times(ctx.prio, doc_ids, pos, previous=run, **sim)[0]  # every query's (the last ones included)
-    return evict.long(), (torch.cat(logits, 1) if keep_logits else None)
+    return times(None).long(), (torch.cat(logits, 1) if keep_logits else None)  # every query's (the last ones included)

@@ -326,6 +326,36 @@ def decaying_eviction_times_reference(
     return _only_eligible(e, doc_ids, pos, sinks)
 
 
+@torch.no_grad()
+def global_eviction_times(prio: torch.Tensor, doc_ids: torch.Tensor, pos: torch.Tensor, *, sinks: int, window: int, long_range: int) -> torch.Tensor:
+    """:func:`global_decaying_eviction_times` with ``decays=False`` (static priorities under one pool), in
+    closed form: ``(L, B, Hk, S)`` float -> ``(L, B, Hk, S)`` int32, the same times without the simulation's
+    sequential loop.
+
+    With static priorities the pool after query ``q`` holds the best ``P = L x Hk x k`` entries of everything
+    that has left the window, so the pool is the per-head top-k rule of :func:`eviction_times` run on one
+    "head" whose sequence is every (pair, token) entry, ``n = t x F + (F - 1 - f)`` for ``F = L x Hk`` pairs
+    ``f = layer x Hk + head``: its order (priority, then the newer index) is the simulation's tie rule
+    (newer token, then lower pair), ``window x F``, ``sinks x F`` and ``P`` slots in entries. Its time ``e'``
+    (an entry index) is token query ``e' // F``: the ``F`` leavers of a token enter one after another
+    within one query's block, and with static priorities the pool after the block is the same. The
+    tests check it against the simulation (ties, packed rows included); a time past the row or the token's
+    document is ``NEVER``, as there.
+
+    Queries before ``c + window`` read only priorities of tokens before ``c``: whatever the others hold,
+    those queries' times are right (what :func:`kvpop.pool.pool_chunked` relies on)."""
+    L, B, Hk, S = prio.shape
+    Fp = L * Hk
+    flat = prio.permute(1, 0, 2, 3).reshape(B, Fp, S).flip(1).transpose(1, 2).reshape(B, 1, S * Fp)  # (B, 1, N)
+    f_rev = torch.arange(Fp, device=prio.device)
+    pos_f = (pos[:, :, None] * Fp + f_rev).reshape(B, S * Fp)  # a document's entries, pos 0 first
+    e = eviction_times(flat, doc_ids.repeat_interleave(Fp, 1), pos_f, sinks=sinks * Fp, window=window * Fp, long_range=Fp * long_range)
+    e = e.long().view(B, S, Fp).transpose(1, 2).flip(1) // Fp  # (B, F, S) token queries (NEVER // F: past the row)
+    q_doc = doc_ids.gather(1, e.clamp(max=S - 1).flatten(1)).view(B, Fp, S)
+    e = torch.where((e < S) & (q_doc == doc_ids[:, None, :]), e, NEVER)  # past the row or its document: never, as the simulation says
+    return e.reshape(B, L, Hk, S).permute(1, 0, 2, 3).contiguous().to(torch.int32)
+
+
 @dataclass
 class PoolRun:
     """One run of :func:`global_decaying_eviction_times`, kept so that a later run whose scores differ
