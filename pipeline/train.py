@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--resume-dir", help="periodic checkpoints (default checkpoints/train/<policy>)")
     args = ap.parse_args()
     p = params()
-    cfg = p.train
+    cfg = p.train.for_policy(args.policy)  # train.per_policy's values for this policy over the section's
     if args.policy not in cfg.policies:
         fail(f"--policy {args.policy!r} is not in train.policies {cfg.policies}")
     if cfg.strategy == "fsdp" and not torch.cuda.is_available():

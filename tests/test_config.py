@@ -131,3 +131,22 @@ def test_target_keys_of_params_yaml_are_the_spec_fields():
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     evaluate = [k if isinstance(k, str) else next(iter(k)) for k in stages["evaluate"]["params"]]
     assert "train.target" in evaluate and not any(k.startswith("train.target_") for k in evaluate)
+
+
+def test_per_policy_settings_apply_to_their_policy_alone():
+    cfg = TrainConfig(target="mean", per_policy={"kvpop_mlp_pool": {"target": "max", "boundary_weight": "uniform", "scorer_lr": 0.1}})
+    own = cfg.for_policy("kvpop_mlp_pool")
+    assert (str(own.target), own.boundary_weight, own.scorer_lr) == ("max", "uniform", 0.1)
+    other = cfg.for_policy("kvpop_mlp")
+    assert other is cfg and str(other.target) == "mean" and other.boundary_weight == "tie"
+
+
+@pytest.mark.parametrize("per_policy, match", [
+    ({"kvpop_mlp_pool": {"seq_len": 512}}, r"\['seq_len'\] cannot differ per policy"),
+    ({"tova": {"tau": 2.0}}, "unknown or training-free policies"),
+    ({"kvpop_mlp_pool": {"target": "bogus"}}, "train.per_policy.kvpop_mlp_pool .*unknown target kind 'bogus'"),
+    ({"kvpop_mlp_pool": {"tau": "x"}}, "train.per_policy.kvpop_mlp_pool"),
+])
+def test_per_policy_errors_name_the_policy_and_the_key(per_policy, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(per_policy=per_policy)

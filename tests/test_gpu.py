@@ -320,6 +320,46 @@ def test_one_pool_decoding_equals_the_flex_fixed_point(model_type, policy_name, 
     assert int(held.sum()) == 2 * 2 * budget and int(held.max()) > budget
 
 
+@pytest.mark.parametrize("policy_name", ["dbtrimkv", "kvpop_mlp, one pool", "kvpop_mlp_pool"])
+def test_chunked_pool_forward_equals_the_flex_fixed_point_and_the_training_forward(policy_name, tiny_model):
+    """On CUDA: the chunked pool forward (kvpop.pool, SDPA per chunk) reaches the fixed point's times (FlexAttention
+    full forwards), with equal logits; the training forward (FlexAttention under those times, as
+    kvpop_mlp_pool trains) gives the same logits."""
+    from kvpop.attention import SparseContext
+    from kvpop.decode import enable
+    from kvpop.evaluate import pool_fixed_point
+    from kvpop.policies import OnePool, make_policy
+    from kvpop.pool import pool_chunked
+
+    dev = torch.device("cuda")
+    model = enable(tiny_model("llama").to(dev))
+    torch.manual_seed(0)
+    base = "dbtrimkv" if policy_name == "dbtrimkv" else "kvpop_mlp" if policy_name.startswith("kvpop_mlp,") else policy_name
+    policy = make_policy(base, num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
+    with torch.no_grad():
+        if base == "dbtrimkv":
+            policy.scorer.w1.normal_(std=0.3)
+            policy.scorer.w2.normal_(std=0.5)
+            policy.scorer.b2.fill_(2.0)
+        else:
+            for mlp in policy.scorer.layers:
+                mlp.w2.normal_(std=1.0)
+    if policy_name.startswith("kvpop_mlp,"):
+        policy = OnePool(policy)
+    policy.to(dev)
+    layout = CacheLayout(20, 2, 8)
+    ids = torch.randint(0, 96, (3, 160), generator=torch.Generator().manual_seed(2)).to(dev)
+    want, want_logits = pool_fixed_point(model, policy, ids, layout=layout, keep_logits=True)
+    got, logits = pool_chunked(model, policy, ids, layout=layout, keep_logits=True)
+    assert torch.equal(got, want.long()) and bool((got < 160).any())
+    assert _maxdiff(logits, want_logits) < 1e-3
+    pos = torch.arange(160, device=dev).expand(3, 160)
+    ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, layout, global_evict=got, executor="flex")
+    with torch.no_grad():
+        train_logits = model(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits.float()
+    assert _maxdiff(train_logits, logits) < 1e-3
+
+
 # --- the decode engine: compiled (CUDA graph) step == eager step == BoundedCache on CUDA ---------------
 @pytest.mark.parametrize("policy_name", ["streaming_llm", "kvpop_mlp", "kvpop", "dms", "dense"])
 def test_compiled_engine_equals_bounded_cache(policy_name, tiny_model):

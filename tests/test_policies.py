@@ -20,7 +20,7 @@ SHAPE = dict(num_layers=2, num_kv_heads=2, head_dim=16)
 
 def test_registry_holds_every_policy_once_under_its_own_name():
     assert list(REGISTRY) == [
-        "dense", "streaming_llm", "tova", "h2o", "streaming_llm_plus", "kvpop_mlp", "kvpop", "dms", "trimkv", "trimkv_joint",
+        "dense", "streaming_llm", "tova", "h2o", "streaming_llm_plus", "kvpop_mlp", "kvpop_mlp_pool", "kvpop", "dms", "trimkv", "trimkv_joint",
         "dbtrimkv", "oracle_target", "oracle_sources",
     ]
     for name, cls in REGISTRY.items():
@@ -32,11 +32,11 @@ def test_registry_holds_every_policy_once_under_its_own_name():
 def test_declared_capabilities():
     caps = {name: cls.capabilities() for name, cls in REGISTRY.items()}
     assert caps["dense"]["evicts"] is False and all(c["evicts"] for n, c in caps.items() if n != "dense")
-    assert names(learned=True) == ("kvpop_mlp", "kvpop", "dms", "trimkv", "trimkv_joint", "dbtrimkv")
-    assert names(trained=True) == ("streaming_llm_plus", "kvpop_mlp", "kvpop", "dms", "trimkv", "trimkv_joint", "dbtrimkv")
+    assert names(learned=True) == ("kvpop_mlp", "kvpop_mlp_pool", "kvpop", "dms", "trimkv", "trimkv_joint", "dbtrimkv")
+    assert names(trained=True) == ("streaming_llm_plus", "kvpop_mlp", "kvpop_mlp_pool", "kvpop", "dms", "trimkv", "trimkv_joint", "dbtrimkv")
     assert names(gated=True) == ("dms", "trimkv", "trimkv_joint", "dbtrimkv")
     assert names(decays=True) == ("trimkv", "trimkv_joint", "dbtrimkv")
-    assert names(one_pool=True) == ("dbtrimkv",)
+    assert names(one_pool=True) == ("kvpop_mlp_pool", "dbtrimkv")
     assert [n for n, cls in REGISTRY.items() if not cls.trains_model] == ["trimkv", "dbtrimkv"]
     assert names(needs_attention=True) == ("tova", "h2o")
     assert names(scores_on_exit=True) == ("kvpop",)
@@ -49,7 +49,7 @@ def test_declared_capabilities():
         assert cls.chunked_prefill <= cls.scores_on_exit
         assert cls.gated <= cls.learned and not (c["gated"] and c["scores_on_exit"])
         assert not (c["decays"] and (c["needs_attention"] or c["scores_on_exit"] or c["layer_independent"]))
-        assert c["one_pool"] <= c["decays"]  # registered in the pool: trained in it (dbtrimkv); static priorities: OnePool
+        assert c["one_pool"] <= c["trained"]  # registered in the pool: trained in it (dbtrimkv, kvpop_mlp_pool); else OnePool ranks it
         assert not (c["oracle"] and (c["trained"] or c["needs_attention"] or c["scores_on_exit"]))  # evaluation only
     with pytest.raises(ValueError, match="unknown capability 'fast'"):
         names(fast=True)

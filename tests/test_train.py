@@ -63,7 +63,7 @@ def test_gradients_are_isolated():
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in student.parameters())
 
 
-@pytest.mark.parametrize("policy_name", ["streaming_llm_plus", "kvpop_mlp"])
+@pytest.mark.parametrize("policy_name", ["streaming_llm_plus", "kvpop_mlp", "kvpop_mlp_pool"])
 def test_lightning_fit_updates_the_right_parameters(policy_name, tmp_path):
     import lightning as L
 
@@ -135,7 +135,7 @@ def test_cpu_flags_reads_cpuinfo_and_tolerates_its_absence(tmp_path):
     assert cpu_flags(tmp_path / "arm") == set()
 
 
-@pytest.mark.parametrize("policy_name", ["streaming_llm_plus", "kvpop_mlp", "dms"])
+@pytest.mark.parametrize("policy_name", ["streaming_llm_plus", "kvpop_mlp", "kvpop_mlp_pool", "dms"])
 def test_build_training_trains_two_steps(policy_name, tmp_path):
     """One config -> module, loader and trainer: two steps on a tiny model, settings taken from the config."""
     from kvpop.config import TrainConfig

@@ -41,11 +41,12 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from kvpop.boundary import BoundaryWeight, boundary_loss, calibration_loss
+from kvpop.boundary import BoundaryWeight, boundary_loss, calibration_loss, pool_boundary_loss
 from kvpop.geometry import CacheLayout
 from kvpop.masks import block_mask_from_eviction_times, dense_mask, make_eviction_mask_mod
 from kvpop.policies import Policy
 from kvpop.policies.base import GateRelaxation
+from kvpop.scorer import static_priority
 from kvpop.selection import NEVER, decaying_eviction_times, eviction_times
 from kvpop.target import TargetSpec, future_attention_target, scope_targets
 
@@ -204,6 +205,7 @@ class SparseContext:
     global_evict: Tensor | None = None
     global_prio: dict[int, Tensor] = field(default_factory=dict)
     _pending: list[tuple[Tensor, Tensor, Tensor]] = field(default_factory=list)  # (r_hat, r_tgt, log_gamma) awaiting the model-wide pool
+    scored_layers: int = 0  # layers whose scorer loss was added (one_pool: one loss for all of them)
     _cache: dict = field(default_factory=dict)
     _layers: dict[int, _LayerRecord] = field(default_factory=dict)  # first call of each layer
 
@@ -317,7 +319,8 @@ class SparseContext:
         ``r_tgt`` (B, Hk, S) the layer's target before its scope, ``log_gamma`` (Hk,) with the decay's graph.
         Computed now, or, where the target's scope spans layers, by :meth:`finish_scorer_losses` (:attr:`losses`)."""
         spec = self.scorer_training.target
-        if spec.spans_layers:  # needs every layer's target: the loss waits for finish_scorer_losses
+        self.scored_layers += 1
+        if spec.spans_layers or self.policy.one_pool:  # needs every layer's target (or scores): the loss waits for finish_scorer_losses
             self._pending.append((r_hat, r_tgt, log_gamma))
         else:
             self._scorer_loss(r_hat, scope_targets([r_tgt], spec.scope, spec.blend)[0], log_gamma)
@@ -346,14 +349,38 @@ class SparseContext:
         """The boundary loss of every trained layer, after the forward pass (:attr:`losses`).
 
         Under target scope ``"model"`` or ``"blend"`` a layer's target depends on every layer's, so those losses are
-        computed here, once the forward has seen all layers; call it before reading ``losses``."""
+        computed here, once the forward has seen all layers; call it before reading ``losses``. A ``one_pool``
+        policy's loss is one for the whole model (:meth:`_pool_scorer_loss`)."""
         if self._pending:
             spec = self.scorer_training.target
             scoped = scope_targets([t for _, t, _ in self._pending], spec.scope, spec.blend)
+            if self.policy.one_pool:
+                self._pool_scorer_loss(scoped)
+                return self.losses
             for (r_hat, _, log_gamma), r_tgt in zip(self._pending, scoped, strict=True):
                 self._scorer_loss(r_hat, r_tgt, log_gamma)
             self._pending.clear()
         return self.losses
+
+    def _pool_scorer_loss(self, targets: list[Tensor]) -> None:
+        """The pool's boundary loss over every layer at once (:func:`kvpop.boundary.pool_boundary_loss`):
+        the student's and the teacher's static priorities of every (layer, head) pair, (B, L x Hk, S)."""
+        st = self.scorer_training
+        share = self.policy.scorer.decay.share
+        with _kept_saved_tensors():
+            hat = torch.cat([static_priority(r, self.pos, g, share) for r, _, g in self._pending], 1)  # (B, L Hk, S)
+            with torch.no_grad():
+                tgt = torch.cat([static_priority(t, self.pos, g.detach(), share) for (_, _, g), t in zip(self._pending, targets, strict=True)], 1)
+            loss, stats = pool_boundary_loss(hat, tgt, self.doc_ids, self.pos, layout=self.layout, tau=st.tau, tie_margin=st.tie_margin,
+                                             weighting=st.weighting)
+            if st.calibration > 0:
+                calib = torch.stack([calibration_loss(r, t, self.doc_ids, self.pos, sinks=self.layout.sinks)
+                                     for (r, _, _), t in zip(self._pending, targets, strict=True)]).mean()
+                loss = loss + st.calibration * calib
+                stats = {**stats, "calibration": calib.detach()}
+        self.losses.append(loss)
+        self.stats.append(stats)
+        self._pending.clear()
 
     def _recompute(self, rec: _LayerRecord, q: Tensor, k: Tensor, v: Tensor, scale: float, key: object) -> Tensor:
         """A layer's second call: activation checkpointing recomputes it during backward.

@@ -147,23 +147,8 @@ def boundary_loss(
     delta = (flat_hat[lab.row, lab.t_new] - flat_hat[lab.row, lab.t_bnd]).double() + gap * log_gamma[h]
     with torch.no_grad():
         delta_tgt = (flat_tgt[lab.row, lab.t_new] - flat_tgt[lab.row, lab.t_bnd]).double() + gap * log_gamma[h].detach()
+        omega = decision_weights(weighting, delta_tgt, lab.y, h, Hk, tie_margin=tie_margin, r_new=flat_tgt[lab.row, lab.t_new])
         pos_lab = (lab.y > 0).double()
-        n_all = torch.zeros(Hk, dtype=torch.float64, device=h.device).index_add_(0, h, torch.ones_like(pos_lab))
-        if weighting == "regret":
-            # both scores at t_new's age: exp(r_new) - exp(r_new - delta_tgt)
-            regret = (flat_tgt[lab.row, lab.t_new].double().exp() * -torch.expm1(-delta_tgt)).abs()  # (M,)
-            mean = torch.zeros(Hk, dtype=torch.float64, device=h.device).index_add_(0, h, regret) / n_all.clamp(min=1)
-            omega = regret / mean[h].clamp(min=1e-30)
-        elif weighting == "uniform":
-            omega = torch.ones_like(delta_tgt)
-        elif weighting == "tie":
-            w_tie = 1.0 - torch.exp(-delta_tgt.abs() / tie_margin) if tie_margin > 0 else torch.ones_like(delta_tgt)
-            n_pos = torch.zeros(Hk, dtype=torch.float64, device=h.device).index_add_(0, h, pos_lab)
-            n_cls = torch.where(lab.y > 0, n_pos[h], n_all[h] - n_pos[h])
-            w_bal = 0.5 * n_all[h] / n_cls
-            omega = w_tie * w_bal
-        else:
-            raise ValueError(f"unknown weighting {weighting!r}: 'tie', 'regret' or 'uniform'")
     loss = (omega * F.softplus(-lab.y.double() * delta / tau)).mean().float()
     stats = {
         "decisions": torch.tensor(float(lab.row.numel())),
@@ -171,6 +156,117 @@ def boundary_loss(
         "agreement": ((delta.detach() > 0) == (lab.y > 0)).float().mean(),
     }
     return loss, stats
+
+
+@dataclass
+class PoolLabels:
+    """The teacher's decisions under one pool, flattened over (B, leavers): each leaver's (layer, head)
+    pair and its competitor's, both as (row, pair, token)."""
+
+    row: Tensor  # (M,) batch row
+    pair: Tensor  # (M,) the leaver's pair f = layer * Hk + head
+    t_new: Tensor  # (M,) its token, leaving the window
+    bnd_pair: Tensor  # (M,) its competitor's pair
+    t_bnd: Tensor  # (M,) its competitor's token
+    y: Tensor  # (M,) +1 keep, -1 drop
+
+
+@torch.no_grad()
+def pool_boundary_labels(prio_tgt: Tensor, doc_ids: Tensor, pos: Tensor, *, layout: CacheLayout) -> PoolLabels:
+    """The teacher's keep/drop decision for every leaver under one pool of ``P = F x k`` long-range entries
+    (:mod:`kvpop.decode.one_pool`), and its competitor: ``prio_tgt`` (B, F, S) the teacher's static priorities
+    of every (layer, head) pair ``f = layer * Hk + head``.
+
+    With static priorities the pool after query ``q = j + window`` holds the best ``P`` entries of
+    E(q) = every eligible (pair, token) of the document up to ``j``: the ``F`` leavers of token ``j`` enter
+    together. A leaver is kept iff it is among them; its competitor is the ``P``-th best of E(q) without it:
+    the first dropped entry if it is kept, the last kept one if not. The order is the simulation's
+    (:func:`kvpop.selection.pool_leavers`): priority, then the newer token, then the lower pair index; in
+    the flat sequence ``n = t * F + (F - 1 - f)`` that is :func:`kvpop.selection.priority_order`'s rule
+    (newer index wins), and E(q) is a prefix of it, so the two order statistics per token come from one
+    :func:`kvpop.order.prefix_kth_smallest` over the teacher's ranks, as in :func:`boundary_labels`."""
+    sinks, window, k = layout.sinks, layout.window, layout.long_range
+    B, Fp, S = prio_tgt.shape
+    P, N, dev = Fp * k, Fp * S, prio_tgt.device
+    flat = prio_tgt.flip(1).transpose(1, 2).reshape(B, 1, N)  # (B, 1, N): n = t * F + (F - 1 - f)
+    ranks = teacher_ranks(flat, doc_ids.repeat_interleave(Fp, 1), pos.repeat_interleave(Fp, 1), sinks)[:, 0]  # (B, N)
+    t = torch.arange(S, device=dev)
+    q = t + window
+    same_doc = (q < S)[None] & (doc_ids.gather(1, q.clamp(max=S - 1).expand(B, S)) == doc_ids)
+    ok = eligible_tokens(doc_ids, pos, sinks)  # (B, S)
+    before = F.pad(ok.long().cumsum(-1), (1, 0))[:, :-1]  # eligible tokens in [0, t)
+    in_doc = (pos - sinks).clamp(min=0)  # eligible tokens of t's document before t
+    decided = ok & same_doc & ((in_doc + 1) * Fp > P) & (k > 0)  # (B, S): E(q) holds more than P entries
+    c0 = (before - in_doc) * Fp  # eligible entries of earlier documents: they rank first
+    prefix = ((t + 1) * Fp).expand(B, S)
+    kth = torch.stack([c0 + P, c0 + P + 1], 1).reshape(B * 2, S)  # the last kept, the first dropped (1-based)
+    vals = prefix_kth_smallest(ranks.repeat_interleave(2, 0), prefix.repeat_interleave(2, 0), kth, bits=max(1, N.bit_length()))
+    last_kept, first_drop = vals.view(B, 2, S).unbind(1)  # (B, S) rank values, -1 where undecided
+    inv = torch.empty_like(ranks).scatter_(1, ranks, torch.arange(N, device=dev).expand(B, N))  # rank -> n
+    row, j = (decided & (first_drop >= 0)).nonzero(as_tuple=True)  # (m,) decided tokens
+    f = torch.arange(Fp, device=dev)
+    row, j, pair = row[:, None].expand(-1, Fp).reshape(-1), j[:, None].expand(-1, Fp).reshape(-1), f.repeat(j.numel())
+    r_x = ranks[row, j * Fp + (Fp - 1 - pair)]
+    kept = r_x <= last_kept[row, j]
+    n_bnd = inv[row, torch.where(kept, first_drop[row, j], last_kept[row, j])]
+    return PoolLabels(row=row, pair=pair, t_new=j, bnd_pair=Fp - 1 - n_bnd % Fp, t_bnd=n_bnd // Fp, y=torch.where(kept, 1.0, -1.0))
+
+
+def pool_boundary_loss(
+    prio_hat: Tensor,  # (B, F, S) the student's static priorities, with the scorer's graph
+    prio_tgt: Tensor,  # (B, F, S) the teacher's (detached)
+    doc_ids: Tensor,
+    pos: Tensor,
+    *,
+    layout: CacheLayout,
+    tau: float = 1.0,
+    tie_margin: float = 0.5,
+    weighting: BoundaryWeight = "tie",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The logistic loss at the boundary of one pool for the whole model (:func:`pool_boundary_labels`):
+    each leaver's margin over its competitor, which may sit in another layer or head, pushed to the
+    teacher's side; the scorer so learns priorities that compare across heads, the decision it makes
+    when it runs. Weights as :func:`boundary_loss`'s, grouped by (layer, head) pair. Returns (loss,
+    detached stats)."""
+    B, Fp, S = prio_hat.shape
+    lab = pool_boundary_labels(prio_tgt.detach(), doc_ids, pos, layout=layout)
+    if lab.row.numel() == 0:
+        return prio_hat.sum() * 0.0, {"decisions": torch.tensor(0.0), "keep_rate": torch.tensor(0.0), "agreement": torch.tensor(0.0)}
+    delta = (prio_hat[lab.row, lab.pair, lab.t_new] - prio_hat[lab.row, lab.bnd_pair, lab.t_bnd]).double()
+    with torch.no_grad():
+        delta_tgt = (prio_tgt[lab.row, lab.pair, lab.t_new] - prio_tgt[lab.row, lab.bnd_pair, lab.t_bnd]).double()
+        omega = decision_weights(weighting, delta_tgt, lab.y, lab.pair, Fp, tie_margin=tie_margin, r_new=prio_tgt[lab.row, lab.pair, lab.t_new])
+    loss = (omega * F.softplus(-lab.y.double() * delta / tau)).mean().float()
+    stats = {
+        "decisions": torch.tensor(float(lab.row.numel())),
+        "keep_rate": (lab.y > 0).double().mean().float(),
+        "agreement": ((delta.detach() > 0) == (lab.y > 0)).float().mean(),
+    }
+    return loss, stats
+
+
+@torch.no_grad()
+def decision_weights(weighting: BoundaryWeight, delta_tgt: Tensor, y: Tensor, group: Tensor, groups: int, *, tie_margin: float,
+                     r_new: Tensor) -> Tensor:
+    """The weights omega (M,) float64 of M boundary decisions (:func:`boundary_loss` describes each kind):
+    ``delta_tgt`` (M,) the teacher's margins, ``y`` (M,) the labels, ``group`` (M,) in ``[0, groups)`` the
+    group of each decision for the class balance and the regret's mean (a KV head; the pool's (layer,
+    head) pair), ``r_new`` (M,) the leaver's target (regret)."""
+    pos_lab = (y > 0).double()
+    n_all = torch.zeros(groups, dtype=torch.float64, device=group.device).index_add_(0, group, torch.ones_like(pos_lab))
+    if weighting == "regret":
+        # both scores at the leaver's age: exp(r_new) - exp(r_new - delta_tgt)
+        regret = (r_new.double().exp() * -torch.expm1(-delta_tgt)).abs()  # (M,)
+        mean = torch.zeros(groups, dtype=torch.float64, device=group.device).index_add_(0, group, regret) / n_all.clamp(min=1)
+        return regret / mean[group].clamp(min=1e-30)
+    if weighting == "uniform":
+        return torch.ones_like(delta_tgt)
+    if weighting == "tie":
+        w_tie = 1.0 - torch.exp(-delta_tgt.abs() / tie_margin) if tie_margin > 0 else torch.ones_like(delta_tgt)
+        n_pos = torch.zeros(groups, dtype=torch.float64, device=group.device).index_add_(0, group, pos_lab)
+        n_cls = torch.where(y > 0, n_pos[group], n_all[group] - n_pos[group])
+        return w_tie * 0.5 * n_all[group] / n_cls
+    raise ValueError(f"unknown weighting {weighting!r}: 'tie', 'regret' or 'uniform'")
 
 
 def calibration_loss(

@@ -142,6 +142,14 @@ class FilterConfig(_Section):
 TRAIN_KEYS_NOT_IN_RESULT = ("policies", "log_every", "checkpoint_every")
 
 
+#: training settings that one policy may set apart (train.per_policy): its loss and optimizer, never the
+#: architecture, the data or the run's shape (scorer widths, rows, steps, precision, strategy)
+PER_POLICY_KEYS = (
+    "model_lr", "scorer_lr", "scorer_warmup", "weight_decay", "scorer_calibration", "tau", "tie_margin", "query_samples",
+    "target_normalizer", "target", "boundary_weight", "gate_tau", "compression_weight", "compression_ramp",
+)
+
+
 class TrainConfig(_Section):
     """Stage ``train``: KL distillation of the student under a sparse pattern."""
 
@@ -229,11 +237,39 @@ class TrainConfig(_Section):
     )
     grad_clip: float = Field(1.0, gt=0)
     log_every: int = Field(1, gt=0)
+    per_policy: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="one trained policy's own values of the training settings "
+        f"({', '.join(PER_POLICY_KEYS)}), over this section's: {{kvpop_mlp_pool: {{target: max, boundary_weight: uniform}}}}",
+    )
 
     @field_validator("policies")
     @classmethod
     def _trained(cls, v: list[str]) -> list[str]:
         return _only(v, TRAINED_POLICIES, "unknown or training-free policies {bad}; trained ones: {allowed}")
+
+    @field_validator("per_policy")
+    @classmethod
+    def _per_policy(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        _only(list(v), TRAINED_POLICIES, "train.per_policy names unknown or training-free policies {bad}; trained ones: {allowed}")
+        for name, over in v.items():
+            if bad := sorted(set(over) - set(PER_POLICY_KEYS)):
+                raise ValueError(f"train.per_policy.{name}: {bad} cannot differ per policy; these can: {', '.join(PER_POLICY_KEYS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_per_policy(self) -> TrainConfig:
+        for name, over in self.per_policy.items():
+            try:
+                self.for_policy(name)
+            except ValidationError as err:
+                raise ValueError(f"train.per_policy.{name} {over}: {err.errors()[0]['msg']}") from None
+        return self
+
+    def for_policy(self, name: str) -> TrainConfig:
+        """This section with ``per_policy[name]``'s values over its own (validated as the section is)."""
+        over = self.per_policy.get(name)
+        return self if not over else TrainConfig.model_validate({**self.model_dump(), **over, "per_policy": {}})
 
     @model_validator(mode="after")
     def _check_scale_out(self) -> TrainConfig:

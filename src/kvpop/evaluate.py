@@ -35,6 +35,7 @@ from kvpop.attention import SparseContext
 from kvpop.geometry import CacheLayout
 from kvpop.modeling import model_shape
 from kvpop.policies import Dense, OnePool, Policy
+from kvpop.pool import pool_chunked
 from kvpop.selection import NEVER, global_decaying_eviction_times
 from kvpop.target import TargetKind, future_attention_target
 
@@ -157,14 +158,18 @@ def captured_forward(model, policy: Policy, input_ids: Tensor, *, layout: CacheL
     eviction times (L, Hk, S); dense: ``NEVER``).
 
     A ``one_pool`` policy's pattern in one layer depends on every layer's scores: it is the fixed point
-    of :func:`pool_fixed_point`."""
+    of :func:`pool_fixed_point`, reached in one chunked pass (:func:`kvpop.pool.pool_chunked`; an oracle, whose
+    priorities are fixed per trace rather than per token, by the fixed point itself)."""
     S = input_ids.shape[1]
     if not policy.one_pool:
         pos = torch.arange(S, device=input_ids.device)[None]
         ctx = EvictionCapture.for_rows(policy, torch.zeros_like(pos), pos, layout, executor="flex" if input_ids.is_cuda else "sdpa")
         logits = model(input_ids=input_ids, position_ids=pos, kvpop_ctx=ctx).logits[0].float()
         return logits, torch.stack([ctx.evict[i][0] for i in sorted(ctx.evict)])
-    evict, logits = pool_fixed_point(model, policy, input_ids, layout=layout, keep_logits=True)
+    if policy.oracle:
+        evict, logits = pool_fixed_point(model, policy, input_ids, layout=layout, keep_logits=True)
+    else:
+        evict, logits = pool_chunked(model, policy, input_ids, layout=layout, keep_logits=True)
     return logits[0], evict[:, 0]
 
 
@@ -237,7 +242,7 @@ def teacher_targets(model, input_ids: Tensor, *, window: int, kind: TargetKind =
 
 def _pool_patterns(records, candidates, layouts: dict[str, CacheLayout], *, device, pool_batch: int | None) -> dict[tuple[str, int], Tensor]:
     """(candidate name, record index) -> eviction times (L, Hk, S) of every ``one_pool`` candidate,
-    from batched fixed points over records of equal length."""
+    from batched chunked pool forwards (:func:`kvpop.pool.pool_chunked`, the fixed point's twin) over records of equal length."""
     out = {}
     for c in candidates:
         if c.policy.needs_attention or not c.policy.one_pool or c.policy.oracle:  # an oracle reads one trace at a time
@@ -250,7 +255,7 @@ def _pool_patterns(records, candidates, layouts: dict[str, CacheLayout], *, devi
             for i in range(0, len(idx), batch):
                 chunk = idx[i : i + batch]
                 ids = torch.tensor([records[n]["input_ids"] for n in chunk], device=device)
-                evict, _ = pool_fixed_point(c.model, c.policy, ids, layout=layouts[c.name])  # (L, B, Hk, S)
+                evict, _ = pool_chunked(c.model, c.policy, ids, layout=layouts[c.name])  # (L, B, Hk, S)
                 out.update({(c.name, n): evict[:, b] for b, n in enumerate(chunk)})
     return out
 

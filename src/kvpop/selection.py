@@ -326,6 +326,36 @@ def decaying_eviction_times_reference(
     return _only_eligible(e, doc_ids, pos, sinks)
 
 
+@torch.no_grad()
+def global_eviction_times(prio: torch.Tensor, doc_ids: torch.Tensor, pos: torch.Tensor, *, sinks: int, window: int, long_range: int) -> torch.Tensor:
+    """:func:`global_decaying_eviction_times` with ``decays=False`` (static priorities under one pool), in
+    closed form: ``(L, B, Hk, S)`` float -> ``(L, B, Hk, S)`` int32, the same times without the simulation's
+    sequential loop.
+
+    With static priorities the pool after query ``q`` holds the best ``P = L x Hk x k`` entries of everything
+    that has left the window, so the pool is the per-head top-k rule of :func:`eviction_times` run on one
+    "head" whose sequence is every (pair, token) entry, ``n = t x F + (F - 1 - f)`` for ``F = L x Hk`` pairs
+    ``f = layer x Hk + head``: its order (priority, then the newer index) is the simulation's tie rule
+    (newer token, then lower pair), ``window x F``, ``sinks x F`` and ``P`` slots in entries. Its time ``e'``
+    (an entry index) is token query ``e' // F``: the ``F`` leavers of a token enter one after another
+    within one query's block, and with static priorities the pool after the block is the same. The
+    tests check it against the simulation (ties, packed rows included); a time past the row or the token's
+    document is ``NEVER``, as there.
+
+    Queries before ``c + window`` read only priorities of tokens before ``c``: whatever the others hold,
+    those queries' times are right (what :func:`kvpop.pool.pool_chunked` relies on)."""
+    L, B, Hk, S = prio.shape
+    Fp = L * Hk
+    flat = prio.permute(1, 0, 2, 3).reshape(B, Fp, S).flip(1).transpose(1, 2).reshape(B, 1, S * Fp)  # (B, 1, N)
+    f_rev = torch.arange(Fp, device=prio.device)
+    pos_f = (pos[:, :, None] * Fp + f_rev).reshape(B, S * Fp)  # a document's entries, pos 0 first
+    e = eviction_times(flat, doc_ids.repeat_interleave(Fp, 1), pos_f, sinks=sinks * Fp, window=window * Fp, long_range=Fp * long_range)
+    e = e.long().view(B, S, Fp).transpose(1, 2).flip(1) // Fp  # (B, F, S) token queries (NEVER // F: past the row)
+    q_doc = doc_ids.gather(1, e.clamp(max=S - 1).flatten(1)).view(B, Fp, S)
+    e = torch.where((e < S) & (q_doc == doc_ids[:, None, :]), e, NEVER)  # past the row or its document: never, as the simulation says
+    return e.reshape(B, L, Hk, S).permute(1, 0, 2, 3).contiguous().to(torch.int32)
+
+
 @dataclass
 class PoolRun:
     """One run of :func:`global_decaying_eviction_times`, kept so that a later run whose scores differ
@@ -349,6 +379,7 @@ def global_decaying_eviction_times(
     previous: PoolRun | None = None,
     keep_run: bool = False,
     decays: bool = True,
+    until: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, PoolRun]:
     """Eviction times of one pool of long-range slots for every layer and KV head (``one_pool``: ``dbtrimkv``, ``OnePool``).
 
@@ -365,6 +396,11 @@ def global_decaying_eviction_times(
     :class:`PoolRun` of the same rows, from ``keep_run=True``) whose scores equal these before token
     ``j0``, the run starts from the previous pool at the last kept query at or before ``j0 + window``
     (the fixed point of :mod:`kvpop.decode.one_pool` re-simulates only what changed).
+
+    ``until``: simulate only the queries before it (default: all ``S``). The times are then right for every
+    decision at a query ``< until`` and ``NEVER`` for the rest; with ``keep_run`` the run also keeps the
+    pool before query ``until``, so a later run with ``previous=`` (whose scores changed from token
+    ``until - window`` on) continues there. :func:`kvpop.pool.pool_chunked` runs it so, a chunk at a time.
 
     ``decays=False``: ``log_beta`` holds static priorities (any real; higher is kept), compared as they
     are instead of as retentions; with ``F = 1`` this is :func:`eviction_times`'s rule (a pool of one
@@ -401,7 +437,8 @@ def global_decaying_eviction_times(
             run.e = torch.where(previous.e < start, previous.e, NEVER)  # evictions before start stand
         run.pools = {q: p for q, p in previous.pools.items() if q <= start}
     e = run.e
-    for q in range(start, S):
+    stop = S if until is None else min(S, until)
+    for q in range(start, stop):
         if keep_run and (q - window) % window == 0:
             run.pools[q] = (pool_pos.clone(), pool_f.clone())
         pool_pos = torch.where((pos[:, q] == 0)[:, None], -1, pool_pos)  # a new document: its pool starts empty
@@ -419,6 +456,8 @@ def global_decaying_eviction_times(
         dst = by_rank.gather(1, torch.where(stays, stays.cumsum(1) - 1, F))  # (B, F) the entry each leaver takes, P: none
         pool_pos = torch.cat([pool_pos, spare], 1).scatter_(1, dst, cand_pos[:, P:])[:, :P]
         pool_f = torch.cat([pool_f, spare], 1).scatter_(1, dst, flat)[:, :P]
+    if keep_run and stop < S:
+        run.pools[max(stop, start)] = (pool_pos.clone(), pool_f.clone())
     times = _only_eligible(e[:, :, :S], doc_ids, pos, sinks).reshape(B, L, Hk, S).permute(1, 0, 2, 3).contiguous()  # (L, B, Hk, S)
     return (times, run) if keep_run else times
 

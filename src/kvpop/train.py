@@ -54,6 +54,7 @@ from kvpop.export import CheckpointError
 from kvpop.geometry import CacheLayout
 from kvpop.modeling import model_shape
 from kvpop.policies import Dense, Policy, make_policy
+from kvpop.pool import pool_chunked
 
 if TYPE_CHECKING:  # kvpop.config needs pydantic; this module does not
     from kvpop.config import TrainConfig
@@ -215,6 +216,9 @@ class DistillModule(L.LightningModule):
         gated = self.policy.gated
         ctx = self._ctx(self.policy, batch, self.s.scorer_training if self.policy.learned and not gated else None,
                         self.s.gate_training if gated else None)
+        if self.policy.one_pool and not gated:  # trained in the pool (kvpop_mlp_pool): its pattern under the current scorer, exactly
+            with torch.no_grad():
+                ctx.global_evict, _ = pool_chunked(self.student, self.policy, ids, layout=self.s.layout, doc_ids=batch["doc_ids"], pos=pos)
         s_logits = self.student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx, use_cache=False).logits
         ctx.finish_scorer_losses()
         kl = topk_kl(s_logits, top_vals, top_idx, mask, denom)
@@ -237,7 +241,7 @@ class DistillModule(L.LightningModule):
             if all("calibration" in s for s in ctx.stats):  # train.scorer_calibration: r_hat's squared error to the target
                 logs["train/calibration"] = torch.stack([s["calibration"].float().to(self.device) for s in ctx.stats]).mean()
             decisions = torch.stack([s["decisions"].float().to(self.device) for s in ctx.stats]).sum()
-            log_g = torch.stack([self.policy.scorer.decay.log_gamma(i) for i in range(len(ctx.losses))])
+            log_g = torch.stack([self.policy.scorer.decay.log_gamma(i) for i in range(ctx.scored_layers)])
             logs["train/gamma_mean"] = log_g.exp().mean().float()
         # one dtype and device for every value, so that ranks all-reduce matching tensors
         logs = {k: v.detach().float().to(self.device) for k, v in logs.items()}

@@ -69,6 +69,7 @@ from kvpop.geometry import NEG_INF, CacheLayout
 from kvpop.masks import block_mask_from_eviction_times, dense_mask, make_eviction_mask_mod
 from kvpop.modeling import head_dim_of
 from kvpop.policies import Policy
+from kvpop.pool import ChunkContext
 from kvpop.selection import decaying_eviction_times, eviction_times
 
 ATTN_IMPLEMENTATION = "kvpop_cache"
@@ -407,7 +408,7 @@ def cache_bytes(cache: Cache) -> int:
 
 # --- the attention implementation ---------------------------------------------------------------
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kvpop_ctx=None, **kwargs):
-    """``attn_implementation="kvpop_cache"``: a context (BoundedCache or SparseContext) attends;
+    """``attn_implementation="kvpop_cache"``: a context (BoundedCache, SparseContext or ChunkContext) attends;
     without one, plain SDPA (dense decoding with a DynamicCache)."""
     if kvpop_ctx is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -418,8 +419,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             raise NotImplementedError("BoundedCache: padded batches are not supported (all rows must have one length)")
         if kwargs.get("sliding_window"):
             raise NotImplementedError("BoundedCache does not support sliding-window attention layers")
-    elif not isinstance(kvpop_ctx, SparseContext):
-        raise TypeError(f"kvpop_ctx must be a BoundedCache or a SparseContext, got {type(kvpop_ctx).__name__}")
+    elif not isinstance(kvpop_ctx, (SparseContext, ChunkContext)):
+        raise TypeError(f"kvpop_ctx must be a BoundedCache, a SparseContext or a ChunkContext, got {type(kvpop_ctx).__name__}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return kvpop_ctx.attend(module.layer_idx, query, key, value, scale), None
 

@@ -6,7 +6,7 @@ means that file plus its line in :data:`REGISTRY`; the config's allowed names, t
 evaluate stage and both decode paths read the registry and the declared capabilities.
 
     from kvpop.policies import make_policy, names
-    names(trained=True)                      # ('streaming_llm_plus', 'kvpop_mlp', 'kvpop', 'dms', 'trimkv', 'trimkv_joint', 'dbtrimkv')
+    names(trained=True)                      # ('streaming_llm_plus', 'kvpop_mlp', 'kvpop_mlp_pool', 'kvpop', 'dms', 'trimkv', 'trimkv_joint', 'dbtrimkv')
     make_policy("kvpop_mlp", num_layers=30, num_kv_heads=3, head_dim=64)
 """
 
@@ -19,6 +19,7 @@ from kvpop.policies.dms import Dms
 from kvpop.policies.h2o import H2O
 from kvpop.policies.kvpop import Kvpop
 from kvpop.policies.kvpop_mlp import KvpopMLP
+from kvpop.policies.kvpop_mlp_pool import KvpopMLPPool
 from kvpop.policies.one_pool import OnePool
 from kvpop.policies.oracle import OracleSources, OracleTarget
 from kvpop.policies.streaming_llm import StreamingLLM, StreamingLLMPlus
@@ -28,7 +29,7 @@ from kvpop.policies.trimkv import TrimKV, TrimKVJoint
 #: name -> policy class, in the order tables list them
 REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls for cls in (
-        Dense, StreamingLLM, TOVA, H2O, StreamingLLMPlus, KvpopMLP, Kvpop, Dms, TrimKV, TrimKVJoint, DBTrimKV, OracleTarget, OracleSources,
+        Dense, StreamingLLM, TOVA, H2O, StreamingLLMPlus, KvpopMLP, KvpopMLPPool, Kvpop, Dms, TrimKV, TrimKVJoint, DBTrimKV, OracleTarget, OracleSources,
     )
 }
 
@@ -74,7 +75,7 @@ def resolve_policy(name: str, exported: Policy | None = None) -> Policy:
 
 
 __all__ = [
-    "REGISTRY", "DBTrimKV", "Dense", "Dms", "FusedScorer", "H2O", "Kvpop", "KvpopMLP", "OnePool", "OracleSources", "OracleTarget",
+    "REGISTRY", "DBTrimKV", "Dense", "Dms", "FusedScorer", "H2O", "Kvpop", "KvpopMLP", "KvpopMLPPool", "OnePool", "OracleSources", "OracleTarget",
     "Policy", "Scores", "ScorerSpec", "StreamingLLM", "StreamingLLMPlus", "TOVA", "TrimKV", "TrimKVJoint",
     "make_policy", "names", "policy_class", "resolve_policy",
 ]

@@ -1,0 +1,130 @@
+"""The model-wide pool's exact teacher-forced forward, a chunk at a time (``one_pool`` policies).
+
+Under one pool (:mod:`kvpop.decode.one_pool`) a layer's pattern depends on every layer's priorities,
+so a single full-sequence forward cannot know its pattern; :func:`kvpop.evaluate.pool_fixed_point`
+iterates full forwards until the eviction times stop changing (up to ``ceil((S - budget) / window) + 1``
+of them). This module reaches the same times in one pass over the sequence.
+
+Why a chunk's pattern is known before it runs
+---------------------------------------------
+At query ``p`` the token leaving the window is ``p - window``, and the pool's competition at ``p``
+reads only the priorities of tokens ``<= p - window``. For a chunk of queries ``[c, c + C)`` with
+``C <= window``, every such token is ``< c + C - window <= c``: written by an earlier chunk. A
+priority fixed when its token enters (read from the token's own key and value: ``kvpop_mlp``,
+``dbtrimkv``, :class:`kvpop.policies.OnePool`) is therefore known for all of them once the earlier
+chunks have run, and the pool's rule gives exactly the eviction times of the chunk's queries: in closed
+form for static priorities (:func:`kvpop.selection.global_eviction_times`, right for queries before
+``c + window`` whatever the later tokens' placeholders hold), else by the simulation
+(:func:`kvpop.selection.global_decaying_eviction_times`, continued from the previous chunk's pool with
+``until=c + C``). The chunk then attends under them over the keys of every earlier chunk
+(kept per layer, post-RoPE) and its own, and its keys give the next priorities. By induction over
+the chunks every query attends to the pattern of the fixed point, which is unique
+(:mod:`kvpop.decode.one_pool`, "The fixed point"), so the two agree; the tests check it against the
+fixed point and against token-by-token decoding with :class:`kvpop.decode.OnePoolCache`.
+
+The forward is ``S / C`` model calls of ``C`` tokens (one forward's work plus the prefix's keys, and the
+simulation once over the sequence), against the fixed point's up to ``(S - budget) / window + 1`` full
+forwards. It runs without gradients: training takes its eviction times and runs one differentiable
+forward under them (``global_evict`` of :class:`kvpop.attention.SparseContext`), the same pattern.
+
+Attention of a chunk runs through SDPA with the boolean mask of :func:`kvpop.masks.make_eviction_mask_mod`
+(the one definition of the pattern), its query index shifted by ``c``: ``C x (c + C)`` per head.
+
+Shapes: B batch, H query heads, Hk KV heads, L layers, S sequence, C chunk, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from kvpop.geometry import CacheLayout
+from kvpop.masks import dense_mask, make_eviction_mask_mod
+from kvpop.modeling import model_shape
+from kvpop.policies import Policy
+from kvpop.selection import NEVER, global_decaying_eviction_times, global_eviction_times
+
+
+@dataclass
+class ChunkContext:
+    """The attention hook's context for one chunked pass (``kvpop_ctx`` of the model's forward): every
+    layer's keys and values so far, the policy's priorities of every token written, and the chunk's
+    eviction times. :func:`pool_chunked` drives it; ``attend`` is what each layer calls."""
+
+    policy: Policy
+    doc_ids: Tensor  # (B, S) int, -1 on padding
+    pos: Tensor  # (B, S) position inside the document
+    layout: CacheLayout
+    num_layers: int
+    start: int = 0  # the chunk's first query
+    evict: Tensor | None = None  # (L, B, Hk, S) eviction times, right for the chunk's queries
+    prio: Tensor | None = None  # (L, B, Hk, S) float64 priorities of the tokens written so far (0 beyond)
+    keys: dict[int, Tensor] = field(default_factory=dict)  # layer -> (B, Hk, start + C, D)
+    values: dict[int, Tensor] = field(default_factory=dict)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """q (B, H, C, D), k, v (B, Hk, C, D) of the chunk -> attention output (B, C, H, D)."""
+        B, H, C, _ = q.shape
+        Hk, c = k.shape[1], self.start
+        S = self.doc_ids.shape[1]
+        with torch.autocast(device_type=k.device.type, enabled=False):  # scorers compute in fp32
+            prio = self.policy.scores(layer, k.float(), v.float(), self.pos[:, c : c + C], doc_ids=self.doc_ids[:, c : c + C],
+                                      window=self.layout.window).prio  # (B, Hk, C)
+        if self.prio is None:
+            self.prio = torch.zeros(self.num_layers, B, Hk, S, dtype=torch.float64, device=k.device)
+        self.prio[layer, :, :, c : c + C] = prio.detach().double()
+        if c:
+            k = torch.cat([self.keys[layer], k], 2)
+            v = torch.cat([self.values[layer], v], 2)
+        self.keys[layer], self.values[layer] = k, v  # (B, Hk, c + C, D)
+        evict = self.evict[layer] if self.evict is not None else torch.full((B, Hk, S), NEVER, dtype=torch.int64, device=k.device)
+        mm = make_eviction_mask_mod(self.doc_ids, self.pos, evict, sinks=self.layout.sinks, group=H // Hk)
+        allowed = dense_mask(lambda b, h, qi, kv: mm(b, h, qi + c, kv), B, H, C, k.device, kv_len=c + C, group=H // Hk)  # (B, H, C, c + C)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2).contiguous()
+
+
+@torch.no_grad()
+def pool_chunked(model, policy: Policy, input_ids: Tensor, *, layout: CacheLayout, doc_ids: Tensor | None = None,
+                 pos: Tensor | None = None, chunk: int | None = None, keep_logits: bool = False) -> tuple[Tensor, Tensor | None]:
+    """(Eviction times (L, B, Hk, S) int64, logits (B, S, V) float32 under them if ``keep_logits``, else None)
+    of a ``one_pool`` policy whose priorities are fixed when a token enters, on B rows (B, S): the fixed
+    point of :func:`kvpop.evaluate.pool_fixed_point`, reached in ``S / chunk`` chunks (module docstring).
+
+    ``doc_ids``, ``pos`` (B, S): packed rows (a new document empties its row's pool); default one
+    document per row. ``chunk``: at most ``layout.window`` (the default)."""
+    if not policy.one_pool:
+        raise ValueError(f"pool_chunked runs one_pool policies, not {policy.name!r}")
+    if policy.scores_on_exit or policy.needs_attention:
+        raise ValueError(f"{policy.name!r} does not fix a token's priority when it enters: the chunked pool forward does not apply")
+    B, S = input_ids.shape
+    C = layout.window if chunk is None else chunk
+    if not 0 < C <= layout.window:
+        raise ValueError(f"chunk {C} must be in [1, window = {layout.window}]: a longer chunk would hold a query whose leaver it writes itself")
+    if pos is None:
+        pos = torch.arange(S, device=input_ids.device).expand(B, S)
+    if doc_ids is None:
+        doc_ids = torch.zeros_like(pos)
+    ctx = ChunkContext(policy, doc_ids, pos, layout, num_layers=model_shape(model)["num_layers"])
+    run, logits = None, []
+    geo = dict(sinks=layout.sinks, window=layout.window, long_range=layout.long_range)
+
+    def times(until: int | None) -> Tensor:  # static priorities: the closed form; retentions that decay: the simulation, continued
+        nonlocal run
+        if not policy.decays:
+            return global_eviction_times(ctx.prio, doc_ids, pos, **geo)
+        e, run = global_decaying_eviction_times(ctx.prio, doc_ids, pos, previous=run, until=until, keep_run=True, decays=True, **geo)
+        return e
+
+    for c in range(0, S, C):
+        if ctx.prio is not None:  # the chunk's queries compete over tokens < c only: their priorities are in
+            ctx.evict = times(c + C)
+        ctx.start = c
+        out = model(input_ids=input_ids[:, c : c + C], position_ids=pos[:, c : c + C], kvpop_ctx=ctx, use_cache=False,
+                    **({} if keep_logits else {"logits_to_keep": 1}))
+        if keep_logits:
+            logits.append(out.logits.float())
+    return times(None).long(), (torch.cat(logits, 1) if keep_logits else None)  # every query's (the last ones included)

@@ -1,0 +1,205 @@
+"""The chunked pool forward (kvpop.pool.pool_chunked) against its twins: the fixed point of
+kvpop.evaluate.pool_fixed_point and token-by-token decoding with OnePoolCache; for a one-pool
+kvpop_mlp (static priorities) and dbtrimkv (decaying retentions), chunks of every size up to the
+window, packed rows, and what it refuses."""
+
+import pytest
+import torch
+
+from kvpop.decode import enable, teacher_forced_logits
+from kvpop.evaluate import pool_fixed_point
+from kvpop.policies import OnePool, make_policy
+from kvpop.pool import pool_chunked
+from kvpop.selection import global_decaying_eviction_times
+from test_dbtrimkv import LAYOUT, WINDOW
+from test_one_pool import scorer
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    return enable(tiny_model("llama"))
+
+
+def dbtrimkv(seed=0):
+    torch.manual_seed(seed)
+    policy = make_policy("dbtrimkv", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
+    with torch.no_grad():
+        policy.scorer.w2.normal_(std=2.0)
+        policy.scorer.b2.fill_(1.0)  # retentions well below 1: the pool's ranks cross as tokens age
+    return policy
+
+
+POLICIES = {"kvpop_mlp, one pool": lambda: OnePool(scorer(seed=4)), "dbtrimkv": dbtrimkv}
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("chunk", [1, 3, WINDOW])
+def test_the_chunked_forward_is_the_fixed_point(llama, name, chunk):
+    policy = POLICIES[name]()
+    ids = torch.randint(0, 96, (2, 70), generator=torch.Generator().manual_seed(5))
+    want, want_logits = pool_fixed_point(llama, policy, ids, layout=LAYOUT, keep_logits=True)
+    got, logits = pool_chunked(llama, policy, ids, layout=LAYOUT, chunk=chunk, keep_logits=True)
+    assert torch.equal(got, want.long())
+    assert (logits - want_logits).abs().max() < 1e-4
+    assert (got < 70).any()  # the pool evicted: the test says something
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_the_chunked_forward_is_decoding(llama, name):
+    policy = POLICIES[name]()
+    ids = torch.randint(0, 96, (1, 64), generator=torch.Generator().manual_seed(6))
+    _, logits = pool_chunked(llama, policy, ids, layout=LAYOUT, keep_logits=True)
+    decoded = teacher_forced_logits(llama, policy, ids, layout=LAYOUT, prefill=LAYOUT.budget)
+    assert (decoded - logits).abs().max() < 1e-4
+
+
+def test_the_times_are_the_pools_rule_on_the_priorities_it_recorded(llama):
+    """Its recorded priorities, run through the simulation once more, give its times (no stale placeholder)."""
+    from kvpop.pool import ChunkContext
+
+    policy = OnePool(scorer(seed=7))
+    ids = torch.randint(0, 96, (1, 50), generator=torch.Generator().manual_seed(8))
+    got, _ = pool_chunked(llama, policy, ids, layout=LAYOUT)
+    pos = torch.arange(50)[None]
+    ctx = ChunkContext(policy, torch.zeros_like(pos), pos, LAYOUT, num_layers=2, evict=got[:, :, :, :])
+    with torch.no_grad():
+        llama(input_ids=ids, position_ids=pos, kvpop_ctx=ctx, use_cache=False)  # one chunk of the whole row, under those times
+    want = global_decaying_eviction_times(ctx.prio, torch.zeros_like(pos), pos, sinks=LAYOUT.sinks, window=LAYOUT.window,
+                                          long_range=LAYOUT.long_range, decays=False)
+    assert torch.equal(got, want.long())
+
+
+def test_packed_rows_start_each_document_with_an_empty_pool(llama):
+    """Two documents packed in one row: each gets the times it gets alone."""
+    policy = OnePool(scorer(seed=9))
+    a = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(10))
+    b = torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(11))
+    row = torch.cat([a, b], 1)
+    doc = torch.tensor([[0] * 40 + [1] * 30])
+    pos = torch.cat([torch.arange(40), torch.arange(30)])[None]
+    got, _ = pool_chunked(llama, policy, row, layout=LAYOUT, doc_ids=doc, pos=pos)
+    ea, _ = pool_chunked(llama, policy, a, layout=LAYOUT)
+    eb, _ = pool_chunked(llama, policy, b, layout=LAYOUT)
+    never_a = ea >= 40
+    assert torch.equal(torch.where(never_a, -1, ea), torch.where(got[..., :40] >= 40, -1, got[..., :40]))
+    assert torch.equal(torch.where(eb >= 30, -1, eb), torch.where(got[..., 40:] >= 70, -1, got[..., 40:] - 40))
+
+
+def test_it_refuses_a_chunk_longer_than_the_window_and_a_per_head_policy(llama):
+    ids = torch.zeros(1, 20, dtype=torch.long)
+    with pytest.raises(ValueError, match="chunk"):
+        pool_chunked(llama, OnePool(scorer()), ids, layout=LAYOUT, chunk=WINDOW + 1)
+    with pytest.raises(ValueError, match="one_pool"):
+        pool_chunked(llama, scorer(), ids, layout=LAYOUT)
+
+
+# --- the pool's boundary labels --------------------------------------------------------------------
+def brute_pool_labels(prio, S, layout):
+    """Every decision literally: at query j + window, E = every (pair, token <= j) past the sinks, ordered by
+    (priority desc, token desc, pair asc); a leaver is kept iff among the first P; competitor: the P-th of E without it."""
+    from kvpop.selection import NEVER  # noqa: F401  (the simulation's convention, for the reader)
+
+    Fp = prio.shape[0]
+    P = Fp * layout.long_range
+    out = {}
+    for j in range(layout.sinks, S - layout.window):
+        E = [(f, t) for t in range(layout.sinks, j + 1) for f in range(Fp)]
+        if len(E) <= P:
+            continue
+        order = sorted(E, key=lambda e: (-float(prio[e[0], e[1]]), -e[1], e[0]))
+        for f in range(Fp):
+            rank = order.index((f, j))
+            rest = [e for e in order if e != (f, j)]
+            out[(f, j)] = (1.0 if rank < P else -1.0, rest[P - 1])
+    return out
+
+
+@pytest.mark.parametrize("levels", [None, 3])  # continuous priorities, and many exact ties
+def test_pool_labels_are_the_literal_competition(levels):
+    from kvpop.boundary import pool_boundary_labels
+    from kvpop.geometry import CacheLayout
+
+    layout = CacheLayout(2 + 4 + 3, 2, 4)  # k = 3
+    S, Fp = 30, 4
+    g = torch.Generator().manual_seed(12)
+    prio = torch.randn(Fp, S, generator=g, dtype=torch.float64) if levels is None else torch.randint(0, levels, (Fp, S), generator=g).double()
+    pos = torch.arange(S)[None]
+    lab = pool_boundary_labels(prio[None], torch.zeros_like(pos), pos, layout=layout)
+    want = brute_pool_labels(prio, S, layout)
+    got = {(int(f), int(j)): (float(y), (int(bf), int(bt))) for f, j, y, bf, bt in
+           zip(lab.pair, lab.t_new, lab.y, lab.bnd_pair, lab.t_bnd, strict=True)}
+    assert got == want and len(want) > 20
+
+
+def test_pool_labels_agree_with_the_pools_simulation():
+    """A leaver the teacher keeps survives its query in the simulation run on the teacher's priorities."""
+    from kvpop.boundary import pool_boundary_labels
+    from kvpop.geometry import CacheLayout
+
+    layout = CacheLayout(2 + 5 + 4, 2, 5)
+    S, L, Hk = 60, 2, 3
+    prio = torch.randn(L, 1, Hk, S, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+    pos = torch.arange(S)[None]
+    e = global_decaying_eviction_times(prio, torch.zeros_like(pos), pos, sinks=2, window=5, long_range=layout.long_range, decays=False)
+    lab = pool_boundary_labels(prio.permute(1, 0, 2, 3).reshape(1, L * Hk, S), torch.zeros_like(pos), pos, layout=layout)
+    e_flat = e.permute(1, 0, 2, 3).reshape(1, L * Hk, S)[0]
+    survives = e_flat[lab.pair, lab.t_new] > lab.t_new + 5
+    assert torch.equal(survives, lab.y > 0) and bool((lab.y > 0).any()) and bool((lab.y < 0).any())
+
+
+def test_one_pair_gives_the_per_head_labels():
+    from kvpop.boundary import boundary_labels, pool_boundary_labels
+    from kvpop.geometry import CacheLayout
+
+    layout = CacheLayout(2 + 4 + 3, 2, 4)
+    prio = torch.randn(2, 1, 40, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
+    doc = torch.tensor([[0] * 25 + [1] * 15] * 2)
+    pos = torch.cat([torch.arange(25), torch.arange(15)]).expand(2, 40)
+    per_head = boundary_labels(prio, torch.zeros(1, dtype=torch.float64), doc, pos, layout=layout)
+    pool = pool_boundary_labels(prio, doc, pos, layout=layout)
+    assert torch.equal(per_head.row, pool.row) and torch.equal(per_head.t_new, pool.t_new)
+    assert torch.equal(per_head.t_bnd, pool.t_bnd) and torch.equal(per_head.y, pool.y)
+
+
+def test_training_runs_under_the_pools_pattern_with_one_loss_for_the_model(llama):
+    """kvpop_mlp_pool in training: the differentiable forward under pool_chunked's times gives its logits; the
+    scorer loss is one (the pool's), and its gradient reaches every layer's scorer, not the model."""
+    from kvpop.attention import ScorerTraining, SparseContext
+
+    torch.manual_seed(15)
+    policy = make_policy("kvpop_mlp_pool", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
+    for mlp in policy.scorer.layers:
+        torch.nn.init.normal_(mlp.w2)
+    ids = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(16))
+    pos = torch.arange(48).expand(2, 48)
+    evict, want = pool_chunked(llama, policy, ids, layout=LAYOUT, keep_logits=True)
+    ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, LAYOUT, scorer_training=ScorerTraining(weighting="uniform"), global_evict=evict)
+    logits = llama(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits
+    assert (logits - want).abs().max() < 1e-4
+    losses = ctx.finish_scorer_losses()
+    assert len(losses) == 1 and ctx.scored_layers == 2 and ctx.stats[0]["decisions"] > 0
+    losses[0].backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for mlp in policy.scorer.layers for p in (mlp.w1, mlp.w2))
+    assert all(p.grad is None for p in llama.parameters())
+
+
+@pytest.mark.parametrize("levels", [None, 3])
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_closed_form_is_the_pools_simulation(levels, packed):
+    from kvpop.selection import global_eviction_times
+
+    L, B, Hk, S = 3, 2, 2, 90
+    g = torch.Generator().manual_seed(17)
+    prio = torch.randn(L, B, Hk, S, generator=g, dtype=torch.float64) if levels is None else torch.randint(0, levels, (L, B, Hk, S), generator=g).double()
+    if packed:
+        doc = torch.tensor([[0] * 50 + [1] * 35 + [-1] * 5, [0] * 20 + [1] * 70])
+        pos = torch.stack([torch.cat([torch.arange(50), torch.arange(35), torch.zeros(5, dtype=torch.long)]),
+                           torch.cat([torch.arange(20), torch.arange(70)])])
+    else:
+        doc, pos = torch.zeros(B, S, dtype=torch.long), torch.arange(S).expand(B, S)
+    for k in (0, 1, 4):
+        kw = dict(sinks=2, window=7, long_range=k)
+        want = global_decaying_eviction_times(prio, doc, pos, decays=False, **kw).long()
+        got = global_eviction_times(prio, doc, pos, **kw).long()
+        assert torch.equal(got, want), k
+        assert (want < S).any()
