@@ -204,3 +204,41 @@ def test_bad_exp_params_touch_nothing(tiny_qwen3_dir, tmp_path):
         after = snapshot(repo)
         assert after["params.yaml"] == before["params.yaml"], override
         assert after == before, (override, sorted(k for k in after.keys() | before.keys() if after.get(k) != before.get(k)))
+
+
+def test_the_dvc_cache_links_outputs_instead_of_copying(tmp_path):
+    """The repository's .dvc/config: a stage's output is the cache's file (a hard link; a symlink where
+    the cache is on another file system), not a second copy of a 1.6 GB checkpoint. A re-run replaces
+    the output (DVC removes it first; every stage writes new files and renames them into place, here
+    with kvpop.io.atomic_dir as the model stages do) and leaves the previous run's cached object intact."""
+    import hashlib
+
+    repo = tmp_path / "repo"
+    (repo / ".dvc").mkdir(parents=True)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT / "src")}
+    (repo / "write.py").write_text("import os, yaml\nfrom kvpop.io import atomic_dir\n"
+                                   "n = yaml.safe_load(open('params.yaml'))['n']\n"
+                                   "with atomic_dir('models/out') as tmp:\n    (tmp / 'weights.bin').write_bytes(os.urandom(1 << 16) + bytes([n]))\n")
+    (repo / "params.yaml").write_text("n: 1\n")
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"w": {"cmd": "python write.py", "params": ["n"], "outs": ["models/out"]}}}))
+
+    def run(*cmd):
+        res = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
+        assert res.returncode == 0, (cmd, res.stdout[-2000:], res.stderr[-2000:])
+
+    def cached(path: Path) -> Path:
+        md5 = hashlib.md5(path.read_bytes()).hexdigest()
+        return repo / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]
+
+    run("git", "init", "-q")
+    run("dvc", "init", "-q", "--force")
+    (repo / ".dvc" / "config").write_text((ROOT / ".dvc" / "config").read_text())
+    out = repo / "models" / "out" / "weights.bin"
+    run("dvc", "repro", "-q")
+    first, first_bytes = cached(out), out.read_bytes()
+    assert out.resolve() == first.resolve() or out.stat().st_ino == first.stat().st_ino, "the output is a copy of the cache's file"
+    assert out.is_symlink() or out.stat().st_nlink == 2
+    (repo / "params.yaml").write_text("n: 2\n")
+    run("dvc", "repro", "-q")
+    assert out.read_bytes() != first_bytes and out.stat().st_ino == cached(out).stat().st_ino or out.is_symlink()
+    assert first.read_bytes() == first_bytes  # the first run's object, untouched by the re-run
