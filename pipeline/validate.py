@@ -326,8 +326,8 @@ def budget_warning(p) -> str | None:
     if p.budget < rows:
         return None
     bound = f"train.seq_len {seq_len}" if seq_len <= max_tokens else f"filter.max_tokens {max_tokens}, below train.seq_len {seq_len}"
-    fix = (f"set budget below {rows}, or longer rows: python pipeline/profiles.py paper (16K rows, budget 4096) "
-           "or cpu (the paper's 25% at 1,024-token rows)")
+    fix = (f"set budget below {rows} (profile paper-cpu: 256 of 1,024-token rows, the paper's 25%) or make the rows longer "
+           "(profile paper: 4096 of 16,384-token rows; python pipeline/profiles.py paper)")
     if p.budget >= max_tokens:
         return (f"warning: budget {p.budget} >= the rows' length {rows} tokens ({bound}): nothing will ever be evicted, "
                 f"every policy is dense (training and evaluation measure no eviction); {fix}")

@@ -213,8 +213,9 @@ def test_bad_exp_run_restores_params_as_before_the_command(tiny_qwen3_dir, tmp_p
         assert params.read_text() == edited, override
         assert {m: (repo / m).read_bytes() for m in marks} == marks
     seq_len = yaml.safe_load(edited)["train"]["seq_len"]
-    res = subprocess.run([dvc, "exp", "run", "-S", f"budget={2 * seq_len}"], cwd=repo, env=env, capture_output=True, text=True)
-    out = " ".join((res.stdout + res.stderr).split())  # rich wraps the warning
+    res = subprocess.run([dvc, "exp", "run", "-S", f"budget={2 * seq_len}"], cwd=repo, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)  # one stream: DVC's lines and the stages' in the order written
+    out = " ".join(res.stdout.split())  # rich wraps the warning
     assert res.returncode == 0, out[-3000:]
     warning = out.find(f"warning: budget {2 * seq_len} >= the rows' length {seq_len} tokens")
     assert 0 <= warning < out.index("Running stage 'slots'"), out[-3000:]  # validate's, before any later stage
