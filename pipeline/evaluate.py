@@ -7,6 +7,10 @@
 3. cost: peak cache memory and decode tokens/s, and the cache-memory curve over generated length;
 4. competition benchmarks (evaluate.benchmarks) where reachable;
 5. held-out code and prose (evaluate.other_text): KL and top-1 agreement to the base model's dense attention.
+
+Everything goes to ``--out`` (``metrics/eval.json``); per policy the few numbers that matter go to
+``--summary`` (``metrics/summary/<policy>.json``, :func:`kvpop.summary.summary`), the metrics
+``dvc metrics show`` and ``dvc exp show`` read.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ from kvpop.evaluate import OTHER_TEXT_SKIPS_ORACLES, Candidate, evaluate_fidelit
 from kvpop.export import CheckpointError, load_export
 from kvpop.filter import read_jsonl
 from kvpop.geometry import CacheLayout
+from kvpop.io import atomic_dir
 from kvpop.modeling import load_model, model_shape
 from kvpop.plots import plot_keep_map, plot_memory_curve, plot_occupancy
 from kvpop.policies import make_policy, policy_class
 from kvpop.rollouts import BenchmarkUnavailable, Problem, chat_prompt_ids, load_benchmark, memory_curve, pass_at_1, rollout_problems
+from kvpop.summary import summary
 from report import print_table
 
 from common import Progress, console, fail, params, write_json
@@ -109,6 +115,7 @@ def main() -> None:
     ap.add_argument("--data", default="data/filtered/eval.jsonl")
     ap.add_argument("--exports", default="models/export")
     ap.add_argument("--out", default="metrics/eval.json")
+    ap.add_argument("--summary", default="metrics/summary", help="a folder: one compact JSON file per policy")
     ap.add_argument("--plots", default="plots")
     args = ap.parse_args()
     p = params()
@@ -192,6 +199,9 @@ def main() -> None:
         if other is not None:
             out["other_text"] = other
         write_json(args.out, out)
+        with atomic_dir(args.summary) as tmp:  # whole: no policy's file left from an earlier run
+            for stem, numbers in summary(out).items():
+                write_json(tmp / f"{stem}.json", numbers)
         points = [{"budget": p.budget, "policy": n, **{k: v for k, v in m.items() if k != "occupancy_map"}} for n, m in results.items()]
         # this run's points only: across budgets, DVC compares experiments (dvc plots diff <exp>...), from their own files
         write_json(plots / "budget_points.json", points)

@@ -10,8 +10,11 @@ by the ``slots`` stage, which declares the model as its input and stops the run 
 
 Inside ``dvc exp run -S key=value`` DVC has written the experiment's values into params.yaml before
 any stage runs, and leaves them there when the run fails. When they are invalid, :func:`stop` puts
-the keys the command line set back (:func:`restore_params`), so params.yaml is as it was before the
-command: every other line, the user's uncommitted edits included, is left as it is.
+params.yaml back as it was before the command (:func:`restore_params`), the user's uncommitted edits
+included, also of the keys the command set (:func:`params_before_command` finds that text).
+
+A valid budget at or above the rows' length evicts nothing; the stage then warns, naming both numbers
+(:func:`budget_warning`), and the run goes on.
 """
 
 from __future__ import annotations
@@ -59,7 +62,14 @@ def set_param_keys(argv: list[str]) -> list[str] | None:
 
 
 def exp_run_overrides() -> list[str] | None:
-    """The ``-S`` keys of the ``dvc exp run`` that started this process (its nearest ancestor that
+    """The ``-S`` keys of the ``dvc exp run`` that started this process (:func:`exp_run_process`), or
+    None outside one (or where /proc does not tell)."""
+    found = exp_run_process()
+    return found[1] if found else None
+
+
+def exp_run_process() -> tuple[int, list[str]] | None:
+    """``(pid, -S keys)`` of the ``dvc exp run`` that started this process (its nearest ancestor that
     is one), or None outside one (or where /proc does not tell).
 
     Why the parent processes' command lines: DVC records the ``-S`` overrides nowhere a stage can
@@ -80,11 +90,74 @@ def exp_run_overrides() -> list[str] | None:
             return None
         keys = set_param_keys(argv)
         if keys is not None:
-            return keys
+            return pid, keys
         pid = int(stat.rpartition(")")[2].split()[1])  # the field after the state: the parent
         if pid <= 1:
             return None
     return None
+
+
+def process_start(pid: int) -> float | None:
+    """When process ``pid`` started, in seconds since the epoch (to the second: /proc's boot time is
+    whole seconds), or None where /proc does not tell."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])  # field 22, starttime
+        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return btime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _git(cwd: Path, *args: str) -> str | None:
+    res = subprocess.run(["git", *args], capture_output=True, text=True, cwd=cwd)
+    return res.stdout if res.returncode == 0 else None
+
+
+def params_before_command(path: Path, keys: list[str], since: float) -> tuple[str, str] | None:
+    """``(text, commit)``: params.yaml as the workspace held it before a ``dvc exp run`` started at
+    ``since`` (epoch seconds) on the checked-out commit ``head`` (during the run, HEAD), uncommitted
+    edits included; None where no trace of it is left (then the workspace had no uncommitted change,
+    or git cannot tell).
+
+    Where DVC keeps it (DVC 3.x, ``BaseStashQueue._stash_exp``): before it writes the ``-S`` values,
+    ``scm.stash_workspace`` stashes the workspace as a git stash commit (``WIP on <branch>``, parents
+    ``head`` and its index) and, once the experiment is queued, pops and drops it: the commit stays in
+    the object store, unreachable. The experiment's own commit (``refs/exps/exec/EXEC_MERGE``) holds
+    the file with the ``-S`` values already in, and its second parent (``Index stash``) too. So this
+    takes the newest unreachable (or ``refs/stash``) commit with two or more parents, the first one
+    ``head``, made no earlier than the command started (2 s of slack for /proc's whole-second boot
+    time) and no later than ``EXEC_MERGE`` where that exists, and keeps it only if ``path`` now
+    differs from its params.yaml in ``keys`` alone. The time is what tells this command's stash from
+    an older one: a workspace without uncommitted edits leaves no stash."""
+    cwd = path.parent
+    head = (_git(cwd, "rev-parse", "HEAD") or "").strip()
+    fsck = _git(cwd, "fsck", "--unreachable", "--no-reflogs", "--no-progress")
+    if not head or fsck is None:
+        return None
+    shas = [w[2] for line in fsck.splitlines() if len(w := line.split()) == 3 and w[:2] == ["unreachable", "commit"]]
+    if (stash := _git(cwd, "rev-parse", "-q", "--verify", "refs/stash")) is not None:
+        shas.append(stash.strip())
+    if not shas:
+        return None
+    merge = _git(cwd, "show", "-s", "--format=%ct", "refs/exps/exec/EXEC_MERGE")
+    until = int(merge) if merge else float("inf")
+    shown = _git(cwd, "show", "-s", "--format=%H %ct %P%x00%s", *shas) or ""
+    found = []
+    for line in shown.splitlines():
+        fields, _, subject = line.partition("\0")
+        sha, ct, *parents = fields.split()
+        if len(parents) >= 2 and parents[0] == head and since - 2 <= int(ct) <= until and not subject.startswith("dvc-exp:"):
+            found.append((int(ct), sha))
+    if not found:
+        return None
+    sha = max(found)[1]
+    text = _git(cwd, "show", f"{sha}:./{path.name}")
+    if text is None:
+        return None
+    before = yaml.safe_load(text) or {}
+    if revert_keys(yaml.safe_load(path.read_text()) or {}, before, keys) != before:
+        return None  # more than the command's keys differ: not this command's stash
+    return text, sha
 
 
 def revert_in_place(doc: dict, baseline: dict, keys: list[str]) -> None:
@@ -150,22 +223,25 @@ def _apply_edits(committed: str, rewritten: str, edited: str, cwd: Path) -> str 
     return res.stdout if res.returncode == 0 else None
 
 
-def restore_params(path: Path, baseline_rev: str, keys: list[str]) -> str:
-    """Put the keys an experiment set back to ``baseline_rev``'s values; returns what was done.
+def restore_params(path: Path, baseline_rev: str, keys: list[str], since: float | None = None) -> str:
+    """Put params.yaml back as it was before the ``dvc exp run`` (started at ``since``, epoch seconds)
+    that set ``keys`` on ``baseline_rev``; returns what was done.
 
-    Every other line stays as the user had it before the command, uncommitted edits included: DVC
-    rewrote the whole file (ruamel, flow collections as blocks, ``null`` as nothing), so the user's
-    edits are the difference between the committed file and the current one, both as DVC writes them,
-    merged back into the committed text. Where that merge conflicts or reads differently, the file as
-    DVC wrote it, keys reverted, is written instead (same values, DVC's layout).
-
-    A key the command line set is put back to its value at the baseline commit: where the user had
-    also edited that key without committing, that edit is lost (DVC keeps the workspace as it was
-    before the command only in a stash it drops before the stages run)."""
-    git = subprocess.run(["git", "show", f"{baseline_rev}:./{path.name}"], capture_output=True, text=True, cwd=path.parent)
-    if git.returncode != 0:
+    Where the workspace DVC stashed is found (:func:`params_before_command`), that text comes back
+    byte for byte: the user's uncommitted edits, also of the keys the command set. Else the workspace
+    had no uncommitted edit, or it cannot be found: ``keys`` go back to their values at
+    ``baseline_rev`` and every other line stays as the user had it. DVC rewrote the whole file
+    (ruamel, flow collections as blocks, ``null`` as nothing), so the user's other edits are the
+    difference between the committed file and the current one, both as DVC writes them, merged back
+    into the committed text; where that merge conflicts or reads differently, the file as DVC wrote
+    it, keys reverted, is written instead (same values, DVC's layout)."""
+    if since is not None and (found := params_before_command(path, keys, since)) is not None:
+        text, stash = found
+        write_text(path, text)
+        return f"params.yaml restored as it was before the command (the workspace DVC stashed, {stash[:7]})"
+    baseline_text = _git(path.parent, "show", f"{baseline_rev}:./{path.name}")
+    if baseline_text is None:
         return f"params.yaml keeps the experiment's values (no {path.name} at the baseline {baseline_rev[:7]})"
-    baseline_text = git.stdout
     baseline = yaml.safe_load(baseline_text) or {}
     reverted = _as_dvc_writes(path.read_text(), baseline, keys)
     want = yaml.safe_load(reverted)
@@ -184,9 +260,9 @@ def stop(message: str, params_path: str | Path = "params.yaml"):
     path = Path(params_path).resolve()
     console.print(f"[bold red]{message}")
     rev = os.environ.get("DVC_EXP_BASELINE_REV")
-    keys = exp_run_overrides() if rev else None
+    pid, keys = (exp_run_process() or (None, None)) if rev else (None, None)
     if keys:
-        console.print(restore_params(path, rev, keys))
+        console.print(restore_params(path, rev, keys, process_start(pid)))
     elif rev:
         console.print("params.yaml keeps the experiment's values (its dvc exp run command line could not be read): "
                       f"git diff {rev[:7]} -- params.yaml shows them")
@@ -238,6 +314,27 @@ def folder_source_errors(p) -> list[str]:
     return slot_errors(p, model_shape(SimpleNamespace(config=AutoConfig.from_pretrained(config.parent))))[1]
 
 
+def budget_warning(p) -> str | None:
+    """A warning when ``budget`` is at least the longest sequence a cache ever holds, else None.
+
+    Training rows hold documents of at most ``min(train.seq_len, filter.max_tokens)`` tokens (pack
+    never splits a document; the filter drops longer traces) and attention stays within a document;
+    the held-out traces hold at most ``filter.max_tokens``. A budget at or above that length evicts
+    nothing: every policy is the dense model, and training and evaluation buy nothing."""
+    seq_len, max_tokens = p.train.seq_len, p.filter.max_tokens
+    rows = min(seq_len, max_tokens)
+    if p.budget < rows:
+        return None
+    bound = f"train.seq_len {seq_len}" if seq_len <= max_tokens else f"filter.max_tokens {max_tokens}, below train.seq_len {seq_len}"
+    fix = (f"set budget below {rows} (profile paper-cpu: 256 of 1,024-token rows, the paper's 25%) or make the rows longer "
+           "(profile paper: 4096 of 16,384-token rows; python pipeline/profiles.py paper)")
+    if p.budget >= max_tokens:
+        return (f"warning: budget {p.budget} >= the rows' length {rows} tokens ({bound}): nothing will ever be evicted, "
+                f"every policy is dense (training and evaluation measure no eviction); {fix}")
+    return (f"warning: budget {p.budget} >= the training rows' length {rows} tokens ({bound}): training never evicts, "
+            f"so the trained policies learn no eviction (only the held-out traces of up to filter.max_tokens {max_tokens} evict); {fix}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--params", default="params.yaml")
@@ -251,6 +348,8 @@ def main() -> None:
         stop("invalid params for the trained policies on this base model:\n" + "\n".join(errors), args.params)
     write_marker(args.out, MARKER)
     console.print(f"{args.params}: valid")
+    if warning := budget_warning(p):  # before any other stage runs: a warning, the run goes on
+        console.print(f"[bold yellow]{warning}", highlight=False)
 
 
 if __name__ == "__main__":

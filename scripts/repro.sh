@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
 dvc repro "$@"
-python pipeline/report.py metrics/eval.json   # the quality table (dvc metrics show: every number, 2,800 columns wide)
+python pipeline/report.py metrics/eval.json   # the quality table (dvc metrics show: the compact metrics, a row per policy)

@@ -63,9 +63,14 @@ def test_pipeline_end_to_end(tiny_qwen3_dir, tmp_path):
                  "kvpop.json")
         expected |= {f"models/export/{pol}/{f}" for f in files}
     expected |= {"models/export/kvpop_mlp/scorer.safetensors", "models/export/kvpop/scorer.safetensors"}
+    evaluated = {"dense", "streaming_llm", "tova", "h2o", "oracle_target", "oracle_sources", *POLICIES, "kvpop_mlp.one_pool"}
+    expected |= {f"metrics/summary/{stem}.json" for stem in evaluated}  # the compact metrics, one file per policy
     assert written - {w for w in written if w.startswith(".cache/")} == expected
 
     ev = json.loads((tmp_path / "metrics/eval.json").read_text())
+    from kvpop.summary import summary
+
+    assert {stem: json.loads((tmp_path / f"metrics/summary/{stem}.json").read_text()) for stem in evaluated} == summary(ev)
     assert set(ev["policies"]) == {"dense", "streaming_llm", "tova", "h2o", "oracle_target", "oracle_sources", *POLICIES, "kvpop_mlp, one pool"}
     for name, m in ev["policies"].items():
         assert {"kl", "top1_agreement", "quote_accuracy"} <= set(m), name
@@ -102,6 +107,10 @@ def check_tracking(db: Path, ev: dict) -> None:
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
     assert len(parents) == 1 and {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
+    # the runs table tells experiments and budgets apart: both in every run's name and tags
+    assert parents[0].info.run_name == f"evaluate · budget {ev['budget']} · micro" and parents[0].data.tags["budget"] == str(ev["budget"])
+    assert {r.info.run_name for r in children} == {f"{name} · budget {ev['budget']} · micro" for name in ev["policies"]}
+    assert {r.data.tags["dvc_exp"] for r in runs} == {"micro"}
     assert not any("." in k for k in parents[0].data.metrics)  # no flattened <policy>.<metric> columns
     logged = {a.path for a in mlflow.MlflowClient().list_artifacts(parents[0].info.run_id, "plots")}
     assert {"plots/keep_map.png", "plots/cache_memory.png", "plots/occupancy.png", "plots/budget_points.json"} == logged
@@ -122,6 +131,7 @@ def check_tracking(db: Path, ev: dict) -> None:
     assert kinds["kvpop_mlp, one pool"] == "trained"
     train = mlflow.search_runs(experiment_names=["kvpop"], filter_string="tags.stage = 'train'", output_format="list")
     assert len(train) == len(POLICIES)
+    assert {r.info.run_name for r in train} == {f"train/{p} · budget {ev['budget']} · micro" for p in POLICIES}
     for r in train:  # curves and throughput as metrics; the run's bookkeeping as tags
         assert "train/kl" in r.data.metrics and "tokens_per_s" in r.data.metrics and not any(k.startswith("final/") for k in r.data.metrics)
         assert r.data.tags["devices"] == "1" and r.data.tags["steps"] == "2"
@@ -204,3 +214,54 @@ def test_bad_exp_params_touch_nothing(tiny_qwen3_dir, tmp_path):
         after = snapshot(repo)
         assert after["params.yaml"] == before["params.yaml"], override
         assert after == before, (override, sorted(k for k in after.keys() | before.keys() if after.get(k) != before.get(k)))
+
+
+def test_the_dvc_cache_links_outputs_instead_of_copying(tmp_path):
+    """The repository's .dvc/config: a stage's output is the cache's file (a hard link; a symlink where
+    the cache is on another file system), not a second copy of a 1.6 GB checkpoint. A re-run replaces
+    the output (DVC removes it first; every stage writes new files and renames them into place, here
+    with kvpop.io.atomic_dir as the model stages do) and leaves the previous run's cached object intact."""
+    import hashlib
+
+    repo = tmp_path / "repo"
+    (repo / ".dvc").mkdir(parents=True)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT / "src")}
+    (repo / "write.py").write_text("import os, yaml\nfrom kvpop.io import atomic_dir\n"
+                                   "n = yaml.safe_load(open('params.yaml'))['n']\n"
+                                   "with atomic_dir('models/out') as tmp:\n    (tmp / 'weights.bin').write_bytes(os.urandom(1 << 16) + bytes([n]))\n")
+    (repo / "params.yaml").write_text("n: 1\n")
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"w": {"cmd": "python write.py", "params": ["n"], "outs": ["models/out"]}}}))
+
+    def run(*cmd):
+        res = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
+        assert res.returncode == 0, (cmd, res.stdout[-2000:], res.stderr[-2000:])
+
+    def cached(path: Path) -> Path:
+        md5 = hashlib.md5(path.read_bytes()).hexdigest()
+        return repo / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]
+
+    run("git", "init", "-q")
+    run("dvc", "init", "-q", "--force")
+    (repo / ".dvc" / "config").write_text((ROOT / ".dvc" / "config").read_text())
+    out = repo / "models" / "out" / "weights.bin"
+    run("dvc", "repro", "-q")
+    first, first_bytes = cached(out), out.read_bytes()
+    assert out.resolve() == first.resolve() or out.stat().st_ino == first.stat().st_ino, "the output is a copy of the cache's file"
+    assert out.is_symlink() or out.stat().st_nlink == 2
+    (repo / "params.yaml").write_text("n: 2\n")
+    run("dvc", "repro", "-q")
+    assert out.read_bytes() != first_bytes and out.stat().st_ino == cached(out).stat().st_ino or out.is_symlink()
+    assert first.read_bytes() == first_bytes  # the first run's object, untouched by the re-run
+
+
+def test_run_names_carry_the_budget_and_the_experiment(monkeypatch):
+    """MLflow's runs table always shows a run's name: it says the budget and the DVC experiment
+    (``DVC_EXP_NAME``, set by ``dvc exp run``), so two experiments' evaluate runs differ at a glance."""
+    from kvpop import tracking
+
+    monkeypatch.setenv("DVC_EXP_NAME", "lippy-taal")
+    assert tracking.run_title("train/kvpop", {"budget": 384, "policy": "kvpop"}) == "train/kvpop · budget 384 · lippy-taal"
+    assert tracking.run_tags("evaluate", {"budget": 384}) == {"stage": "evaluate", "dvc_exp": "lippy-taal", "budget": "384"}
+    monkeypatch.delenv("DVC_EXP_NAME")
+    assert tracking.run_title("pack", {"train.seq_len": 1024}) == "pack · workspace"  # a stage the budget does not reach
+    assert tracking.run_tags("pack", {}) == {"stage": "pack", "dvc_exp": "workspace"}

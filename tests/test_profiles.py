@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 import sys
@@ -16,13 +17,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "pipeline"))
 import profiles  # noqa: E402
 import run_stages  # noqa: E402
+from validate import budget_warning, slot_errors  # noqa: E402
 
 
 def run_profiles(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "pipeline" / "profiles.py"), *args], cwd=cwd, capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("name", ["4k", "8k"])
+@pytest.mark.parametrize("name", ["4k", "8k", "paper", "paper-cpu"])
 def test_a_profile_is_valid_params_and_its_arguments_read_back(name):
     """Every shipped profile merges over params.yaml into valid params, and the printed -S arguments, read
     the way DVC reads them (YAML values), set exactly the profile's leaves."""
@@ -36,6 +38,35 @@ def test_a_profile_is_valid_params_and_its_arguments_read_back(name):
     base = yaml.safe_load((ROOT / "params.yaml").read_text())
     p = parse_params(profiles.merged(base, list(leaves.items())))
     assert p.budget < p.train.seq_len  # a quality profile evicts: the budget is below the row length
+
+
+QWEN3_4B = {"num_layers": 36, "num_kv_heads": 8, "head_dim": 128}  # Qwen/Qwen3-4B-Instruct-2507's config.json
+
+
+def profile_params(name: str, *extra: tuple[str, object]):
+    base = yaml.safe_load((ROOT / "params.yaml").read_text())
+    return parse_params(profiles.merged(base, profiles.leaves(profiles.read_yaml(profiles.profile_path(name))) + list(extra)))
+
+
+def test_paper_profiles_budget_4096_of_16k_rows_and_its_cpu_twin():
+    """``paper``: the paper's setting (Qwen3-4B from the hub, Nemotron traces, rows of 16,384 tokens) in
+    which budget 4096 is a quarter of a row, and ``-S budget=4096`` / ``2048`` are the paper's budgets;
+    ``paper-cpu``: the same quarter of the default's rows on the embedded model. Each evicts (no budget
+    warning) and leaves every trained policy long-range slots on its model."""
+    paper, cpu = profile_params("paper"), profile_params("paper-cpu")
+    assert (paper.base_model.source, paper.filter.source) == ("Qwen/Qwen3-4B-Instruct-2507", "nemotron")
+    assert paper.train.seq_len == paper.filter.max_tokens == 16384 and paper.budget == 4096
+    assert profile_params("paper", ("budget", 4096)) == paper and profile_params("paper", ("budget", 2048)).budget == 2048
+    default = parse_params(yaml.safe_load((ROOT / "params.yaml").read_text()))
+    assert cpu.base_model.source == default.base_model.source and cpu.train.seq_len == default.train.seq_len
+    assert cpu.budget / min(cpu.train.seq_len, cpu.filter.max_tokens) == paper.budget / paper.train.seq_len == 0.25
+    embedded = json.loads((ROOT / "metrics" / "base_model.json").read_text())  # the committed run's teacher shape
+    assert embedded["source"] == "embedded"
+    for p, shape in ((paper, QWEN3_4B), (cpu, embedded)):
+        assert budget_warning(p) is None
+        slots, errors = slot_errors(p, shape)
+        assert not errors and min(slots.values()) > 0, errors
+    assert budget_warning(profile_params("paper-cpu", ("budget", 4096))) is not None  # -S budget=4096 on CPU rows: the warning
 
 
 def test_write_gives_the_merged_params(tmp_path):

@@ -3,13 +3,17 @@
 For every held-out trace (one per row, unpacked) and every policy, the model runs under the
 policy's pattern at the run's budget and is compared with the dense teacher on the same text:
 
-* ``kl``: mean over scored positions of KL(p_dense || p_policy), full vocabulary;
+* ``kl``: mean over scored positions of KL(p_dense || p_policy), full vocabulary, clamped at 0 (a
+  policy that evicts nothing can sum to a tiny negative by float rounding);
 * ``top1_agreement``: how often the argmax tokens agree;
 * ``quote_accuracy``: top-1 accuracy on the recorded long-range quote tokens (the digits a later
   step copies from a definition many hundreds of tokens back);
 * ``occupancy``: the entries held at the trace's last token, over the capacity ``sinks + window + k``
   (mean over layers, KV heads and traces): 1 for a top-k rule on a trace longer than its budget,
   below 1 for a gate that evicts more than the budget needs (``dms``), ``S / budget`` for dense;
+* ``fill``: the entries held at the trace's last token over ``min(S, capacity)``, what a rule that
+  evicts only when its cache is full holds (mean over traces): 1 for dense and every top-k rule, also
+  on traces shorter than the budget; below 1 for a gate that evicts below its budget (``dms``);
 * ``occupancy_map`` (policies with a full-sequence pattern): the same per layer and KV head,
   ``[layer][head]``, mean over traces (its mean is ``occupancy``): 1 everywhere for a top-k rule, below 1
   where a gate evicts more than it must (``dms``), above 1 where a ``one_pool`` policy
@@ -72,6 +76,7 @@ class _Acc:
     quote_hit: int = 0
     quotes: int = 0
     occupancy: float = 0.0  # summed over traces
+    fill: float = 0.0  # summed over traces
     occupancy_map: Tensor | None = None  # (L, Hk) summed over traces (policies with a full-sequence pattern)
 
     traces: int = 0
@@ -83,11 +88,12 @@ class _Acc:
         return {
             "traces": self.traces,
             "tokens": self.tokens,
-            "kl": self.kl / max(1, self.tokens),
+            "kl": max(0.0, self.kl / max(1, self.tokens)),  # KL >= 0: a negative is float rounding
             "top1_agreement": self.agree / max(1, self.tokens),
             "quote_accuracy": self.quote_hit / max(1, self.quotes),
             "quote_tokens": self.quotes,  # 0: the records mark no quote (quote_accuracy then says nothing)
             "occupancy": self.occupancy / max(1, self.traces),
+            "fill": self.fill / max(1, self.traces),
             **extra,
         }
 
@@ -336,9 +342,9 @@ def evaluate_fidelity(
                 cache = new_cache(c.model, c.policy, layout)
                 logits = teacher_forced_logits(c.model, c.policy, ids, layout=layout, prefill=prefill, cache=cache)[0].float()
                 held = torch.stack([(layer.pos >= 0).sum(-1).double().mean() for layer in cache.layers]).mean().item()
-                occupancy = held / cache.slots
+                occupancy, fill = held / cache.slots, held / min(ids.shape[1], cache.slots)
             elif c.policy.name == "dense" and c.model is teacher:
-                logits, occupancy = ref, ids.shape[1] / layout.budget
+                logits, occupancy, fill = ref, ids.shape[1] / layout.budget, 1.0
             else:
                 if (c.name, n) in pool_times:
                     evict = pool_times[c.name, n]  # (L, Hk, S)
@@ -347,6 +353,8 @@ def evaluate_fidelity(
                     logits, evict = captured_forward(c.model, c.policy, ids, layout=layouts[c.name])
                 m = held_map(evict, layouts[c.name].slots)  # (L, Hk)
                 occupancy = m.mean().item()
+                slots = layouts[c.name].slots
+                fill = occupancy * slots / min(ids.shape[1], slots) if c.policy.evicts else 1.0
                 acc[c.name].occupancy_map = m if acc[c.name].occupancy_map is None else acc[c.name].occupancy_map + m
             logp = torch.log_softmax(logits, -1)
             kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # (S,)
@@ -355,6 +363,7 @@ def evaluate_fidelity(
             a.agree += (logits.argmax(-1)[scored] == ref_top[scored]).sum().item()
             a.tokens += scored.numel()
             a.occupancy += occupancy
+            a.fill += fill
             if quotes.numel():
                 a.quote_hit += (logits.argmax(-1)[quotes] == targets[quotes]).sum().item()
                 a.quotes += quotes.numel()

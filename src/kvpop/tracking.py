@@ -1,10 +1,13 @@
 """The one module that talks to MLflow.
 
 Stages only write here; none reads it back (what a stage reads is a declared DVC input).
-Every stage logs one run (named after the stage) into a single tracking store at a fixed
-absolute location: ``<repo>/mlflow.db`` (SQLite), unless ``MLFLOW_TRACKING_URI`` says otherwise.
-Runs carry the DVC experiment name (``DVC_EXP_NAME``, set by ``dvc exp run``; ``workspace``
-for a plain ``dvc repro``) as the tag ``dvc_exp`` so the MLflow UI can compare experiments.
+Every stage logs one run into a single tracking store at a fixed absolute location:
+``<repo>/mlflow.db`` (SQLite), unless ``MLFLOW_TRACKING_URI`` says otherwise. Runs carry the DVC
+experiment name (``DVC_EXP_NAME``, which ``dvc exp run`` sets for its stages; ``workspace`` for a
+plain ``dvc repro``) as the tag ``dvc_exp`` and, where the run's params hold a ``budget``, the tag
+``budget``; both are also in the run's name (:func:`run_title`, e.g. ``evaluate · budget 384 ·
+lippy-taal``), the one column MLflow's runs table always shows, so two experiments' runs differ at a
+glance. The tag ``stage`` keeps the stage's own word (``train``) for searches.
 Launch the UI with ``mlflow ui --backend-store-uri sqlite:///$PWD/mlflow.db``.
 
 ``KVPOP_TRACKING=off`` runs the stages without MLflow (a machine without it, such as a GPU host
@@ -42,6 +45,19 @@ def experiment_tag() -> str:
     return os.environ.get("DVC_EXP_NAME") or "workspace"
 
 
+def run_title(name: str, params: Mapping[str, Any]) -> str:
+    """A run's name in the MLflow UI: ``name``, the budget where ``params`` hold one, and the DVC
+    experiment (``train/kvpop · budget 384 · lippy-taal``)."""
+    budget = params.get("budget")
+    return " · ".join([name, *([f"budget {budget}"] if budget is not None else []), experiment_tag()])
+
+
+def run_tags(stage: str, params: Mapping[str, Any]) -> dict[str, str]:
+    """The tags every run carries: ``stage``, ``dvc_exp`` and, where ``params`` hold one, ``budget``."""
+    budget = params.get("budget")
+    return {"stage": stage, "dvc_exp": experiment_tag(), **({"budget": str(budget)} if budget is not None else {})}
+
+
 def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
@@ -68,7 +84,8 @@ def tracking_enabled() -> bool:
 
 @contextlib.contextmanager
 def stage_run(stage: str, params: Mapping[str, Any], run_name: str | None = None) -> Iterator[StageRun]:
-    """One MLflow run for one stage execution; params flattened with dotted keys. With tracking off
+    """One MLflow run for one stage execution, named ``run_name`` (default ``stage``) with the budget
+    and the DVC experiment (:func:`run_title`); params flattened with dotted keys. With tracking off
     (``KVPOP_TRACKING=off``) an :class:`UntrackedRun` that logs nothing."""
     if not tracking_enabled():
         logging.getLogger(__name__).warning("KVPOP_TRACKING=off: stage %s is not logged to MLflow", run_name or stage)
@@ -79,7 +96,7 @@ def stage_run(stage: str, params: Mapping[str, Any], run_name: str | None = None
     _quiet()
     mlflow.set_tracking_uri(tracking_uri())
     mlflow.set_experiment(EXPERIMENT)
-    with mlflow.start_run(run_name=run_name or stage, tags={"stage": stage, "dvc_exp": experiment_tag()}) as run:
+    with mlflow.start_run(run_name=run_title(run_name or stage, params), tags=run_tags(stage, params)) as run:
         mlflow.log_params(_flatten(params))
         yield StageRun(run.info.run_id, stage)
 
@@ -95,11 +112,11 @@ class StageRun:
     def child(self, name: str, params: Mapping[str, Any], tags: Mapping[str, str] | None = None) -> Iterator[StageRun]:
         """A child run under this one (MLflow's nested runs: the UI folds them under the parent), e.g.
         one per evaluated policy, so that a metric of the same name can be charted across policies
-        and experiments. Tagged like the parent (``stage``, ``dvc_exp``) plus ``tags``."""
+        and experiments. Named and tagged like the parent (:func:`run_title`, :func:`run_tags`) plus ``tags``."""
         import mlflow
 
-        all_tags = {"stage": self.stage, "dvc_exp": experiment_tag(), **(tags or {})}
-        with mlflow.start_run(run_name=name, nested=True, parent_run_id=self.run_id, tags=all_tags) as run:
+        all_tags = {**run_tags(self.stage, params), **(tags or {})}
+        with mlflow.start_run(run_name=run_title(name, params), nested=True, parent_run_id=self.run_id, tags=all_tags) as run:
             mlflow.log_params(_flatten(params))
             yield StageRun(run.info.run_id, self.stage)
 
