@@ -127,6 +127,7 @@ def check_tracking(db: Path, ev: dict) -> None:
         assert r.data.tags["devices"] == "1" and r.data.tags["steps"] == "2"
 
 
+@pytest.mark.slow
 def test_filter_mixes_other_text_into_training_only(tiny_qwen3_dir, tmp_path):
     p = micro_params(str(tiny_qwen3_dir))
     p["filter"]["other_text"] = {"code": 2, "prose": 1}

@@ -28,7 +28,7 @@ from kvpop.pack import pack_records, save_packed
 from kvpop.resume import begin_run, checkpoint_name, complete_checkpoints, find_resume_checkpoint
 from kvpop.train import EpochBatches, PackedDataset, ResumableLoader
 
-from conftest import build_tiny_tokenizer
+from conftest import build_tiny_model, packed_toy
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = "kvpop_mlp"
@@ -81,10 +81,9 @@ def files(root: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    from conftest import _save_tiny
-
-    return _save_tiny(tmp_path_factory.mktemp("base"), "qwen3", build_tiny_tokenizer())
+def base(tiny_qwen3_dir) -> Path:
+    """The base model of these runs: the session's tiny Qwen3 (conftest), read only."""
+    return tiny_qwen3_dir
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +116,7 @@ def killed(tmp_path_factory, base, db) -> Path:
     return cwd
 
 
+@pytest.mark.slow  # the train stage three times (whole, killed, resumed)
 def test_killed_run_resumes_to_the_uninterrupted_result(killed, uninterrupted, base, db, tmp_path):
     cwd = tmp_path / "run"
     shutil.copytree(killed, cwd)
@@ -165,6 +165,7 @@ def plant_payload(ckpt: Path, marker: Path, out: Path | None = None) -> Path:
     return out
 
 
+@pytest.mark.slow  # the train stage, killed, then run again
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "object"])
 def test_corrupt_checkpoint_is_a_clear_error_and_touches_nothing(killed, base, db, tmp_path, damage):
     cwd = tmp_path / "run"
@@ -201,8 +202,6 @@ def test_lightning_resume_load_refuses_an_object_even_when_torch_is_told_to_unpi
     from kvpop.geometry import CacheLayout
     from kvpop.resume import ResumeCheckpoint
     from kvpop.train import build_training
-
-    from conftest import build_tiny_model, packed_toy
 
     teacher = build_tiny_model("llama")
     ids, doc, pos = packed_toy(4, 64)
