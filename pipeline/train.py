@@ -106,12 +106,15 @@ def main() -> None:
               "precision": training.precision, "train": cfg.model_dump()}
     runs = tracking.stage_run("train", logged, run_name=f"train/{args.policy}") if rank0 else contextlib.nullcontext()
     with runs as run:
-        trainer = training.fit(
-            ckpt_path=ckpt,
-            logger=run.lightning_logger() if run is not None else False,
-            callbacks=[StepProgress(cfg.log_every), saver],
-            enable_progress_bar=False,  # StepProgress: Lightning's bar cannot count a max_steps run over a resumable loader
-        )
+        try:  # Lightning reads ckpt with weights_only=True: a pickled object in it, or a loader of other data settings, stops here
+            trainer = training.fit(
+                ckpt_path=ckpt,
+                logger=run.lightning_logger() if run is not None else False,
+                callbacks=[StepProgress(cfg.log_every), saver],
+                enable_progress_bar=False,  # StepProgress: Lightning's bar cannot count a max_steps run over a resumable loader
+            )
+        except CheckpointError as err:
+            fail(str(err))
         if not trainer.is_global_zero:
             return
         if trainer.global_step != cfg.steps:

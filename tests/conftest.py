@@ -1,10 +1,18 @@
-"""Shared fixtures: a tiny byte-level tokenizer with a chat template, tiny random models and a
-tie-heavy test policy."""
+"""Shared fixtures: a tiny byte-level tokenizer with a chat template, tiny random models, a
+tie-heavy test policy, and the real SmolLM2 tokenizer where the pipeline put it."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+#: where the base_model stage writes the teacher, and where it keeps the embedded GGUF (pipeline/base_model.py --out, --cache)
+BASE_DIR, EMBEDDED_CACHE = ROOT / "models" / "base", ROOT / ".cache" / "embedded"
+SMOLLM2_VOCAB = 49152  # every SmolLM2 size shares this tokenizer
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
@@ -129,3 +137,32 @@ def packed_toy(B: int = 2, S: int = 48, seed: int = 0):
             t, d = t + n, d + 1
     ids = torch.randint(0, 96, (B, S), generator=g)
     return ids, doc, pos
+
+
+def find_smollm2() -> tuple[Path, str | None] | None:
+    """(folder, gguf file name or None) of the embedded teacher's tokenizer, or None: ``models/base``
+    after a repro when it holds a SmolLM2 (``base_model.source`` may name another model), else the
+    GGUF the base_model stage keeps in ``.cache/embedded``."""
+    from kvpop.base_model import EMBEDDED_GGUF
+
+    cfg = BASE_DIR / "config.json"
+    if cfg.is_file() and (BASE_DIR / "tokenizer.json").is_file() and json.loads(cfg.read_text()).get("vocab_size") == SMOLLM2_VOCAB:
+        return BASE_DIR, None
+    gguf = EMBEDDED_CACHE / Path(EMBEDDED_GGUF).name
+    return (EMBEDDED_CACHE, gguf.name) if gguf.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The real SmolLM2-135M-Instruct tokenizer (see :func:`find_smollm2`); the test is skipped, saying how
+    to get it, where the pipeline has not put it here. From the GGUF it takes ~20 s: mark its tests ``slow``."""
+    found = find_smollm2()
+    if found is None:
+        pytest.skip(f"the SmolLM2 tokenizer is in neither {BASE_DIR.relative_to(ROOT)} nor {EMBEDDED_CACHE.relative_to(ROOT)}: "
+                    "run the base_model stage (`.venv/bin/dvc repro base_model`)")
+    from transformers import AutoTokenizer
+
+    folder, gguf = found
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf) if gguf else AutoTokenizer.from_pretrained(folder)
+    assert len(tok) == SMOLLM2_VOCAB and tok.chat_template is not None, folder
+    return tok

@@ -39,6 +39,7 @@ def test_decoder_layers_and_strategies(tiny_qwen3_dir):
         decoder_layer_classes(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.slow  # the train stage twice, once on two ranks
 def test_ddp_equals_one_device_on_the_same_global_batch(tmp_path, base, db):  # noqa: F811
     """2 ranks at batch 1 vs 1 device at batch 2: same rows per step, KL over the global token count.
 
@@ -89,6 +90,7 @@ def _sharded_teacher(rank: int, model_dir: str, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two gloo processes
 def test_sharded_teacher_gives_the_unsharded_logits(tiny_qwen3_dir, tmp_path):
     """Each rank holds half of the frozen teacher and gets the full model's logits on its own rows."""
     from kvpop.attention import SparseContext

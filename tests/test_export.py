@@ -97,6 +97,7 @@ def _save_sharded(rank: int, model_dir: str, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two gloo processes, then the export stage twice
 def test_sharded_checkpoint_exports_like_a_single_device_one(tiny_qwen3_dir, tmp_path):
     import os
     import subprocess

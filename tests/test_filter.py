@@ -1,5 +1,4 @@
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,6 @@ from kvpop.data.synthetic import generate_traces
 from kvpop.filter import TOO_LONG, FilterStats, filter_rows, format_and_tokenize, read_jsonl, write_jsonl
 
 FIXTURE = Path(__file__).parent / "fixtures" / "nemotron_sample.jsonl"
-SMOLLM2 = "/tmp/smollm2-hf"
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -35,15 +33,10 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-@pytest.fixture(scope="module", params=["tiny", "smollm2"])
+@pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
 def tokenizer(request, tiny_tokenizer):
-    if request.param == "tiny":
-        return tiny_tokenizer
-    if not os.path.isdir(SMOLLM2):
-        pytest.skip(f"{SMOLLM2} not available")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(SMOLLM2)
+    """The word-level toy tokenizer, and the real SmolLM2 one where the pipeline put it (conftest.find_smollm2)."""
+    return tiny_tokenizer if request.param == "tiny" else request.getfixturevalue("smollm2_tokenizer")
 
 
 # ----------------------------------------------------------------------------- sources

@@ -63,6 +63,7 @@ def buffers(eng):
 """
 
 
+@pytest.mark.slow  # 140 interpreted decode steps x 8 engines: minutes; the fast tier decodes fused in the compile test below
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_fused_insert_decodes_as_the_tensor_code(kind):
     """The engine with the fused insert kernel and with its tensor code, the same prompt and tokens:
@@ -168,7 +169,7 @@ def test_fused_insert_compiles_into_the_one_layer_graph():
     assert out.strip() == "OK"
 
 
-@pytest.mark.parametrize("block", [16, 4096])
+@pytest.mark.parametrize("block", [16, pytest.param(4096, marks=pytest.mark.slow)])  # 16: blocks carry prefix counts (the harder case)
 def test_wavelet_kernels_answer_as_the_tensor_twin(block):
     """kvpop.kernels.order (build + query) against kvpop.order.prefix_kth_smallest_reference, on the
     same random cases as tests/test_order.py (duplicates, empty and full prefixes, ranks out of range)

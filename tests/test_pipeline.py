@@ -1,4 +1,7 @@
-"""Integration: the real stage entry points, in order, on a micro configuration (tiny Qwen3, offline)."""
+"""Integration: the real stage entry points on a micro configuration (tiny Qwen3, offline).
+
+The whole pipeline runs once for this module (the ``micro`` fixture: ``dvc repro`` of dvc.yaml's own
+stage commands); the end-to-end checks and the failed ``dvc exp run`` checks read that one run."""
 
 import json
 import os
@@ -35,21 +38,30 @@ def stage(cwd: Path, script: str, *args: str) -> subprocess.CompletedProcess:
     return res
 
 
-@pytest.mark.slow
-def test_pipeline_end_to_end(tiny_qwen3_dir, tmp_path):
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(micro_params(str(tiny_qwen3_dir))))
-    stage(tmp_path, "base_model.py")
-    stage(tmp_path, "slots.py")
-    stage(tmp_path, "filter.py")
-    stage(tmp_path, "pack.py")
-    for pol in POLICIES:
-        stage(tmp_path, "train.py", "--policy", pol, "--out", f"models/train/{pol}", "--metrics", f"metrics/train/{pol}.json")
-        stage(tmp_path, "export.py", "--policy", pol, "--ckpt", f"models/train/{pol}/last.ckpt", "--out", f"models/export/{pol}")
-    stage(tmp_path, "evaluate.py")
+DVC = str(Path(sys.executable).parent / "dvc")
 
-    written = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file() and "mlruns" not in p.parts}
+
+@pytest.fixture(scope="module")
+def micro(tiny_qwen3_dir, tmp_path_factory) -> tuple[Path, dict, Path]:
+    """The whole pipeline on the micro configuration, once: ``dvc repro`` in a git + DVC repository
+    (:func:`dvc_repo`), its outputs committed -> (repository, environment, MLflow database)."""
+    tmp = tmp_path_factory.mktemp("micro")
+    repo, env = dvc_repo(tmp, str(tiny_qwen3_dir))
+    res = subprocess.run([DVC, "repro", "-q"], cwd=repo, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    subprocess.run(["git", "add", "-A"], cwd=repo, env=env, check=True)
+    subprocess.run(["git", "commit", "-qm", "repro"], cwd=repo, env=env, check=True)
+    return repo, env, tmp / "mlflow.db"
+
+
+@pytest.mark.slow
+def test_pipeline_end_to_end(micro):
+    """Every stage of dvc.yaml, in order: exactly these files written, the metrics and the MLflow runs."""
+    repo, _, db = micro
+    other = ("pipeline/", "src/", ".cache/", "mlruns/")  # the checkout's code copied in, the embedded-model cache, MLflow's artifacts
+    written = {f for f in snapshot(repo) if not f.startswith(other) and Path(f).name not in (".gitignore", ".dvcignore")}
     expected = {
-        "params.yaml", "mlflow.db",
+        "params.yaml", "dvc.yaml", "dvc.lock", "data/params.valid",
         "models/base/config.json", "models/base/generation_config.json", "models/base/model.safetensors",
         "models/base/tokenizer.json", "models/base/tokenizer_config.json", "models/base/chat_template.jinja",
         "metrics/base_model.json", "data/slots.valid", "data/filtered/train.jsonl", "data/filtered/eval.jsonl", "metrics/filter.json",
@@ -65,12 +77,12 @@ def test_pipeline_end_to_end(tiny_qwen3_dir, tmp_path):
     expected |= {"models/export/kvpop_mlp/scorer.safetensors", "models/export/kvpop/scorer.safetensors"}
     evaluated = {"dense", "streaming_llm", "tova", "h2o", "oracle_target", "oracle_sources", *POLICIES, "kvpop_mlp.one_pool"}
     expected |= {f"metrics/summary/{stem}.json" for stem in evaluated}  # the compact metrics, one file per policy
-    assert written - {w for w in written if w.startswith(".cache/")} == expected
+    assert written == expected
 
-    ev = json.loads((tmp_path / "metrics/eval.json").read_text())
+    ev = json.loads((repo / "metrics/eval.json").read_text())
     from kvpop.summary import summary
 
-    assert {stem: json.loads((tmp_path / f"metrics/summary/{stem}.json").read_text()) for stem in evaluated} == summary(ev)
+    assert {stem: json.loads((repo / f"metrics/summary/{stem}.json").read_text()) for stem in evaluated} == summary(ev)
     assert set(ev["policies"]) == {"dense", "streaming_llm", "tova", "h2o", "oracle_target", "oracle_sources", *POLICIES, "kvpop_mlp, one pool"}
     for name, m in ev["policies"].items():
         assert {"kl", "top1_agreement", "quote_accuracy"} <= set(m), name
@@ -90,11 +102,11 @@ def test_pipeline_end_to_end(tiny_qwen3_dir, tmp_path):
         assert set(by_policy) == set(ev["policies"]) - {"oracle_target", "oracle_sources"}
         assert by_policy["dense"]["kl"] == pytest.approx(0.0, abs=1e-6) and by_policy["streaming_llm"]["kl"] > 0
         assert all({"kl", "top1_agreement"} <= set(m) for m in by_policy.values())
-    filt = json.loads((tmp_path / "metrics/filter.json").read_text())
+    filt = json.loads((repo / "metrics/filter.json").read_text())
     assert filt["train"]["kept"] > 0 and filt["eval"]["quote_tokens"] > 0
-    train = json.loads((tmp_path / "metrics/train/kvpop_mlp.json").read_text())
+    train = json.loads((repo / "metrics/train/kvpop_mlp.json").read_text())
     assert train["steps"] == 2 and train["decisions"] > 0
-    check_tracking(tmp_path / "mlflow.db", ev)
+    check_tracking(db, ev)
 
 
 def check_tracking(db: Path, ev: dict) -> None:
@@ -137,6 +149,7 @@ def check_tracking(db: Path, ev: dict) -> None:
         assert r.data.tags["devices"] == "1" and r.data.tags["steps"] == "2"
 
 
+@pytest.mark.slow
 def test_filter_mixes_other_text_into_training_only(tiny_qwen3_dir, tmp_path):
     p = micro_params(str(tiny_qwen3_dir))
     p["filter"]["other_text"] = {"code": 2, "prose": 1}
@@ -192,15 +205,10 @@ def snapshot(repo: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-def test_bad_exp_params_touch_nothing(tiny_qwen3_dir, tmp_path):
+def test_bad_exp_params_touch_nothing(micro):
     """``dvc exp run -S`` with an impossible value, a zero window or an unknown key: it fails naming the
     key, and every output and params.yaml stay exactly as they were (the validate stage runs first)."""
-    dvc = [str(Path(sys.executable).parent / "dvc")]
-    repo, env = dvc_repo(tmp_path, str(tiny_qwen3_dir))
-    res = subprocess.run([*dvc, "repro", "-q"], cwd=repo, env=env, capture_output=True, text=True)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    subprocess.run(["git", "add", "-A"], cwd=repo, env=env, check=True)
-    subprocess.run(["git", "commit", "-qm", "repro"], cwd=repo, env=env, check=True)
+    repo, env, _ = micro
     before = snapshot(repo)
     assert "models/export/kvpop_mlp/model.safetensors" in before and "metrics/eval.json" in before
     # an unknown key: DVC itself refuses it without "+"; with "+" it reaches the validate stage
@@ -208,7 +216,7 @@ def test_bad_exp_params_touch_nothing(tiny_qwen3_dir, tmp_path):
     cases = (("budget=30", "budget"), ("budget=40", "kvpop"), ("window=0", "window"),
              ("train.no_such_key=1", "no_such_key"), ("+train.no_such_key=1", "train.no_such_key"))
     for override, key in cases:
-        res = subprocess.run([*dvc, "exp", "run", "-S", override], cwd=repo, env=env, capture_output=True, text=True)
+        res = subprocess.run([DVC, "exp", "run", "-S", override], cwd=repo, env=env, capture_output=True, text=True)
         out = res.stdout + res.stderr
         assert res.returncode != 0 and key in out, out[-3000:]
         after = snapshot(repo)

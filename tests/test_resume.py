@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,7 +28,7 @@ from kvpop.pack import pack_records, save_packed
 from kvpop.resume import begin_run, checkpoint_name, complete_checkpoints, find_resume_checkpoint
 from kvpop.train import EpochBatches, PackedDataset, ResumableLoader
 
-from conftest import build_tiny_tokenizer
+from conftest import build_tiny_model, packed_toy
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = "kvpop_mlp"
@@ -80,10 +81,9 @@ def files(root: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    from conftest import _save_tiny
-
-    return _save_tiny(tmp_path_factory.mktemp("base"), "qwen3", build_tiny_tokenizer())
+def base(tiny_qwen3_dir) -> Path:
+    """The base model of these runs: the session's tiny Qwen3 (conftest), read only."""
+    return tiny_qwen3_dir
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +116,7 @@ def killed(tmp_path_factory, base, db) -> Path:
     return cwd
 
 
+@pytest.mark.slow  # the train stage three times (whole, killed, resumed)
 def test_killed_run_resumes_to_the_uninterrupted_result(killed, uninterrupted, base, db, tmp_path):
     cwd = tmp_path / "run"
     shutil.copytree(killed, cwd)
@@ -143,24 +144,84 @@ def test_killed_run_resumes_to_the_uninterrupted_result(killed, uninterrupted, b
     assert ma["resumed_from_step"] == 0 and mb["resumed_from_step"] == resumed_from
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+class Payload:
+    """An arbitrary object: unpickling it (a load without ``weights_only``) touches the file ``marker``."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __setstate__(self, state: dict) -> None:
+        Path(state["marker"]).touch()
+        self.__dict__.update(state)
+
+
+def plant_payload(ckpt: Path, marker: Path, out: Path | None = None) -> Path:
+    """A real training checkpoint with a pickled :class:`Payload` among its callback states, at ``out`` (default: in place)."""
+    c = torch.load(ckpt, map_location="cpu", weights_only=True)
+    c["callbacks"]["Payload"] = Payload(marker)
+    out = out or ckpt
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(c, out)
+    return out
+
+
+@pytest.mark.slow  # the train stage, killed, then run again
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "object"])
 def test_corrupt_checkpoint_is_a_clear_error_and_touches_nothing(killed, base, db, tmp_path, damage):
     cwd = tmp_path / "run"
     shutil.copytree(killed, cwd)
     step, ckpt = complete_checkpoints(cwd / RESUME)[-1]
-    data = ckpt.read_bytes()
-    ckpt.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x00not a checkpoint" * 64)
+    marker = tmp_path / "unpickled"
+    if damage == "object":  # a pickled object of a class defined here: refused, never unpickled
+        plant_payload(ckpt, marker)
+    else:
+        data = ckpt.read_bytes()
+        ckpt.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x00not a checkpoint" * 64)
     before = files(cwd)
-    if damage == "truncate":  # the stage itself: exits before any work
+    if damage in ("truncate", "object"):  # the stage itself: exits before any work
         res = run_stage(cwd, base, db)
         msg = " ".join(res.stderr.split())
         assert res.returncode == 1, msg[-2000:]
         assert str(RESUME / checkpoint_name(step)) in msg and f"delete {RESUME} to start this run over" in msg
+        if damage == "object":
+            assert f"refused checkpoint {RESUME / checkpoint_name(step)}" in msg and "Payload" in msg, msg[-2000:]
+            assert not marker.exists()
     else:  # the library check the stage calls
         run_config = json.loads((cwd / RESUME / "run.json").read_text())
         with pytest.raises(CheckpointError, match=checkpoint_name(step)):
             find_resume_checkpoint(cwd / RESUME, run_config)
     assert files(cwd) == before  # nothing deleted, nothing overwritten, no fresh start
+
+
+def test_lightning_resume_load_refuses_an_object_even_when_torch_is_told_to_unpickle(tmp_path, monkeypatch):
+    """Lightning's own load (``Trainer.fit(ckpt_path=...)``, through :meth:`Training.fit`) reads with
+    ``weights_only=True``: a checkpoint holding a pickled object is refused naming the file, even with
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` (which makes torch unpickle wherever the caller leaves
+    ``weights_only`` unset), and the object is never built; the same checkpoint without it resumes."""
+    from kvpop.config import TrainConfig
+    from kvpop.geometry import CacheLayout
+    from kvpop.resume import ResumeCheckpoint
+    from kvpop.train import build_training
+
+    teacher = build_tiny_model("llama")
+    ids, doc, pos = packed_toy(4, 64)
+    data = PackedDataset(ids, doc, pos, (doc >= 0).long())
+
+    def training(steps: int):
+        cfg = TrainConfig(steps=steps, batch_size=2, top_logits=16, scorer_hidden=8, precision="32-true", accelerator="cpu")
+        return build_training(teacher, POLICY, data, cfg=cfg, layout=CacheLayout(13, 2, 6), seed=0)
+
+    kw = dict(enable_progress_bar=False, default_root_dir=tmp_path)
+    training(2).fit(callbacks=[ResumeCheckpoint(tmp_path / "resume", 2)], **kw)
+    good = tmp_path / "resume" / checkpoint_name(2)
+    marker = tmp_path / "unpickled"
+    evil = plant_payload(good, marker, tmp_path / "evil" / checkpoint_name(2))
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(CheckpointError, match=rf"refused checkpoint {re.escape(str(evil))}: .*Payload"):
+        training(3).fit(ckpt_path=evil, callbacks=[ResumeCheckpoint(tmp_path / "again", 3)], **kw)
+    assert not marker.exists()
+    resumed = training(3).fit(ckpt_path=good, callbacks=[ResumeCheckpoint(tmp_path / "again", 3)], **kw)
+    assert resumed.global_step == 3  # torch's default allow-list holds all a checkpoint needs
 
 
 def test_other_settings_are_refused_by_name(tmp_path):

@@ -83,18 +83,11 @@ def test_quotes_are_far_and_lengths_spread():
     assert all(1400 <= len(_content(r)) < 1450 + 16 for r in rows)
 
 
-def test_real_tokenizer_lengths_and_quote_distance():
-    tok_path = "/tmp/smollm2-hf"
-    pytest.importorskip("transformers")
-    import os
-
-    if not os.path.isdir(tok_path):
-        pytest.skip("SmolLM2 tokenizer not available")
-    from transformers import AutoTokenizer
-
+@pytest.mark.slow
+def test_real_tokenizer_lengths_and_quote_distance(smollm2_tokenizer):
     from kvpop.filter import format_and_tokenize
 
-    tok = AutoTokenizer.from_pretrained(tok_path)
+    tok = smollm2_tokenizer
     lengths, distances = [], []
     for row in generate_traces(40, seed=3):
         trace = format_and_tokenize(row["messages"], tok, quotes=row["metadata"]["quotes"])

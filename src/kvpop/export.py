@@ -37,12 +37,31 @@ class CheckpointError(RuntimeError):
     """A missing, partial or corrupt checkpoint; the message names the file."""
 
 
-def _torch_load(path: Path) -> dict:
-    """A torch-saved file (tensors and plain containers only), or a CheckpointError naming it."""
+def refused_pickle(path: Path, err: Exception) -> CheckpointError | None:
+    """The :class:`CheckpointError` for ``torch.load(path, weights_only=True)`` refusing a pickled object
+    (``err``), or None when ``err`` is another failure (a truncated or foreign file)."""
+    import pickle
+
+    if not isinstance(err, pickle.UnpicklingError) or "Weights only load failed" not in str(err):
+        return None
+    lines = [ln.strip() for ln in str(err).splitlines()]
+    what = next((ln for ln in lines if ln.startswith("WeightsUnpickler error:")), lines[0])
+    what = what.removeprefix("WeightsUnpickler error:").split(". Please use")[0].strip()  # e.g. "Unsupported global: GLOBAL m.C was not ..."
+    return CheckpointError(
+        f"refused checkpoint {path}: it holds a pickled object that is not a tensor or a plain container ({what}); "
+        "kvpop loads checkpoints with weights_only=True and never runs the code a pickle names"
+    )
+
+
+def load_weights_only(path: Path, *, what: str = "corrupt", **kw) -> dict:
+    """``torch.load(path, map_location="cpu", weights_only=True, **kw)``: tensors, plain containers and
+    torch's default allow-list only (enough for every checkpoint kvpop writes: weights, optimizer and
+    schedule states, loop and loader positions, generator states, callback floats). A file holding any
+    other pickled object, or a damaged one, raises :class:`CheckpointError` naming ``path``."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, **kw)
     except Exception as err:  # a truncated or foreign file raises one of several types
-        raise CheckpointError(f"corrupt {path}: {err}") from None
+        raise refused_pickle(path, err) or CheckpointError(f"{what} {path}: {err}") from None
 
 
 def _check_sharded(path: Path) -> None:
@@ -52,7 +71,7 @@ def _check_sharded(path: Path) -> None:
     meta = path / SHARDED_META
     if not meta.is_file():
         raise CheckpointError(f"{path} is a folder but not a sharded checkpoint: {meta} is missing")
-    rest = _torch_load(meta)
+    rest = load_weights_only(meta)
     missing = [k for k in ("loops", "global_step") if k not in rest]
     if missing:
         raise CheckpointError(f"corrupt {meta}: keys {missing} missing")
@@ -82,10 +101,7 @@ def check_training_checkpoint(path: Path) -> None:
         return _check_sharded(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as err:  # truncated zip, garbage, foreign pickle
-        raise CheckpointError(f"corrupt checkpoint {path}: {err}") from None
+    ckpt = load_weights_only(path, what="corrupt checkpoint", mmap=True)  # truncated zip, garbage, foreign pickle
     missing = [k for k in ("state_dict", *TRAINING_KEYS) if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise CheckpointError(f"incomplete checkpoint {path}: keys {missing} missing")
@@ -112,7 +128,7 @@ def load_training_state(path: Path) -> dict[str, torch.Tensor]:
         return state["model"]
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
-    ckpt = _torch_load(path)
+    ckpt = load_weights_only(path)
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise CheckpointError(f"{path} is not a training checkpoint (no state_dict)")
     return ckpt["state_dict"]

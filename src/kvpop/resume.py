@@ -171,7 +171,7 @@ class ResumeCheckpoint(L.Callback):
             if tmp.exists():
                 shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
         trainer.strategy.barrier("kvpop_ckpt_begin")
-        trainer.save_checkpoint(tmp)
+        trainer.save_checkpoint(tmp, weights_only=False)  # the whole training state (optimizer, schedules, loops), not the weights alone
         trainer.strategy.barrier("kvpop_ckpt_written")
         if trainer.is_global_zero:
             if final.exists():  # the same step saved again (a resumed last step)

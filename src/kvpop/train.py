@@ -436,9 +436,21 @@ class Training:
         return L.Trainer(**{**kw, **overrides})
 
     def fit(self, *, ckpt_path: str | Path | None = None, **trainer_kw) -> L.Trainer:
-        """Train (from ``ckpt_path`` when resuming); returns the trainer (see :meth:`make_trainer`)."""
+        """Train (from ``ckpt_path`` when resuming); returns the trainer (see :meth:`make_trainer`).
+
+        The checkpoint is read with ``weights_only=True`` (tensors and plain containers; never a pickled
+        object): one holding anything else raises :class:`CheckpointError` naming it."""
+        import pickle
+
+        from kvpop.export import refused_pickle
+
         trainer = self.make_trainer(**trainer_kw)
-        trainer.fit(self.module, self.loader, ckpt_path=ckpt_path)
+        try:
+            trainer.fit(self.module, self.loader, ckpt_path=ckpt_path, weights_only=True)
+        except pickle.UnpicklingError as err:
+            if (refused := refused_pickle(ckpt_path, err)) is None:
+                raise
+            raise refused from None
         return trainer
 
 
