@@ -123,6 +123,8 @@ def test_memory_is_flat_and_matches_the_mlp_variant(tiny_model):
             model(input_ids=ids[:, step % 4 : step % 4 + 1], past_key_values=cache)
             if step in (50, 300):
                 sizes[step] = cache.cache_bytes()
+            if step < 30:  # past its budget too: a bounded cache holds no more slots than tokens seen
+                model(input_ids=ids[:, step % 4 : step % 4 + 1], past_key_values=ref)
     assert sizes[50] == sizes[300] and cache.get_seq_length() == 304
     L, B, Hk, D = 2, 2, 2, 16
     T = sinks + window + cache.long_range

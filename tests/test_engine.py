@@ -59,8 +59,9 @@ def engine_logits(eng: DecodeEngine, tokens: torch.Tensor, prefill: int) -> torc
 
 
 @pytest.mark.parametrize("name", ["streaming_llm", "tied", "kvpop_mlp", "kvpop", "dms"])
-@pytest.mark.parametrize("prefill,chunk", [(1, 128), (100, 128), (160, 128), (100, 256)])
+@pytest.mark.parametrize("prefill,chunk", [(1, 128), (30, 128), (100, 128), (160, 128), (100, 256)])
 def test_engine_equals_bounded_cache(model, name, prefill, chunk, tie_policy):
+    """(30: a first chunk that fits the cache attends causally on the CPU, unless a gate evicts in it.)"""
     policy = make(name, tie_policy)
     x = ids()
     ref = teacher_forced_logits(model, policy, x, layout=LAYOUT, prefill=1)
@@ -127,6 +128,32 @@ def test_generate_and_reset(model):
         ref = model.generate(ids(n=60), max_new_tokens=8, do_sample=False,
                              past_key_values=BoundedCache(model.config, policy, layout=LAYOUT))[:, 60:]
     assert torch.equal(a, ref)
+
+
+def test_the_eager_step_restores_the_thread_count(model):
+    """The eager CPU step runs the rule's per-token arithmetic on one thread (module docstring) and
+    leaves the process's thread count as it was; the CPU's default prefill chunk is about the cache."""
+    policy = trained_like("kvpop_mlp")
+    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2)
+    assert eng.chunk == 256  # 32 slots: the smallest CPU chunk
+    was = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        eng.prefill(ids(n=40))
+        seen = []
+
+        def spy(score):
+            def scored(*a, **k):
+                seen.append(torch.get_num_threads())
+                return score(*a, **k)
+            return scored
+
+        for rule in eng._rules:  # each layer's rule (the one-layer views)
+            rule.token_scores = spy(rule.token_scores)
+        eng.step()
+        assert seen == [1, 1] and torch.get_num_threads() == 2  # one leaver per layer
+    finally:
+        torch.set_num_threads(was)
 
 
 def test_memory_is_flat_and_counted(model):

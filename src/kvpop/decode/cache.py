@@ -1,8 +1,19 @@
-"""A bounded KV cache for decoding: exactly ``budget`` entries per layer and KV head, forever.
+"""A bounded KV cache for decoding: at most ``budget`` entries per layer and KV head, forever.
 
 The reference (slow, obviously right) twin of :class:`kvpop.decode.engine.DecodeEngine`, and the
-decode path of the rules that need attention weights (TOVA, H2O). Every layer's preallocated
-buffers are ``(B, Hk, T, D)`` in the :class:`kvpop.geometry.CacheLayout` geometry.
+decode path of the rules that need attention weights (TOVA, H2O). Every layer's buffers are
+``(B, Hk, T, D)`` in the :class:`kvpop.geometry.CacheLayout` geometry.
+
+Memory: a bounded cache never holds more entries than a dense one. Its buffers hold ``T =
+min(layout.slots, tokens)`` slots: a context shorter than the budget takes only its own tokens'
+slots (sinks and ring fill in position order, and an empty long-range slot is always the first
+victim, so every stored token sits below slot ``tokens``), and from the budget on the cache stays
+flat at ``layout.slots``. With ``max_len`` (the prompt plus the new tokens, when the caller knows
+them: :func:`kvpop.decode.generate`) the buffers are allocated once at ``min(slots, max_len)``;
+without it they grow with the context one slot per token, as transformers' ``DynamicCache`` does,
+so that a memory curve (:func:`kvpop.rollouts.memory_curve`) never shows more than dense. The
+unallocated slots would be empty, so the results do not depend on ``T``. Beside the keys and values
+each slot carries a float64 priority and an int64 position, and a delayed rule its state.
 
 Token ``t >= sinks`` is written into ring slot ``sinks + (t - sinks) % window``. When token ``q``
 arrives it overwrites token ``q - window``, which leaves the window and competes for the
@@ -78,15 +89,16 @@ ATTN_IMPLEMENTATION = "kvpop_cache"
 class BoundedLayer(CacheLayerMixin):
     """One layer: keys and values (B, Hk, T, D) plus per-slot priority and position (B, Hk, T),
     and, for a delayed policy, its recurrent state (``policy.init_state``, preallocated);
-    ``T = layout.slots``."""
+    ``T = min(layout.slots, max(tokens, max_len))`` (the module docstring: memory)."""
 
     is_compileable = False
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, layer_idx: int, policy: Policy, layout: CacheLayout):
+    def __init__(self, layer_idx: int, policy: Policy, layout: CacheLayout, max_len: int | None = None):
         super().__init__()
         self.layer_idx, self.policy, self.layout = layer_idx, policy, layout
+        self.max_len = max_len  # the tokens it will hold, if known: allocated at once
         self.slots, self.sinks, self.window = layout.slots, layout.sinks, layout.window
         self.long_range = layout.long_range
         self.first_long_range = layout.first_long_range
@@ -98,8 +110,8 @@ class BoundedLayer(CacheLayerMixin):
 
     # --- transformers' layer interface ---------------------------------------------------------
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        B, Hk, _, Dk = key_states.shape
-        T, dev = self.slots, key_states.device
+        B, Hk, S, Dk = key_states.shape
+        T, dev = min(self.slots, max(S, self.max_len or 0)), key_states.device
         self.dtype, self.device = key_states.dtype, dev
         self.keys = key_states.new_zeros(B, Hk, T, Dk)
         self.values = value_states.new_zeros(B, Hk, T, value_states.shape[-1])
@@ -111,6 +123,11 @@ class BoundedLayer(CacheLayerMixin):
 
     def _buffers(self) -> tuple[Tensor, ...]:
         return (self.keys, self.values, self.prio, self.pos, *self.state)
+
+    def _reserve(self, tokens: int) -> None:
+        """Hold at least ``min(slots, tokens)`` slots: the new ones are empty (the module docstring: memory)."""
+        self.keys, self.values, self.prio, self.pos = grow_slots((self.keys, self.values, self.prio, self.pos),
+                                                                 min(self.slots, tokens), (0.0, 0.0, NEG_INF, -1))
 
     @torch.no_grad()
     def _set_state(self, new: tuple) -> None:
@@ -131,6 +148,7 @@ class BoundedLayer(CacheLayerMixin):
             raise ValueError(f"BoundedCache holds batch {self.keys.shape[0]}, got {key_states.shape[0]}")
         S = key_states.shape[-2]
         if self.seen == 0:
+            self._reserve(S)
             self._pending = ("prefill", key_states, value_states)
             self.seen = S
             return key_states, value_states
@@ -138,6 +156,7 @@ class BoundedLayer(CacheLayerMixin):
             raise NotImplementedError(
                 f"BoundedCache: a {S}-token forward on a non-empty cache is not supported; feed new tokens one at a time"
             )
+        self._reserve(self.seen + 1)
         self._insert(key_states, value_states)
         self._pending = ("decode",)
         return self.keys, self.values
@@ -149,7 +168,7 @@ class BoundedLayer(CacheLayerMixin):
         return self.seen
 
     def get_max_length(self) -> int:
-        return -1  # the sequence may grow without bound; storage stays `budget`
+        return -1  # the sequence may grow without bound; storage stays within `budget`
 
     def reset(self) -> None:
         if self.is_initialized:
@@ -202,10 +221,11 @@ class BoundedLayer(CacheLayerMixin):
     def _compete(self, src: int, p: int) -> None:
         """The token in slot ``src`` takes the lowest-ranked long-range slot iff it outranks it, at the
         arrival of token ``p``. A ``decays`` policy ranks by ``(p - pos) * prio`` (its retention at ``p``,
-        in log; :func:`kvpop.selection.decaying_eviction_times`), every other by ``prio``."""
+        in log; :func:`kvpop.selection.decaying_eviction_times`), every other by ``prio``. The slots
+        held (at least ``min(slots, p + 1)``) include the first empty long-range slot, if there is one."""
         if self.long_range == 0:
             return
-        lr = slice(self.first_long_range, self.slots)
+        lr = slice(self.first_long_range, self.slots)  # the held ones
         prio, pos = self.prio[:, :, lr], self.pos[:, :, lr]  # (B, Hk, k)
         leaver = self.prio[:, :, src : src + 1]
         if self.policy.decays:  # the same float64 products as the simulation
@@ -353,14 +373,16 @@ class BoundedCache(Cache):
 
     ``BoundedCache(model.config, policy, CacheLayout(budget, sinks, window))`` with any evicting
     :class:`kvpop.policies.Policy`; pass it as ``past_key_values`` to a model prepared by
-    :func:`enable` (``model.generate`` included). The layout is nominal: each layer keeps
-    ``layout.slots`` entries per KV head (:class:`kvpop.geometry.CacheLayout`).
+    :func:`enable` (``model.generate`` included). The layout is nominal: each layer keeps at most
+    ``layout.slots`` entries per KV head (:class:`kvpop.geometry.CacheLayout`). ``max_len``: the
+    tokens it will hold (prompt + new tokens), if known: the buffers are then allocated once at
+    ``min(slots, max_len)`` instead of growing with the context (the module docstring: memory).
     """
 
     #: the prompt tokens one forward on an empty cache may take (None: any number)
     max_prefill: int | None = None
 
-    def __init__(self, config, policy: Policy, layout: CacheLayout):
+    def __init__(self, config, policy: Policy, layout: CacheLayout, max_len: int | None = None):
         cfg = config.get_text_config(decoder=True)
         if not policy.evicts:
             raise ValueError(f"policy {policy.name!r} never evicts: decode it with a DynamicCache")
@@ -372,7 +394,9 @@ class BoundedCache(Cache):
             raise ValueError(f"policy {policy.name!r} has a per-head budget: decode it with kvpop.decode.BoundedCache")
         if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
             raise NotImplementedError(f"{type(self).__name__} does not support sliding-window attention layers")
-        self.policy = policy
+        if max_len is not None and max_len < 1:
+            raise ValueError(f"max_len must be >= 1 (the tokens the cache will hold), got {max_len}")
+        self.policy, self.max_len = policy, max_len
         self.layout = layout.for_policy(policy, head_dim=head_dim_of(cfg))
         self.budget, self.sinks, self.window = layout.budget, layout.sinks, layout.window
         self.long_range, self.slots = self.layout.long_range, self.layout.slots
@@ -382,7 +406,7 @@ class BoundedCache(Cache):
     one_pool = False
 
     def _make_layers(self, cfg) -> list[CacheLayerMixin]:
-        return [BoundedLayer(i, self.policy, self.layout) for i in range(cfg.num_hidden_layers)]
+        return [BoundedLayer(i, self.policy, self.layout, self.max_len) for i in range(cfg.num_hidden_layers)]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """The :class:`kvpop.attention.SparseContext` protocol: -> attention output (B, S, H, D)."""
@@ -392,6 +416,20 @@ class BoundedCache(Cache):
         """Bytes allocated by the cache: keys, values, priorities, positions and the recurrent
         state (delayed policies) of every layer."""
         return sum(layer.nbytes() for layer in self.layers)
+
+
+def grow_slots(bufs: tuple[Tensor, ...], n: int, empty: tuple[float, ...], dim: int = 2) -> tuple[Tensor, ...]:
+    """Buffers with at least ``n`` entries along ``dim``: the same tensors if they hold that many,
+    else copies whose new entries hold ``empty`` (one fill value per buffer)."""
+    have = bufs[0].shape[dim]
+    if have >= n:
+        return bufs
+    out = []
+    for buf, fill in zip(bufs, empty, strict=True):
+        shape = list(buf.shape)
+        shape[dim] = n - have
+        out.append(torch.cat([buf, buf.new_full(shape, fill)], dim))
+    return tuple(out)
 
 
 def cache_bytes(cache: Cache) -> int:

@@ -30,6 +30,26 @@ its exit time, the tokens that leave the window during the chunk; a delayed rule
 form goes through the decode step token by token (exact, slower). Rules that need the attention
 weights (TOVA, H2O) decode through :class:`kvpop.decode.cache.BoundedCache` instead.
 
+Memory: a bounded engine sized for a generation (``max_len``: prompt + new tokens, as
+:func:`kvpop.decode.generate` builds it) holds ``min(layout.slots, max_len)`` slots per layer and KV
+head (on CUDA padded to the 128-wide block), never more than the dense engine of the same length;
+without ``max_len`` it holds the layout's slots and decodes for ever. The slots it leaves out would
+stay empty anyway (sinks and ring fill in position order, an empty long-range slot is always the
+first victim, so no token of a sequence of at most ``max_len`` sits at or beyond slot ``max_len``),
+so the results do not depend on it. The buffers are sized once, at construction: the step's shapes
+stay static and a CUDA graph captured for them stays valid; a compiled step is compiled once per
+distinct size (each new length up to the budget, as for the dense engine; a budget-sized engine
+always reuses the same one). Tokens beyond ``max_len`` are refused with an error.
+
+On the CPU: prefill chunks default to about the cache's size (``chunk=None``: the slots rounded up to
+a multiple of 128, from 256 to 2048), so that a long prompt's attention costs (cache + chunk) per
+query rather than the whole prompt; a first chunk that fits in the cache (no token can be evicted
+inside it) attends with SDPA's causal kernel, no mask. The eager step runs the rule's per-token
+arithmetic (its score, the victim, the two-slot write: tensors of a few hundred numbers) on one
+intra-op thread: with two threads every small matmul or reduction opens an OpenMP parallel region
+that costs 10x the work on two free cores, and milliseconds when another process holds one
+(``bench/bench_generate.py``, BENCHMARKS.md). The model's matrix products keep every thread.
+
 Supported architectures: the Llama family as implemented by transformers (``llama``,
 ``mistral`` without sliding windows, ``qwen2``, ``qwen3``); the step calls the model's own
 modules (norms, projections, MLP, rotary embedding), so the arithmetic is the model's. Each
@@ -56,6 +76,7 @@ Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, C chunk, N candidates, 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Literal
 
@@ -108,6 +129,21 @@ def use_compile_cache(folder: str | Path | None = None) -> Path:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).parent
+
+
+@contextmanager
+def one_thread():
+    """Run the block on one intra-op thread, then restore the thread count (a toggle costs about a
+    microsecond): for tensors so small that a parallel region costs more than their arithmetic."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def slot_mask_mod(kv_pos: Tensor, q_pos0: Tensor | int, group: int, sinks: int = 0, evict: Tensor | None = None):
@@ -165,8 +201,10 @@ class DecodeEngine:
 
     ``DecodeEngine(model, policy, layout=CacheLayout(2048, 4, 256), batch_size=1)`` -- a bounded
     cache (``policy``: any static or delayed :class:`kvpop.policies.Policy`; ``layout`` is
-    nominal, as in BoundedCache); ``DecodeEngine(model, None, max_len=L, batch_size=1)`` (or a
-    policy that never evicts) -- the dense static cache.
+    nominal, as in BoundedCache; ``max_len``: the most tokens it will hold, if known, which sizes it
+    ``min(slots, max_len)``, see the module docstring); ``DecodeEngine(model, None, max_len=L,
+    batch_size=1)`` (or a policy that never evicts) -- the dense static cache. ``chunk``: prefill
+    chunk (a multiple of 128; None: 2048 on CUDA, about the cache's size on the CPU).
 
     ``fused``: a static rule's token arrival (the leaver's score, the victim, the two-slot write)
     runs as one Triton kernel per layer (:mod:`kvpop.kernels.insert`) instead of the tensor code,
@@ -182,26 +220,28 @@ class DecodeEngine:
 
     def __init__(
         self, model, policy: Policy | None = None, *, layout: CacheLayout | None = None,
-        max_len: int | None = None, batch_size: int = 1, chunk: int = 2048, compile: bool | None = None,
+        max_len: int | None = None, batch_size: int = 1, chunk: int | None = None, compile: bool | None = None,
         compile_mode: CompileMode = "layer", fused: bool | None = None,
     ):
         cfg = model.config.get_text_config(decoder=True)
         if (refusal := engine_refusal(model, policy)) is not None:
             raise NotImplementedError(refusal)
-        if chunk % BLOCK:
-            raise ValueError(f"chunk must be a multiple of {BLOCK}, got {chunk}")
+        if chunk is not None and (chunk < 1 or chunk % BLOCK):
+            raise ValueError(f"chunk must be a positive multiple of {BLOCK}, got {chunk}")
+        if max_len is not None and max_len < 1:
+            raise ValueError(f"max_len must be >= 1 (the most tokens the engine will hold), got {max_len}")
         self.model = model.eval()
         self.layers = model.model.layers
         p0 = next(model.parameters())
         self.device, self.dtype = p0.device, p0.dtype
-        self.B, self.chunk = batch_size, chunk
+        self.B = batch_size
         self.H, self.Hk = cfg.num_attention_heads, cfg.num_key_value_heads
         self.D = head_dim_of(cfg)
         self.G = self.H // self.Hk
         self.scale = self.layers[0].self_attn.scaling
         self.policy = policy if policy is not None and policy.evicts else None
         if self.policy is None:
-            if max_len is None or max_len < 1:
+            if max_len is None:
                 raise ValueError("a dense engine needs max_len >= 1 (the static cache length)")
             self.kind: Literal["bounded", "dense"] = "dense"
             self.layout = CacheLayout(budget=max_len, sinks=0, window=max_len, long_range=0)
@@ -210,7 +250,13 @@ class DecodeEngine:
                 raise ValueError("a bounded engine needs a layout (its budget, sinks and window)")
             self.kind = "bounded"
             self.layout = layout.for_policy(self.policy, head_dim=self.D)
-        self.sinks, self.window, self.long_range, self.slots = self.layout.sinks, self.layout.window, self.layout.long_range, self.layout.slots
+        self.sinks, self.window, self.long_range = self.layout.sinks, self.layout.window, self.layout.long_range
+        self.max_len = max_len  # the most tokens it holds (None: bounded, any number)
+        # slots held per layer and KV head: the layout's, or fewer for a shorter generation (module docstring)
+        self.slots = min(self.layout.slots, max_len or self.layout.slots)
+        if chunk is None:  # CPU: about the cache's size (module docstring)
+            chunk = 2048 if self.device.type == "cuda" else min(2048, max(2 * BLOCK, -(-self.slots // BLOCK) * BLOCK))
+        self.chunk = chunk
         self.delayed = self.policy is not None and self.policy.scores_on_exit
         # (weight, bias) of each layer's q/k/v and gate/up projections, packed into one matrix each
         # (after every check above: a refused engine leaves the model as it was)
@@ -360,6 +406,8 @@ class DecodeEngine:
         CUDA graph (every buffer it touches is preallocated, so the graph's addresses stay valid),
         every call replays it. The returned tensor then lives in the graph's memory and is
         overwritten by the next step: copy what you keep."""
+        if self.max_len is not None and self.seen >= self.max_len:
+            raise ValueError(f"the engine holds {self.max_len} tokens (max_len); one more would overflow it")
         self.seen += 1
         if not self.compiled:
             return self._decode_step()
@@ -391,7 +439,8 @@ class DecodeEngine:
         gaps = self.policy is not None and self.policy.gated
         filled = None if self.compiled or gaps else min(self.seen, self.slots)
         # eager and p < sinks + window: no token leaves the window yet, so no competition is written
-        evicting = self.kind == "bounded" and self.long_range > 0 and (self.compiled or self.seen > self.first_long_range)
+        # (no long-range slot held, as in a short generation's engine: none ever is)
+        evicting = self.kind == "bounded" and self.slots > self.first_long_range and (self.compiled or self.seen > self.first_long_range)
         lazy = self._lazy_state()
         advance = self.delayed and not (lazy and self.seen <= self.first_long_range)  # a delayed rule's state reads the token now
         L = len(self.layers)
@@ -441,8 +490,12 @@ class DecodeEngine:
         ``advance``: a delayed rule's state reads the token."""
         p = self.p
         q, k, v = self._qkv(layer, wqkv, h, cos, sin)  # (B, H, 1, D), (B, Hk, 1, D)
-        if self.kind == "bounded":
+        if self.kind == "bounded" and self.compiled:
             self._insert(rule, li, keys, values, pos, prio, state, k, v, p, at, evicting, advance)
+            kv_blocks = self._full_blocks
+        elif self.kind == "bounded":
+            with one_thread() if self.device.type == "cpu" else nullcontext():  # tiny tensors (module docstring)
+                self._insert(rule, li, keys, values, pos, prio, state, k, v, p, at, evicting, advance)
             kv_blocks = self._full_blocks
         else:
             self._write_dense(keys, values, pos, k, v, p)
@@ -515,8 +568,8 @@ class DecodeEngine:
         last token. :attr:`tok` is set to the greedy next token."""
         if ids.dim() != 2 or ids.shape[0] != self.B:
             raise ValueError(f"prefill takes ids of shape ({self.B}, S), got {tuple(ids.shape)}")
-        if self.kind == "dense" and self.seen + ids.shape[1] > self.slots:
-            raise ValueError(f"the dense cache holds {self.slots} tokens; {self.seen} + {ids.shape[1]} would overflow it")
+        if self.max_len is not None and self.seen + ids.shape[1] > self.max_len:
+            raise ValueError(f"the engine holds {self.max_len} tokens (max_len); {self.seen} + {ids.shape[1]} would overflow it")
         ids = ids.to(self.device)
         if self.delayed and not self.policy.chunked_prefill:  # a recurrence without a chunk form: one token at a time
             for t in range(ids.shape[1]):
@@ -573,11 +626,15 @@ class DecodeEngine:
 
     def _bounded_chunk(self, i: int, q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
         """Chunk q (B, H, C, D), k, v (B, Hk, C, D) at positions pos (B, C) over the cache's
-        survivors plus itself, under exact eviction times; then keep what its last query attends."""
+        survivors plus itself, under exact eviction times; then keep what its last query attends.
+
+        CPU, a first chunk of at most ``layout.slots`` tokens and no gate: at most ``k`` tokens have left
+        the window before its last query, so none is evicted (every token has fewer than ``k``
+        outrankers) and the chunk attends causally: SDPA's causal kernel, no eviction times, no mask."""
         B, Hk, C, _ = k.shape
-        T = self.T
         c0 = self.seen
         c1 = c0 + C
+        causal = not q.is_cuda and c0 == 0 and c1 <= self.layout.slots and not self.policy.gated
         if c0 == 0:  # an empty cache: the chunk's tokens are the only candidates (N = C)
             cand_k, cand_v, cand_pos = k, v, pos[:, None].expand(B, Hk, C)
         else:
@@ -595,12 +652,15 @@ class DecodeEngine:
                 cand_prio = self.policy.token_scores(i, k, v, pos).double()  # (B, Hk, C)
                 if c0:
                     cand_prio = torch.cat([self._scored_prio(i), cand_prio], 2)  # (B, Hk, N)
-            evict = candidate_eviction_times(
+            evict = None if causal else candidate_eviction_times(
                 cand_prio, cand_pos, sinks=self.sinks, window=self.window, long_range=self.long_range, bits=max(1, c1.bit_length())
-            )
-            evict = evict.clamp(max=NEVER)
+            ).clamp(max=NEVER)
             if self.policy.layer_independent:
                 shared = self._chunk_shared = {"prio": cand_prio, "evict": evict}
+        if causal:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+            self._scatter_survivors(i, cand_pos >= 0, cand_k, cand_v, cand_pos, cand_prio, c1)
+            return out
         mm = slot_mask_mod(cand_pos, pos[0, 0], self.G, sinks=self.sinks, evict=evict)  # a tensor: no recompilation per chunk
         full = torch.full((-(-C // BLOCK),), -(-N // BLOCK), dtype=torch.int32, device=q.device)
         allowed = None
@@ -612,13 +672,17 @@ class DecodeEngine:
                     shared["mask"] = allowed
         out = self._attend(q, cand_k, cand_v, mm, full, allowed=allowed)
         # survivors at query c1 - 1: sinks, the window, and the long-range tokens not yet evicted
-        keep = (cand_pos >= 0) & ((cand_pos < self.sinks) | (evict >= c1))
-        fixed = keep & ((cand_pos < self.sinks) | (cand_pos >= c1 - self.window))
+        self._scatter_survivors(i, (cand_pos >= 0) & ((cand_pos < self.sinks) | (evict >= c1)), cand_k, cand_v, cand_pos, cand_prio, c1)
+        return out
+
+    def _scatter_survivors(self, i: int, keep: Tensor, k: Tensor, v: Tensor, pos: Tensor, prio: Tensor, c1: int) -> None:
+        """Layer i keeps the candidates ``keep`` (B, Hk, N) after query ``c1 - 1``: the sinks and the window at
+        their home slots, the others in the long-range slots in candidate order."""
+        fixed = keep & ((pos < self.sinks) | (pos >= c1 - self.window))
         long = keep & ~fixed
         rank = long.long().cumsum(-1) - 1
-        dest = torch.where(fixed, self.home_slot(cand_pos), torch.where(long, self.first_long_range + rank, T))  # T: discarded
-        self._scatter_layout(i, dest, cand_k, cand_v, cand_pos, cand_prio)
-        return out
+        dest = torch.where(fixed, self.home_slot(pos), torch.where(long, self.first_long_range + rank, self.T))  # T: discarded
+        self._scatter_layout(i, dest, k, v, pos, prio)
 
     def _scored_prio(self, i: int) -> Tensor:
         """Layer i's slot priorities (B, Hk, T) with the sink and window tokens scored (a static rule:

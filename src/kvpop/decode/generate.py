@@ -9,6 +9,10 @@ Two paths decode the same policy to the same tokens (``tests/test_engine.py`` pr
   ``DynamicCache`` for dense): the slow twin, and the only path of the rules that need each
   step's attention (TOVA, H2O) and of architectures the engine does not support.
 
+On both paths a bounded cache is sized once per call, ``min(budget, tokens)`` slots per layer and KV
+head for the call's tokens (prompt + new): a generation shorter than the budget holds no more keys
+and values than dense.
+
 ``path="auto"`` takes the engine wherever it supports the policy: it is the faster path on the
 CPU as well as on CUDA (``bench/bench_generate.py`` measures both side by side against
 transformers' own ``generate``). Sampling follows transformers' ``generate``: the same warpers in
@@ -36,16 +40,18 @@ from kvpop.policies import Policy
 Path = Literal["auto", "engine", "reference"]
 
 
-def new_cache(model, policy: Policy, layout: CacheLayout):
+def new_cache(model, policy: Policy, layout: CacheLayout, max_len: int | None = None):
     """The reference cache of a policy: a DynamicCache for dense, a OnePoolCache for a ``one_pool`` policy
-    (``dbtrimkv``, ``OnePool(...)``), else a BoundedCache (``layout`` nominal: the cache takes the policy's k)."""
+    (``dbtrimkv``, ``OnePool(...)``), else a BoundedCache (``layout`` nominal: the cache takes the policy's k).
+    ``max_len``: the tokens it will hold, if known (a bounded cache then allocates ``min(slots, max_len)``
+    slots at once; else it grows with the context, as the DynamicCache does)."""
     from transformers import DynamicCache
 
     if not policy.evicts:
         return DynamicCache(config=model.config)
     if policy.one_pool:
-        return OnePoolCache(model.config, policy, layout)
-    return BoundedCache(model.config, policy, layout)
+        return OnePoolCache(model.config, policy, layout, max_len=max_len)
+    return BoundedCache(model.config, policy, layout, max_len=max_len)
 
 
 def feed(model, cache, input_ids: Tensor, *, prefill: int) -> Tensor:
@@ -85,7 +91,7 @@ class GenerationStats:
     new_tokens: int  # decode steps x rows (rows that stopped early count their padding)
     seconds: float
     tokens_per_s: float
-    peak_cache_mb: float  # allocated cache bytes at the end (the bounded cache never grows)
+    peak_cache_mb: float  # allocated cache bytes at the end: a bounded cache holds min(budget, its tokens) slots, no more keys and values than dense
     path: str = "reference"  # the decode path that ran: "engine" or "reference"
 
 
@@ -201,7 +207,8 @@ def generate(
         nbytes = engine.cache_bytes()
     else:
         enable(model)
-        cache = new_cache(model, policy, layout)
+        # model.generate feeds the prompt and every new token but the last
+        cache = new_cache(model, policy, layout, max_len=max(1, ids.shape[1] + max_new_tokens - 1))
         limit = getattr(cache, "max_prefill", None)  # a DynamicCache (dense) has none
         if limit is not None and ids.shape[1] > limit:  # the cache takes the prompt's rest one token at a time
             feed(model, cache, ids[:, :-1], prefill=limit)  # generate then feeds the last prompt token

@@ -52,6 +52,13 @@ in it: it attends causally and its tokens past the window go to the pool. A long
 fed one token at a time after its first ``budget`` (:func:`kvpop.decode.generate` and
 :func:`kvpop.decode.teacher_forced_logits` do): a layer's evictions depend on every later layer.
 
+Memory, as :class:`kvpop.decode.BoundedCache` (never more entries than a dense cache): each ring
+holds ``min(R, tokens)`` slots (``max_len`` allocates them at once), and the pool holds only the
+entries that have left the windows, ``L x Hk`` more per token until it reaches ``P``. A competition
+whose pool is not full keeps every candidate; once the candidates outnumber ``P`` the lowest go, as
+many as exceed it. That is the selection over a pool of ``P`` entries whose missing ones are empty
+(an empty entry goes first), so the order of the entries changes, not which ones are kept.
+
 Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, R = sinks + window ring slots, P pool
 entries, D head dim.
 """
@@ -63,7 +70,7 @@ from torch import Tensor
 from torch.nn import functional as F
 from transformers.cache_utils import CacheLayerMixin
 
-from kvpop.decode.cache import BoundedCache
+from kvpop.decode.cache import BoundedCache, grow_slots
 from kvpop.geometry import NEG_INF
 from kvpop.selection import pool_leavers
 
@@ -83,8 +90,8 @@ class PoolLayer(CacheLayerMixin):
         self._pending: tuple | None = None
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        B, Hk, _, D = key_states.shape
-        R = self.cache.sinks + self.cache.window
+        B, Hk, S, D = key_states.shape
+        R = min(self.cache.sinks + self.cache.window, max(S, self.cache.max_len or 0))
         self.dtype, self.device = key_states.dtype, key_states.device
         self.keys = key_states.new_zeros(B, Hk, R, D)
         self.values = value_states.new_zeros(B, Hk, R, value_states.shape[-1])
@@ -92,6 +99,11 @@ class PoolLayer(CacheLayerMixin):
         self.pos = torch.full((B, Hk, R), -1, dtype=torch.int64, device=self.device)
         self.is_initialized = True
         self.cache._allocate_pool(key_states, value_states)
+
+    def _reserve(self, tokens: int) -> None:
+        """Hold at least ``min(R, tokens)`` ring slots (the module docstring: memory)."""
+        R = self.cache.sinks + self.cache.window
+        self.keys, self.values, self.lb, self.pos = grow_slots((self.keys, self.values, self.lb, self.pos), min(R, tokens), (0.0, 0.0, 0.0, -1))
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         if not self.is_initialized:
@@ -107,12 +119,14 @@ class PoolLayer(CacheLayerMixin):
                     f"OnePoolCache: a {S}-token prompt is longer than the budget ({c.budget}); feed the first {c.max_prefill} "
                     "at once and the rest one at a time (kvpop.decode.feed, generate and teacher_forced_logits do)"
                 )
+            self._reserve(S)
             self._prefill_store(key_states, value_states, lb)
             self._pending = ("prefill", key_states, value_states)
             return key_states, value_states
         if S != 1:
             raise NotImplementedError(f"OnePoolCache: a {S}-token forward on a non-empty cache is not supported; feed tokens one at a time")
         p = self.seen
+        self._reserve(p + 1)
         if self.layer_idx == 0:
             c._compete(p)  # token p - window leaves every layer's window: before any layer overwrites it
         slot = c.layout.home_slot(p)
@@ -127,7 +141,8 @@ class PoolLayer(CacheLayerMixin):
     @torch.no_grad()
     def _prefill_store(self, k: Tensor, v: Tensor, lb: Tensor) -> None:
         """A prompt k, v (B, Hk, S, D) of at most ``budget`` tokens: sinks and the last ``window`` tokens
-        into the ring, the tokens between into the pool (all fit: nothing is evicted)."""
+        into the ring, the tokens between into the pool (all fit: nothing is evicted). The pool takes
+        ``n`` entries per layer and KV head (``L x Hk x n``, layer 0 sizes it), pair ``f`` at ``[f n, (f + 1) n)``."""
         c, S = self.cache, k.shape[2]
         fixed = c.layout.fixed_tokens(S, k.device)  # (m,) sinks and window
         slots = c.layout.home_slot(fixed)
@@ -135,8 +150,10 @@ class PoolLayer(CacheLayerMixin):
         self.pos[:, :, slots] = fixed
         past = torch.arange(c.sinks, max(c.sinks, S - c.window), device=k.device)  # (n,) tokens that left the window
         n, Hk = past.numel(), k.shape[1]
+        if self.layer_idx == 0:
+            c._allocate_pool(k, v, entries=c.num_layers * Hk * n)
         if n:
-            dst = (self.layer_idx * Hk + torch.arange(Hk, device=k.device))[:, None] * c.long_range + torch.arange(n, device=k.device)  # (Hk, n)
+            dst = (self.layer_idx * Hk + torch.arange(Hk, device=k.device))[:, None] * n + torch.arange(n, device=k.device)  # (Hk, n)
             c.pool_keys[:, dst] = k[:, :, past]
             c.pool_values[:, dst] = v[:, :, past]
             c.pool_lb[:, dst] = lb[:, :, past]
@@ -178,7 +195,7 @@ class PoolLayer(CacheLayerMixin):
         if self.is_initialized:
             self.pos.fill_(-1)
             if self.layer_idx == 0:
-                self.cache.pool_pos.fill_(-1)
+                self.cache._allocate_pool(self.keys, self.values, entries=0)
         self.seen, self._pending = 0, None
 
     def nbytes(self) -> int:
@@ -199,10 +216,11 @@ class OnePoolCache(BoundedCache):
         self.max_prefill = self.budget  # a longer prompt: a layer's evictions would depend on every later layer
         return [PoolLayer(i, self) for i in range(self.num_layers)]
 
-    def _allocate_pool(self, k: Tensor, v: Tensor) -> None:
-        if getattr(self, "pool_keys", None) is not None and self.pool_keys.shape[0] == k.shape[0]:
+    def _allocate_pool(self, k: Tensor, v: Tensor, entries: int | None = None) -> None:
+        """An empty pool of ``entries`` entries for k's batch (None: keep one of this batch, else none yet)."""
+        if entries is None and getattr(self, "pool_keys", None) is not None and self.pool_keys.shape[0] == k.shape[0]:
             return
-        B, P, dev = k.shape[0], self.pool_size, k.device
+        B, P, dev = k.shape[0], entries or 0, k.device
         self.pool_keys = k.new_zeros(B, P, k.shape[-1])
         self.pool_values = v.new_zeros(B, P, v.shape[-1])
         self.pool_lb = torch.zeros(B, P, dtype=torch.float64, device=dev)
@@ -211,8 +229,8 @@ class OnePoolCache(BoundedCache):
 
     @torch.no_grad()
     def _compete(self, p: int) -> None:
-        """Token ``p - window`` leaves every layer's window: it and the pool compete, the ``L x Hk``
-        lowest by rank at ``p`` go (module docstring)."""
+        """Token ``p - window`` leaves every layer's window: it and the pool compete; the lowest by rank
+        at ``p`` go, as many as the candidates exceed ``P`` (``L x Hk`` once the pool is full; module docstring)."""
         j = p - self.window
         if j < self.sinks:
             return
@@ -226,8 +244,12 @@ class OnePoolCache(BoundedCache):
         cand_pos = torch.cat([self.pool_pos, torch.full((B, Fp), j, dtype=torch.int64, device=lk.device)], 1)  # (B, P + F)
         cand_f = torch.cat([self.pool_f, torch.arange(Fp, device=lk.device).expand(B, Fp)], 1)
         cand_lb = torch.cat([self.pool_lb, llb], 1)
-        out = pool_leavers(cand_pos, cand_f, cand_lb, p, Fp, Fp, decays=self.policy.decays)  # (B, P + F); static priorities: OnePool
-        keep = out.to(torch.uint8).sort(dim=1, stable=True).indices[:, : self.pool_size]  # (B, P) the entries that stay
+        held = min(self.pool_size, cand_pos.shape[1])  # entries after the competition
+        if held == cand_pos.shape[1]:  # the pool is not full: every candidate stays
+            keep = torch.arange(held, device=lk.device).expand(B, held)
+        else:
+            out = pool_leavers(cand_pos, cand_f, cand_lb, p, Fp, cand_pos.shape[1] - held, decays=self.policy.decays)  # (B, C + F); static priorities: OnePool
+            keep = out.to(torch.uint8).sort(dim=1, stable=True).indices[:, :held]  # (B, held) the entries that stay
         self.pool_keys = torch.cat([self.pool_keys, lk], 1).gather(1, keep[..., None].expand(-1, -1, lk.shape[-1]))
         self.pool_values = torch.cat([self.pool_values, lv], 1).gather(1, keep[..., None].expand(-1, -1, lv.shape[-1]))
         self.pool_lb, self.pool_pos, self.pool_f = cand_lb.gather(1, keep), cand_pos.gather(1, keep), cand_f.gather(1, keep)
