@@ -202,12 +202,13 @@ def test_every_policy_on_the_same_samples(small, rtok):
     model, plain = _models(len(tok))
     longest = max(len(s.prompt_ids) + len(s.answer_ids) + s.max_new_tokens for ss in small.values() for s in ss)
     names = ("h2o", "dense", "streaming_llm", "oracle_target", "oracle_sources")  # h2o first: it switches the model to the cache attention
-    cands = [Candidate(n, model, make_policy(n), max_traces=1 if n == "h2o" else None) for n in names]  # as the stage: decode_traces
+    cands = [Candidate(n, model, make_policy(n), max_traces=3 if n == "h2o" else None) for n in names]  # as the stage: decode_traces
     tight = ruler.evaluate_ruler(small, tok, model, cands, layout=CacheLayout(256, 4, 64), reference_samples=1)
     assert set(tight) == set(names)
     for name, m in tight.items():
         assert list(m["teacher_forced"]) == ["vt", "fwe", "mean"], name
         assert all(0 <= v <= 1 for v in m["teacher_forced"].values())
+        assert m["teacher_forced_samples"] == ({"vt": 1, "fwe": 1} if name == "h2o" else {"vt": 2, "fwe": 2})  # reference_samples
         if name.startswith("oracle"):  # ceilings: teacher-forced only
             assert m["accuracy"] == {} and "path" not in m
             continue

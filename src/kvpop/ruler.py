@@ -56,7 +56,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 #: RULER's 13 tasks, in the order of the package's ``synthetic.yaml`` (tests/test_ruler.py checks it)
@@ -430,8 +430,8 @@ def evaluate_ruler(samples: Mapping[str, Sequence[Sample]], tokenizer, teacher, 
     ``accuracy`` RULER's metric of the greedy answers (not for oracles), ``teacher_forced`` the top-1
     accuracy of the gold answer's tokens, ``kl`` to the dense teacher on them; means over the tasks.
     A candidate decoded on the reference cache (no engine: TOVA, H2O, one-pool and decaying rules) generates
-    the first ``reference_samples`` samples of a task (None: all), and one with ``max_traces`` is teacher-forced
-    on that many (:func:`kvpop.evaluate.evaluate_fidelity`).
+    the first ``reference_samples`` samples of a task (None: all); a rule that exists only at decode time
+    (``needs_attention``: TOVA, H2O) is teacher-forced token by token, on as many (and at most its ``max_traces``).
     ``pad_to``: right-pad the teacher-forcing records to one length (CUDA: one compile per policy).
     ``progress(stage, done, total)``."""
     from kvpop.decode import choose_path, generate
@@ -440,14 +440,17 @@ def evaluate_ruler(samples: Mapping[str, Sequence[Sample]], tokenizer, teacher, 
 
     out = {c.name: {"accuracy": {}, "teacher_forced": {}, "kl": {}, "samples": {}, "scores": {}} for c in candidates}
     tasks = [t for t in samples if samples[t]]
+    forced = [c if not c.policy.needs_attention or reference_samples is None else  # decode-only rules: teacher-forced token by token too
+              replace(c, max_traces=min(reference_samples, c.max_traces if c.max_traces is not None else reference_samples)) for c in candidates]
     for i, task in enumerate(tasks):  # teacher-forced, every candidate (the oracles too)
         recs = records(samples[task])
         if pad_to is not None:
             recs = pad_records(recs, max(pad_to, *(len(r["input_ids"]) for r in recs)), pad_id)
-        res = evaluate_fidelity(recs, teacher, candidates, layout=layout, device=device)
+        res = evaluate_fidelity(recs, teacher, forced, layout=layout, device=device)
         for name, m in res.items():
             out[name]["teacher_forced"][task] = m["quote_accuracy"]
             out[name]["kl"][task] = m["kl"]
+            out[name].setdefault("teacher_forced_samples", {})[task] = m["traces"]
         if progress:
             progress("teacher-forced", i + 1, len(tasks))
     decoded = [c for c in candidates if not c.policy.oracle]
