@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--eval", action="append", default=[], metavar="NAME=PATH",
                     help="an evaluate stage's metrics with a RULER section (repeatable; default run=metrics/eval.json)")
+    ap.add_argument("--note", help="how the evaluate runs were made, kept in the result (e.g. the params overrides)")
     ap.add_argument("--out", default="results/bench_ruler/cpu.json", help="the result file (results/bench_ruler/<device>[_<variant>].json)")
     args = ap.parse_args(argv)
     configs = []
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     runs = ", ".join("{config} ({seq_len} tokens, budget {budget}, {samples} samples per task)".format(**c) for c in configs)
     what = f"RULER accuracy per task of every policy's greedy answers (RULER's metric) and teacher-forced answer accuracy: {runs}"
-    write_result(args.out, {"what": what, "configurations": configs})
+    write_result(args.out, {"what": what, **({"note": args.note} if args.note else {}), "configurations": configs})
     for c in configs:
         print(f"\n{c['config']}: {c['seq_len']} tokens, budget {c['budget']}, {c['samples']} samples per task, RULER's metric (%)\n")
         print(table(c))
