@@ -6,7 +6,8 @@
 2. sampled rollouts on held-out problems (pass@1, absolute and relative to dense);
 3. cost: peak cache memory and decode tokens/s, and the cache-memory curve over generated length;
 4. competition benchmarks (evaluate.benchmarks) where reachable;
-5. held-out code and prose (evaluate.other_text): KL and top-1 agreement to the base model's dense attention.
+5. held-out code and prose (evaluate.other_text): KL and top-1 agreement to the base model's dense attention;
+6. RULER (evaluate.benchmarks.ruler, the kvpop[ruler] extra): generated answers and teacher-forced answer accuracy per task.
 
 Everything goes to ``--out`` (``metrics/eval.json``); per policy the few numbers that matter go to
 ``--summary`` (``metrics/summary/<policy>.json``, :func:`kvpop.summary.summary`), the metrics
@@ -31,6 +32,7 @@ from kvpop.modeling import load_model, model_shape
 from kvpop.plots import plot_keep_map, plot_memory_curve, plot_occupancy
 from kvpop.policies import make_policy, policy_class
 from kvpop.rollouts import BenchmarkUnavailable, Problem, chat_prompt_ids, load_benchmark, memory_curve, pass_at_1, rollout_problems
+from kvpop.ruler import missing as ruler_missing
 from kvpop.summary import summary
 from report import print_table
 
@@ -109,6 +111,33 @@ def other_text(p, tok, teacher, cands, say, device: str) -> dict:
     return other
 
 
+def ruler_benchmark(p, base: str, tok, teacher, cands, say, device: str) -> dict:
+    """``evaluate.benchmarks.ruler``: RULER's samples (:func:`kvpop.ruler.generate_samples`, from the base
+    model's tokenizer) on every candidate (:func:`kvpop.ruler.evaluate_ruler`), with how they were made."""
+    from kvpop import ruler
+
+    rc, seq_len = p.evaluate.benchmarks.ruler, p.ruler_seq_len
+    limit = getattr(teacher.config, "max_position_embeddings", None)
+    if limit and seq_len > limit:
+        say(f"[yellow]evaluate.benchmarks.ruler: context {seq_len} is past the model's {limit} positions")
+    say(f"RULER: generating {rc.samples} samples of {len(rc.tasks)} tasks at {seq_len} tokens (seed {rc.seed})")
+    try:
+        samples = ruler.generate_samples(base, tasks=rc.tasks, seq_len=seq_len, samples=rc.samples, seed=rc.seed, tokenizer=tok)
+    except (ruler.RulerUnavailable, ValueError) as err:
+        fail(f"evaluate.benchmarks.ruler: {err}")
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    with Progress("RULER", len(rc.tasks) + sum(not c.policy.oracle for c in cands)) as bar:
+        res = ruler.evaluate_ruler(samples, tok, teacher, cands, layout=p.layout, device=device, reference_samples=rc.reference_samples,
+                                   pad_to=seq_len if device == "cuda" else None, pad_id=pad_id,
+                                   progress=lambda stage, i, n: bar.update(i if stage == "teacher-forced" else len(rc.tasks) + i, step=stage))
+    for name, m in res.items():
+        say(f"RULER {name}: " + ", ".join(f"{k} {m[k]['mean']:.3f}" for k in ("accuracy", "teacher_forced") if m[k]))
+    return {"tasks": rc.tasks, "seq_len": seq_len, "samples": rc.samples, "reference_samples": rc.reference_samples, "seed": rc.seed,
+            "budget": p.budget,
+            "fingerprint": ruler.fingerprint(samples),
+            "prompt_tokens": {t: sum(len(s.prompt_ids) for s in ss) / len(ss) for t, ss in samples.items()}, "policies": res}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--base", default="models/base")
@@ -126,6 +155,8 @@ def main() -> None:
         fail(f"{err} (run the filter stage)")
     if not records:
         fail(f"{args.data} holds no traces")
+    if cfg.benchmarks.ruler.enabled and (why := ruler_missing()):
+        fail(why)
     torch.manual_seed(p.seed)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -177,7 +208,7 @@ def main() -> None:
                 m["pass_at_1_relative"] = m["pass_at_1"] / dense_p1 if dense_p1 else float("nan")
 
         benchmarks = {}
-        for bench, source in cfg.benchmarks.items():
+        for bench, source in cfg.benchmarks.competition().items():
             try:
                 rows = load_benchmark(source)
             except BenchmarkUnavailable as err:
@@ -198,6 +229,8 @@ def main() -> None:
             out["benchmarks"] = benchmarks
         if other is not None:
             out["other_text"] = other
+        if cfg.benchmarks.ruler.enabled:
+            out["ruler"] = ruler_benchmark(p, args.base, tok, teacher, cands, say, device)
         write_json(args.out, out)
         with atomic_dir(args.summary) as tmp:  # whole: no policy's file left from an earlier run
             for stem, numbers in summary(out).items():
@@ -221,6 +254,10 @@ def main() -> None:
                 for kind, by_policy in (other or {}).items():
                     if name in by_policy:
                         child.metrics(by_policy[name], prefix=f"other_text/{kind}/")
+                if name in out.get("ruler", {}).get("policies", {}):  # ruler/<task>, ruler/mean, ruler/teacher_forced/<task>
+                    r = out["ruler"]["policies"][name]
+                    child.metrics(r["accuracy"], prefix="ruler/")
+                    child.metrics(r["teacher_forced"], prefix="ruler/teacher_forced/")
         run.metrics({"budget": p.budget, "eval_tokens": eval_tokens})
         run.artifact(args.out)
         run.artifact(plots)

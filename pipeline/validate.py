@@ -28,6 +28,7 @@ from pathlib import Path
 import yaml
 
 from kvpop.config import ParamsError, load_params
+from kvpop.ruler import missing as ruler_missing
 
 from common import console, write_text
 
@@ -346,6 +347,8 @@ def main() -> None:
         stop(str(err), args.params)
     if errors := folder_source_errors(p):
         stop("invalid params for the trained policies on this base model:\n" + "\n".join(errors), args.params)
+    if p.evaluate.benchmarks.ruler.enabled and (why := ruler_missing()):  # before training, not at the evaluate stage
+        stop(why, args.params)
     write_marker(args.out, MARKER)
     console.print(f"{args.params}: valid")
     if warning := budget_warning(p):  # before any other stage runs: a warning, the run goes on

@@ -7,7 +7,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 # the extras to install (pyproject [project.optional-dependencies]): KVPOP_EXTRAS, default "test";
-# scripts/test.sh adds "kernels" (Triton, for its interpreter)
+# scripts/test.sh adds "kernels" (Triton, for its interpreter) and "ruler" (RULER's generators, for tests/test_ruler.py)
 extras=${KVPOP_EXTRAS:-test}
 stamp=".venv/.kvpop-installed-${extras//,/-}"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then

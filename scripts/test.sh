@@ -13,6 +13,6 @@ case $tier in
   slow) marks=(-m slow) ;;
   all) marks=() ;;
 esac
-KVPOP_EXTRAS=test,kernels bash scripts/setup.sh
+KVPOP_EXTRAS=test,kernels,ruler bash scripts/setup.sh
 .venv/bin/python -m pytest -q ${marks[@]+"${marks[@]}"} "$@"
 .venv/bin/ruff check .

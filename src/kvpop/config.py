@@ -20,6 +20,9 @@ from kvpop.boundary import BoundaryWeight
 from kvpop.data.synthetic import DEFAULT_MIN_QUOTE_DISTANCE_CHARS, DEFAULT_NUM_RECALLS, DEFAULT_NUM_VALUES
 from kvpop.geometry import CacheLayout, check_budget
 from kvpop.policies import OnePool, names, policy_class
+from kvpop.ruler import DEFAULT_SEED as RULER_SEED
+from kvpop.ruler import TASKS as RULER_TASKS
+from kvpop.ruler import min_seq_len as ruler_min_seq_len
 from kvpop.target import TargetSpec
 
 #: The embedded default teacher: SmolLM2-135M-Instruct, shipped as GGUF inside a PyPI wheel.
@@ -295,6 +298,52 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(6, gt=0)
 
 
+class RulerConfig(_Section):
+    """RULER, the common long-context benchmark (:mod:`kvpop.ruler`; needs the ``kvpop[ruler]`` extra): samples
+    from RULER's own generators, decoded greedily by every evaluated policy and scored by RULER's metric,
+    and the teacher-forced accuracy of their gold answers' tokens. Off while ``samples`` is 0. No policy
+    is trained on it."""
+
+    tasks: list[str] = Field(default_factory=lambda: list(RULER_TASKS), description="RULER tasks to run (default: all 13)")
+    seq_len: int | None = Field(
+        None, gt=0, description="context length of a sample, its prompt plus the task's tokens to generate (RULER's "
+        "max_seq_length); null: train.seq_len, the row length",
+    )
+    samples: int = Field(0, ge=0, description="samples per task (0: RULER is not run)")
+    reference_samples: int = Field(
+        1, ge=0, description="of those, how many a policy without an engine decodes, token by token past the budget (TOVA, H2O, "
+        "one-pool and decaying rules; 0: none, so teacher-forced only); TOVA and H2O are teacher-forced on as many, token by token too",
+    )
+    seed: int = Field(RULER_SEED, description="RULER's random_seed of the generators (its default: 42)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.samples > 0
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError(f"no task; RULER's: {', '.join(RULER_TASKS)}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"a task is listed twice: {v}")
+        return _only(v, RULER_TASKS, "unknown RULER tasks {bad}; known: {allowed}")
+
+
+class BenchmarksConfig(BaseModel):
+    """``evaluate.benchmarks``: ``ruler`` (:class:`RulerConfig`), and any other key a competition benchmark for
+    real models, name -> hub id or local file (AIME, HMMT: :func:`kvpop.rollouts.load_benchmark`)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    __pydantic_extra__: dict[str, str] = Field(init=False)
+
+    ruler: RulerConfig = Field(RulerConfig(), description="RULER on every evaluated policy (kvpop.ruler); off while its samples is 0")
+
+    def competition(self) -> dict[str, str]:
+        """The competition benchmarks: name -> hub id or local file."""
+        return dict(self.model_extra or {})
+
+
 class EvaluateConfig(_Section):
     """Stage ``evaluate``: fidelity, generation and cost of every policy on held-out data."""
 
@@ -316,9 +365,10 @@ class EvaluateConfig(_Section):
     memory_lengths: list[int] = Field(
         default_factory=lambda: [0, 32, 64, 128], description="generated lengths of the cache-memory curve ([]: no curve)"
     )
-    benchmarks: dict[str, str] = Field(
-        default_factory=dict,
-        description="name -> hub id or local file of competition benchmarks (AIME, HMMT) for real models",
+    benchmarks: BenchmarksConfig = Field(
+        BenchmarksConfig(),
+        description="ruler: RULER on every policy (kvpop.ruler; off while ruler.samples is 0); any other key: name -> hub id or "
+        "local file of a competition benchmark (AIME, HMMT) for real models",
     )
     one_pool: bool = Field(
         False,
@@ -360,9 +410,22 @@ class Params(_Section):
         check_budget(self.budget, self.sinks, self.window)  # the message names budget, sinks and window
         if self.filter.source == "synthetic" and self.eval_seed == self.seed:
             raise ValueError(f"filter.synthetic.eval_seed equals seed ({self.seed}): the held-out traces would be the training traces")
+        if (ruler := self.evaluate.benchmarks.ruler).enabled:
+            seq_len = self.ruler_seq_len
+            short = [t for t in ruler.tasks if seq_len < ruler_min_seq_len(t)]
+            if short:
+                key = "evaluate.benchmarks.ruler.seq_len" if ruler.seq_len is not None else "train.seq_len (evaluate.benchmarks.ruler.seq_len: null)"
+                raise ValueError(f"{key} is {seq_len}: too short for RULER's generators of {short} (qa_1, qa_2: at least "
+                                 f"{ruler_min_seq_len('qa_1')} tokens, the others {ruler_min_seq_len('vt')}); set evaluate.benchmarks.ruler.seq_len")
         if self.evaluate.one_pool and not any(OnePool.accepts(policy_class(n)) for n in self.train.policies):  # class attributes only
             raise ValueError(f"evaluate.one_pool ranks a trained kvpop_mlp with one pool; train.policies {self.train.policies} has none")
         return self
+
+    @property
+    def ruler_seq_len(self) -> int:
+        """RULER's context length: ``evaluate.benchmarks.ruler.seq_len``, default ``train.seq_len``."""
+        ruler = self.evaluate.benchmarks.ruler
+        return self.train.seq_len if ruler.seq_len is None else ruler.seq_len
 
     @property
     def layout(self) -> CacheLayout:

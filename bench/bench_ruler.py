@@ -1,0 +1,59 @@
+"""RULER accuracy per task and policy, gathered from evaluate runs with evaluate.benchmarks.ruler.
+
+The evaluate stage measures (:mod:`kvpop.ruler`, ``metrics/eval.json``, ``"ruler"``); this script collects
+one or more of its runs as the configurations of one result file (:func:`kvpop.ruler.configuration`),
+written with its provenance (:func:`kvpop.provenance.write_result`), and prints each as a Markdown table:
+
+    python pipeline/profiles.py 4k --write params.yaml && python pipeline/profiles.py ruler --write params.yaml
+    KVPOP_TRACKING=off python pipeline/run_stages.py --parallel train --skip-done
+    python bench/bench_ruler.py --eval 4k=metrics/eval.json --out results/bench_ruler/h200.json
+
+``--eval NAME=PATH`` repeats (one configuration each; the name labels it). A file without a RULER
+section exits with status 2 and says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvpop.provenance import write_result
+from kvpop.ruler import configuration, table
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--eval", action="append", default=[], metavar="NAME=PATH",
+                    help="an evaluate stage's metrics with a RULER section (repeatable; default run=metrics/eval.json)")
+    ap.add_argument("--note", help="how the evaluate runs were made, kept in the result (e.g. the params overrides)")
+    ap.add_argument("--out", default="results/bench_ruler/cpu.json", help="the result file (results/bench_ruler/<device>[_<variant>].json)")
+    args = ap.parse_args(argv)
+    configs = []
+    for item in args.eval or ["run=metrics/eval.json"]:
+        name, eq, path = item.partition("=")
+        if not eq or not name or not path:
+            print(f"error: --eval wants NAME=PATH, got {item!r}", file=sys.stderr)
+            return 2
+        try:
+            doc = json.loads(Path(path).read_text())
+            if "ruler" not in doc:
+                raise ValueError("no 'ruler' section: run the evaluate stage with evaluate.benchmarks.ruler set")
+            configs.append(configuration(name, doc["ruler"]))
+        except (OSError, ValueError) as err:
+            print(f"error: {path}: {err}", file=sys.stderr)
+            return 2
+    runs = ", ".join("{config} ({seq_len} tokens, budget {budget}, {samples} samples per task)".format(**c) for c in configs)
+    what = f"RULER accuracy per task of every policy's greedy answers (RULER's metric) and teacher-forced answer accuracy: {runs}"
+    write_result(args.out, {"what": what, **({"note": args.note} if args.note else {}), "configurations": configs})
+    for c in configs:
+        print(f"\n{c['config']}: {c['seq_len']} tokens, budget {c['budget']}, {c['samples']} samples per task, RULER's metric (%)\n")
+        print(table(c))
+        print(f"\nteacher-forced accuracy of the gold answer's tokens (%)\n\n{table(c, key='teacher_forced')}")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
