@@ -22,7 +22,8 @@ The tasks, their generators, their data and their metric are NVIDIA's own, from 
   either way, and a needle goes between two sentences. On the whole essay text (3.0 M characters)
   it finds 31,396 sentences against the English ``punkt_tab``'s 31,395, with 63 boundaries out of
   31,395 placed differently (0.2 %: ``Mr.``, ``e.g.``, ``vs.`` and the like), measured once against the
-  real data (which ``llama-index-core``'s wheel happens to carry; not a dependency);
+  real data (which ``llama-index-core``'s wheel happens to carry; not a dependency); the 40 samples of the
+  four essay niah tasks at 4,096 SmolLM2 tokens (seed 42, 10 each) came out byte-identical with either;
 * **prompt** (:func:`to_samples`): RULER's input is its task text followed by the answer prefix
   (``... The special magic number for X mentioned in the provided text is``). Where the tokenizer has
   a chat template, the task text becomes the user turn and the answer prefix starts the assistant's
