@@ -47,7 +47,8 @@ def micro(tiny_qwen3_dir, tmp_path_factory) -> tuple[Path, dict, Path]:
     (:func:`dvc_repo`), its outputs committed -> (repository, environment, MLflow database)."""
     tmp = tmp_path_factory.mktemp("micro")
     repo, env = dvc_repo(tmp, str(tiny_qwen3_dir))
-    res = subprocess.run([DVC, "repro", "-q"], cwd=repo, env=env, capture_output=True, text=True)
+    # the name an experiment gives its runs (dvc exp run sets it; a plain repro's runs say "workspace")
+    res = subprocess.run([DVC, "repro", "-q"], cwd=repo, env={**env, "DVC_EXP_NAME": "micro"}, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     subprocess.run(["git", "add", "-A"], cwd=repo, env=env, check=True)
     subprocess.run(["git", "commit", "-qm", "repro"], cwd=repo, env=env, check=True)
