@@ -160,3 +160,35 @@ def test_reference_cache_grows_one_slot_per_token_then_stays_flat(model, tiny_to
     assert cache.layers[0].keys.shape[2] == 25  # a longer sequence than announced still decodes: it grows
     with pytest.raises(ValueError, match="max_len must be >= 1"):
         BoundedCache(model.config, policy(model, "kvpop_mlp"), LAYOUT, max_len=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["streaming_llm", "kvpop_mlp", "kvpop"])
+def test_a_sized_engine_compiles_and_graphs_as_the_budget_sized_one(tiny_model, name):
+    """CUDA: an engine sized for a short generation (max_len: fewer 128-slot blocks than its budget)
+    compiles, captures its CUDA graph and decodes the logits of the eager engine and of the reference
+    cache; its memory is its size's, and one token too many is refused."""
+    from kvpop.decode import teacher_forced_logits
+
+    for limit in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, 64)
+    model = enable(tiny_model("qwen3").cuda())
+    layout, S, pre = CacheLayout(300, 4, 32), 100, 60  # 300 slots (3 blocks of 128) against 100 tokens (1 block)
+    pol = policy(model, name).cuda()
+    ids = torch.randint(3, 96, (B, S), generator=torch.Generator().manual_seed(5)).cuda()
+    ref = teacher_forced_logits(model, pol, ids, layout=layout, prefill=pre)
+    got = {}
+    for compiled in (False, True):
+        eng = DecodeEngine(model, pol, layout=layout, max_len=S, batch_size=B, compile=compiled)
+        assert eng.T == 128 and eng.keys[0].shape[2] == 128 and eng.slots == S
+        logits = [eng.prefill(ids[:, :pre]).clone()]
+        for t in range(pre, S):
+            eng.tok.copy_(ids[:, t : t + 1])
+            logits.append(eng.step().clone())
+        got[compiled] = torch.stack(logits, 1)
+        with pytest.raises(ValueError, match="overflow"):
+            eng.step()
+    assert (got[False] - ref[:, pre - 1 :]).abs().max() < 1e-4
+    assert (got[True] - got[False]).abs().max() < 1e-4
