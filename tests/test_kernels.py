@@ -169,17 +169,24 @@ def test_fused_insert_compiles_into_the_one_layer_graph():
     assert out.strip() == "OK"
 
 
-@pytest.mark.parametrize("block", [16, pytest.param(4096, marks=pytest.mark.slow)])  # 16: blocks carry prefix counts (the harder case)
-def test_wavelet_kernels_answer_as_the_tensor_twin(block):
-    """kvpop.kernels.order (build + query) against kvpop.order.prefix_kth_smallest_reference, on the
-    same random cases as tests/test_order.py (duplicates, empty and full prefixes, ranks out of range)
-    and on eviction_times' own queries of a packed row, with blocks smaller than a row (16: the
-    carried prefix counts across blocks) and larger (one block)."""
-    out = run_interpreted(f"""
+def wavelet(block: int) -> str:
+    """The setup of a wavelet-kernel check: kvpop.kernels.order with blocks of ``block`` values, a seeded generator."""
+    return textwrap.dedent(f"""
     import kvpop.kernels.order as ko
     from kvpop.order import prefix_kth_smallest_reference
     ko.launch_config = lambda n: {{"BLOCK": min({block}, ko.triton.next_power_of_2(max(n, 16))), "BQ": 16, "num_warps": 4}}
     g = torch.Generator().manual_seed(0)
+    """)
+
+
+BLOCKS = pytest.mark.parametrize("block", [16, 4096])  # 16: smaller than a row (the carried prefix counts across blocks); 4096: one block
+
+
+@BLOCKS
+def test_wavelet_kernels_answer_as_the_tensor_twin(block):
+    """kvpop.kernels.order (build + query) against kvpop.order.prefix_kth_smallest_reference, on the
+    same random cases as tests/test_order.py (duplicates, empty and full prefixes, ranks out of range)."""
+    out = run_interpreted(wavelet(block) + textwrap.dedent("""
     cases = 0
     for N, n, m, vmax in [(3, 1, 4, 0), (2, 37, 50, 5), (4, 64, 64, 63), (2, 100, 33, 1000), (1, 257, 300, 256), (2, 0, 5, 0)]:
         values = torch.randint(0, vmax + 1, (N, n), generator=g)
@@ -191,14 +198,24 @@ def test_wavelet_kernels_answer_as_the_tensor_twin(block):
         got = ko.wavelet_kth_smallest(values, prefix, kth, bits)
         assert torch.equal(got, want), (N, n, m, vmax, (got != want).sum())
         cases += 1
-    # a permutation with every prefix and rank: the order statistic of eviction_times
+    print("OK", cases)
+    """))
+    assert out.strip() == "OK 6"
+
+
+@pytest.mark.slow  # 40,401 interpreted queries: over a minute each
+@BLOCKS
+def test_wavelet_kernels_answer_eviction_times_queries(block):
+    """The same kernels on eviction_times' own queries of a packed row: every prefix and every rank of a
+    permutation of 200 values (the order statistic it asks for), against the reference."""
+    out = run_interpreted(wavelet(block) + textwrap.dedent("""
     perm = torch.randperm(200, generator=g)[None]
     p = torch.arange(201).repeat_interleave(201)[None]
     k = torch.arange(201).repeat(201)[None]
     assert torch.equal(ko.wavelet_kth_smallest(perm, p, k, 8), prefix_kth_smallest_reference(perm, p, k, bits=8))
-    print("OK", cases)
-    """)
-    assert out.strip() == "OK 6"
+    print("OK")
+    """))
+    assert out.strip() == "OK"
 
 
 def test_block_lists_kernel_equals_the_tensor_twin():
