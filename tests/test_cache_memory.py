@@ -10,7 +10,7 @@ delayed rule (``kvpop``) its recurrent state, a fixed size. The tests count ever
 import pytest
 import torch
 
-from kvpop.decode import BoundedCache, DecodeEngine, enable, generate
+from kvpop.decode import BoundedCache, DecodeEngine, enable, generate, never_evicts
 from kvpop.geometry import CacheLayout
 from kvpop.policies import make_policy, resolve_policy
 from kvpop.rollouts import memory_curve
@@ -104,9 +104,9 @@ def test_the_engine_refuses_tokens_beyond_its_length(model):
 
 @pytest.mark.parametrize("path", ["engine", "reference"])
 def test_generate_reports_no_more_than_dense(model, tiny_tokenizer, path):
-    """The evaluate stage's peak_cache_mb (kvpop.decode.generate's stats): below its budget a bounded
-    policy holds dense's keys and values (plus its bookkeeping and a delayed rule's state); from the
-    budget on it is flat. Every byte is accounted for."""
+    """The evaluate stage's peak_cache_mb (kvpop.decode.generate's stats): a generation that fits in a
+    rule's slots is decoded with dense's cache and costs exactly dense's bytes; from the budget on a
+    bounded cache is flat. Every byte is accounted for."""
     rules = ["streaming_llm", "kvpop_mlp", "kvpop"] + (["tova", "dbtrimkv"] if path == "reference" else [])
     flat: dict[str, set] = {name: set() for name in rules}
     for S, N in ((10, 6), (30, 10), (60, 20)):
@@ -124,10 +124,14 @@ def test_generate_reports_no_more_than_dense(model, tiny_tokenizer, path):
             pairs = bookkeeping(model, max(0, held - SINKS - WINDOW), 8) if pol.one_pool else 0  # a pool entry's layer and head
             state = sum(state_bytes([pol.init_state(i, B, "cpu")]) for i in range(shape(model)["num_layers"])) if pol.scores_on_exit else 0
             got = stats.peak_cache_mb * 2**20
+            if S + N <= slots and not pol.gated:  # nothing can be evicted (kvpop.decode.never_evicts): dense's cache, dense's bytes
+                assert never_evicts(model, pol, LAYOUT, S + N) and got == dense_bytes, (name, S, N)
+                continue
+            assert not never_evicts(model, pol, LAYOUT, S + N)  # a gate (dbtrimkv) may evict below its budget: its own cache
             assert got == kv_bytes(model, held) + bookkeeping(model, held, 16) + pairs + state, (name, S, N)
             assert kv_bytes(model, held) <= kv_bytes(model, tokens)
-            if tokens < slots:  # shorter than the budget: dense's bytes plus a priority (and a position, over the DynamicCache)
-                assert got <= dense_bytes + bookkeeping(model, tokens, 8 if path == "engine" else 16) + pairs + state
+            if tokens < slots:  # the reference cache one token short of the budget: dense's bytes plus a priority and a position
+                assert got <= dense_bytes + bookkeeping(model, tokens, 16) + pairs + state
             else:
                 flat[name].add(got)
     assert all(len(sizes) == 1 for sizes in flat.values()), flat  # at and after the budget: flat

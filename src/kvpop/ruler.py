@@ -422,7 +422,7 @@ def _mean(xs: Iterable[float]) -> float:
 
 
 def evaluate_ruler(samples: Mapping[str, Sequence[Sample]], tokenizer, teacher, candidates: Sequence, *, layout, device="cpu",
-                   reference_samples: int | None = None, pad_to: int | None = None, pad_id: int = 0,
+                   reference_samples: int | None = None, pad_to: int | None = None, pad_id: int = 0, compile: bool = False,
                    progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Every candidate (:class:`kvpop.evaluate.Candidate`) on the same RULER samples at one nominal ``layout``.
 
@@ -434,8 +434,11 @@ def evaluate_ruler(samples: Mapping[str, Sequence[Sample]], tokenizer, teacher, 
     the first ``reference_samples`` samples of a task (None: all); a rule that exists only at decode time
     (``needs_attention``: TOVA, H2O) is teacher-forced token by token, on as many (and at most its ``max_traces``).
     ``pad_to``: right-pad the teacher-forcing records to one length (CUDA: one compile per policy).
+    On the engine, one :class:`kvpop.decode.engine.DecodeEngine` per policy, sized for the longest sample
+    (prompt + tokens to generate), serves every sample (``compile``: its step compiled and CUDA-graphed once);
+    its answers equal :func:`kvpop.decode.generate`'s per sample (an engine's results do not depend on its size).
     ``progress(stage, done, total)``."""
-    from kvpop.decode import choose_path, generate
+    from kvpop.decode import choose_path
     from kvpop.evaluate import evaluate_fidelity, pad_records
     from kvpop.rollouts import _stop_ids, _text_of
 
@@ -455,15 +458,16 @@ def evaluate_ruler(samples: Mapping[str, Sequence[Sample]], tokenizer, teacher, 
         if progress:
             progress("teacher-forced", i + 1, len(tasks))
     decoded = [c for c in candidates if not c.policy.oracle]
+    longest = max((len(s.prompt_ids) + s.max_new_tokens for t in tasks for s in samples[t]), default=1)
     for j, c in enumerate(decoded):
         path = choose_path(c.model, c.policy)
         cap = reference_samples if path == "reference" else None
         stop = _stop_ids(c.model, tokenizer)
+        answer = _answerer(c, tokenizer, layout, path, longest, compile)
         for task in tasks:
             preds, refs = [], []
             for s in samples[task][:cap]:
-                new, _ = generate(c.model, tokenizer, c.policy, s.prompt_ids, layout=layout, max_new_tokens=s.max_new_tokens, temperature=0.0)
-                preds.append(_text_of(new[0].tolist(), stop, tokenizer))
+                preds.append(_text_of(answer(s), stop, tokenizer))
                 refs.append(s.outputs)
             if not preds:
                 continue
@@ -480,6 +484,31 @@ def evaluate_ruler(samples: Mapping[str, Sequence[Sample]], tokenizer, teacher, 
             if m[key]:
                 m[key]["mean"] = _mean(m[key][t] for t in tasks if t in m[key])
     return {name: m for name, m in out.items() if m["teacher_forced"] or m["accuracy"]}
+
+
+def _answerer(c, tokenizer, layout, path: str, max_len: int, compile: bool) -> Callable[[Sample], list[int]]:
+    """Greedy answer tokens of a sample under candidate ``c``: on the engine, one engine for every sample
+    (reset before each); on the reference path, :func:`kvpop.decode.generate` per sample."""
+    import torch
+
+    from kvpop.decode.engine import DecodeEngine
+    from kvpop.decode.generate import _eos_ids, engine_generate, generate, model_device
+
+    if path != "engine":
+        return lambda s: generate(c.model, tokenizer, c.policy, s.prompt_ids, layout=layout, max_new_tokens=s.max_new_tokens,
+                                  temperature=0.0)[0][0].tolist()
+    device = model_device(c.model)
+    c.policy.to(device)
+    engine = DecodeEngine(c.model, c.policy, layout=layout, max_len=max_len, batch_size=1, compile=compile)
+    eos = _eos_ids(c.model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def answer(s: Sample) -> list[int]:
+        ids = torch.as_tensor(s.prompt_ids, dtype=torch.long, device=device)[None]  # (1, S)
+        with torch.no_grad():
+            return engine_generate(engine, ids, max_new_tokens=s.max_new_tokens, eos=eos, pad=pad)[0].tolist()
+
+    return answer
 
 
 # --- results -------------------------------------------------------------------------------------

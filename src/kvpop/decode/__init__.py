@@ -12,11 +12,11 @@
 
 from kvpop.decode.cache import BoundedCache, BoundedLayer, cache_bytes, enable
 from kvpop.decode.engine import DecodeEngine, engine_refusal
-from kvpop.decode.generate import GenerationStats, choose_path, feed, generate, model_device, new_cache, teacher_forced_logits
+from kvpop.decode.generate import GenerationStats, choose_path, feed, generate, model_device, never_evicts, new_cache, teacher_forced_logits
 from kvpop.decode.one_pool import OnePoolCache
 from kvpop.geometry import CacheLayout
 
 __all__ = [
     "BoundedCache", "BoundedLayer", "CacheLayout", "DecodeEngine", "GenerationStats", "cache_bytes", "choose_path", "enable",
-    "OnePoolCache", "engine_refusal", "feed", "generate", "model_device", "new_cache", "teacher_forced_logits",
+    "OnePoolCache", "engine_refusal", "feed", "generate", "model_device", "never_evicts", "new_cache", "teacher_forced_logits",
 ]

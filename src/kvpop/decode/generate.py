@@ -10,8 +10,9 @@ Two paths decode the same policy to the same tokens (``tests/test_engine.py`` pr
   step's attention (TOVA, H2O) and of architectures the engine does not support.
 
 On both paths a bounded cache is sized once per call, ``min(budget, tokens)`` slots per layer and KV
-head for the call's tokens (prompt + new): a generation shorter than the budget holds no more keys
-and values than dense.
+head for the call's tokens (prompt + new); a generation that fits in a rule's slots (nothing can be
+evicted: :func:`never_evicts`) is decoded with dense's cache, the same tokens without a bounded cache's
+priorities or a delayed rule's state, so it never costs more than dense.
 
 ``path="auto"`` takes the engine wherever it supports the policy: it is the faster path on the
 CPU as well as on CUDA (``bench/bench_generate.py`` measures both side by side against
@@ -35,7 +36,7 @@ from kvpop.decode.cache import BoundedCache, cache_bytes, enable
 from kvpop.decode.engine import DecodeEngine, engine_refusal
 from kvpop.decode.one_pool import OnePoolCache
 from kvpop.geometry import CacheLayout
-from kvpop.policies import Policy
+from kvpop.policies import Dense, Policy
 
 Path = Literal["auto", "engine", "reference"]
 
@@ -93,6 +94,17 @@ class GenerationStats:
     tokens_per_s: float
     peak_cache_mb: float  # allocated cache bytes at the end: a bounded cache holds min(budget, its tokens) slots, no more keys and values than dense
     path: str = "reference"  # the decode path that ran: "engine" or "reference"
+
+
+def never_evicts(model, policy: Policy, layout: CacheLayout, tokens: int) -> bool:
+    """Whether ``policy`` keeps every one of ``tokens`` tokens: it evicts only from a full cache (a rule or
+    a pool; not a gate, ``dms``, ``trimkv``, which evicts below its budget) and ``tokens`` fit in its slots
+    per layer and KV head. Its generation then attends to everything, as dense does: ``generate`` decodes
+    it with dense's cache, so a generation shorter than the budget costs what dense costs."""
+    if not policy.evicts or policy.gated:
+        return False
+    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    return tokens <= layout.for_policy(policy, head_dim=head_dim).slots
 
 
 def choose_path(model, policy: Policy, path: Path = "auto") -> Literal["engine", "reference"]:
@@ -196,6 +208,8 @@ def generate(
         raise ValueError("empty prompt")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     chosen = choose_path(model, policy, path)
+    if never_evicts(model, policy, layout, ids.shape[1] + max_new_tokens):
+        policy = Dense()  # nothing can be evicted: the same tokens from dense's cache, without a bounded cache's bookkeeping
     sample = temperature > 0
     t0 = time.perf_counter()
     if chosen == "engine":
