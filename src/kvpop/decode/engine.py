@@ -342,6 +342,7 @@ class DecodeEngine:
         self._graph_out: Tensor | None = None
         self._warm = False
         self._chunk_shared: dict[str, Tensor] | None = None
+        self._compete_graph: torch.cuda.CUDAGraph | None = None  # pooled, compiled: a prefill chunk's competition
 
     # --- buffers --------------------------------------------------------------------------------
     def cache_bytes(self) -> int:
@@ -673,9 +674,7 @@ class DecodeEngine:
             orig = torch.arange(st.NS, device=dev).expand(B, -1).clone()  # (B, NS) the chunk-start slot of each slot's entry
             e = torch.full((B, st.NS), NEVER, dtype=torch.int64, device=dev)  # (B, NS) eviction time by chunk-start slot
             prio = self._leaver_prio(torch.arange(q0 - self.window, c1 - self.window, device=dev))  # (B, F, c1 - q0)
-            with one_thread() if dev.type == "cpu" else nullcontext():
-                for t, q in enumerate(range(q0, c1)):
-                    st.update(torch.tensor(q, device=dev), prio[:, :, t], move_kv=False, track=(orig, e))
+            self._pool_competitions(q0, prio, orig, e)
         pos = torch.arange(c0, c1, device=dev)
         x = self.model.model.embed_tokens(ids)
         cos, sin = self.model.model.rotary_emb(x, pos.expand(B, C))
@@ -699,28 +698,72 @@ class DecodeEngine:
         self.p.fill_(c1)
         return self.model.lm_head(self.model.model.norm(x[:, -1:]))[:, -1].float()
 
+    def _pool_competitions(self, q0: int, prio: Tensor, orig: Tensor, e: Tensor) -> None:
+        """The pool's competitions at queries ``q0, q0 + 1, ...`` (one per column of prio (B, F, n)) on the
+        bookkeeping, tracking ``orig`` and ``e`` (:meth:`PoolStore.update`). Compiled (CUDA): one compiled
+        competition captured as a CUDA graph once per engine and replayed per query (static buffers)."""
+        st, dev = self.store, self.device
+        if not self.compiled:
+            with one_thread() if dev.type == "cpu" else nullcontext():
+                for t in range(prio.shape[2]):
+                    st.update(torch.tensor(q0 + t, device=dev), prio[:, :, t], move_kv=False, track=(orig, e))
+            return
+        if self._compete_graph is None:
+            self._cq = torch.zeros((), dtype=torch.int64, device=dev)  # q = 0: no leaver, the warm-up changes nothing
+            self._cprio = torch.zeros(self.B, st.F, dtype=torch.float64, device=dev)
+            self._corig, self._ce = torch.zeros_like(orig), torch.zeros_like(e)
+            fn = torch.compile(type(self)._pool_compete, fullgraph=True, dynamic=False)
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                fn(self)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn(self)
+            self._compete_graph = graph
+        self._corig.copy_(orig)
+        self._ce.copy_(e)
+        for t in range(prio.shape[2]):
+            self._cq.fill_(q0 + t)
+            self._cprio.copy_(prio[:, :, t])
+            self._compete_graph.replay()
+        orig.copy_(self._corig)
+        e.copy_(self._ce)
+
+    def _pool_compete(self) -> None:
+        """One competition of a prefill chunk from the static buffers (compiled, CUDA-graphed)."""
+        self.store.update(self._cq, self._cprio, move_kv=False, track=(self._corig, self._ce))
+
     def _pool_chunk_attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, snap: tuple, e: Tensor | None) -> Tensor:
         """Layer i's chunk q (B, H, C, D), k, v (B, Hk, C, D) at positions pos (C,) over the layer's entries at
         the chunk's start (``snap``: tag, pos, page tables and counts then) under eviction times e (B, NS)
-        (None: nothing leaves in the chunk), and over the chunk itself causally -> (B, H, C, D)."""
-        st, B, Hk, H, G, D = self.store, self.B, self.Hk, self.H, self.G, self.D
+        (None: nothing leaves in the chunk), and over the chunk itself causally -> (B, H, C, D).
+
+        Each KV head's entries are gathered apart, (B, Hk, N, D) padded to the longest head, so that a query
+        head reads only its own KV head's entries (GQA), as in the per-head cache."""
+        st, B, Hk, G, D, dev = self.store, self.B, self.Hk, self.G, self.D, self.device
         tag0, pos0, ptab0, count0 = snap
-        C = k.shape[2]
         slots, mine = st.layer_slots(i, count0, ptab0)  # (B, N0)
-        ks, vs = (buf.gather(1, slots[..., None].expand(-1, -1, D)) for buf in (st.keys, st.values))  # (B, N0, D)
+        N0 = slots.shape[1]
         ctag = torch.where(mine, tag0.gather(1, slots), -1)
-        cpos = pos0.gather(1, slots)
-        ce = e.gather(1, slots) if e is not None else torch.full_like(cpos, NEVER)
-        heads = i * Hk + torch.arange(Hk, device=self.device)
-        ks, vs = torch.cat([ks, k.reshape(B, Hk * C, D)], 1)[:, None], torch.cat([vs, v.reshape(B, Hk * C, D)], 1)[:, None]  # (B, 1, N, D)
-        ctag = torch.cat([ctag, heads.repeat_interleave(C).expand(B, -1)], 1)  # (B, N)
-        cpos = torch.cat([cpos, pos.repeat(Hk).expand(B, -1)], 1)
-        ce = torch.cat([ce, torch.full((B, Hk * C), NEVER, dtype=torch.int64, device=self.device)], 1)
-        qh = (i * Hk + torch.arange(H, device=self.device) // G)[None, :, None, None]  # (1, H, 1, 1) the pair of each query head
+        ours = ctag[:, None, :] == (i * Hk + torch.arange(Hk, device=dev))[None, :, None]  # (B, Hk, N0)
+        cnt = ours.sum(-1)  # (B, Hk)
+        n = int(cnt.max())
+        ar = torch.arange(N0, device=dev)
+        sel = torch.where(ours, ar, N0 + ar).argsort(-1)[..., :n]  # (B, Hk, n) each head's candidates first, in slot order
+        hs = slots.gather(1, sel.flatten(1))  # (B, Hk n) store slots
+        valid = torch.arange(n, device=dev) < cnt[..., None]  # (B, Hk, n)
+        ks, vs = (torch.cat([buf.gather(1, hs[..., None].expand(-1, -1, D)).view(B, Hk, n, D), new], 2) for buf, new in ((st.keys, k), (st.values, v)))
+        C = k.shape[2]
+        cpos = torch.cat([pos0.gather(1, hs).view(B, Hk, n), pos.expand(B, Hk, C)], 2)  # (B, Hk, N)
+        ce = e.gather(1, hs).view(B, Hk, n) if e is not None else torch.full((B, Hk, n), NEVER, dtype=torch.int64, device=dev)
+        ce = torch.cat([ce, torch.full((B, Hk, C), NEVER, dtype=torch.int64, device=dev)], 2)
+        valid = torch.cat([valid, torch.ones(B, Hk, C, dtype=torch.bool, device=dev)], 2)[:, :, None]  # (B, Hk, 1, N)
         qp = pos[None, None, :, None]  # (1, 1, C, 1)
-        cpos, ce = cpos[:, None, None, :], ce[:, None, None, :]  # (B, 1, 1, N)
-        ok = (ctag[:, None, None, :] == qh) & (cpos <= qp) & ((cpos < self.sinks) | (qp < ce))  # (B, H, C, N)
-        return F.scaled_dot_product_attention(q, ks, vs, attn_mask=ok, scale=self.scale, enable_gqa=True)
+        cpos, ce = cpos[:, :, None], ce[:, :, None]
+        ok = valid & (cpos <= qp) & ((cpos < self.sinks) | (qp < ce))  # (B, Hk, C, N)
+        return F.scaled_dot_product_attention(q, ks, vs, attn_mask=ok.repeat_interleave(G, 1), scale=self.scale, enable_gqa=True)
 
     # --- prefill ----------------------------------------------------------------------------
     @torch.no_grad()

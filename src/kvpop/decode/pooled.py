@@ -226,7 +226,7 @@ class PoolStore:
         lv_gone = torch.zeros(B, F + 1, dtype=torch.bool, device=dev).scatter_(1, torch.where(is_lv, gone - NP, F), True)[:, :F]
         stays = leaves & ~lv_gone  # (B, F)
         h_layer = torch.where(is_hole, self.tag.gather(1, hole) // Hk, L)  # (B, F); L: not a hole
-        h_lidx = self.lidx.gather(1, hole)
+        h_lidx = torch.where(is_hole, self.lidx.gather(1, hole), 0)
         hcount = torch.zeros(B, L + 1, dtype=torch.int64, device=dev).scatter_add_(1, h_layer, torch.ones_like(h_layer))[:, :L]  # (B, L)
         acount = stays.view(B, L, Hk).sum(-1)  # (B, L) leavers that enter each layer's list
         n = self.count
@@ -342,7 +342,8 @@ class PoolStore:
             self.count[:, l] = n
         live = self.tag >= 0
         for buf in (self.keys, self.values):
-            buf.copy_(torch.randn(buf.shape, generator=generator, device=dev, dtype=torch.float32).to(buf.dtype) * live[..., None])
+            for b in range(B):  # a row at a time: no float32 copy of the whole store
+                buf[b] = torch.randn(buf.shape[1:], generator=generator, device=dev, dtype=torch.float32).to(buf.dtype) * live[b, :, None]
         self._sync_block_masks()
 
 
