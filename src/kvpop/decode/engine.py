@@ -11,7 +11,17 @@ captured once as a CUDA graph that every later step replays) are separate functi
   (token ``p - window``) competes for the long-range slot of lowest (priority, position) and
   takes it iff it ranks at least as high. Same rule, same tie-break, same results as
   :class:`kvpop.decode.cache.BoundedLayer` (the slow twin that tests compare against);
-* ``dense`` -- a static cache of ``max_len`` slots (the dense baseline in the same engine).
+* ``dense`` -- a static cache of ``max_len`` slots (the dense baseline in the same engine);
+* ``pooled`` -- the ``one_pool`` policies (``dbtrimkv``, ``OnePool(...)``, ``kvpop_mlp_pool``): one pool of
+  ``L x Hk x k`` long-range entries for the whole model (:mod:`kvpop.decode.pooled`,
+  :class:`kvpop.decode.pooled.PoolStore`): every layer's rings and the pool's pages in one store per row
+  (B, NS, D), each layer's entries dense on its own pages. The step's head runs the pool's competition for
+  the token leaving every window (its ``L x Hk`` priorities scored from the ring's keys and values, the
+  lowest of pool and leavers go, swap-with-last compaction, static shapes); each layer writes the token
+  into its ring and attends to its own pages (FlexAttention's decoding kernel with the layer's ``H`` query
+  heads as the queries of one head, a block mask of the layer's pages per row). Prefill of any length in
+  chunks of at most ``window`` tokens, exact (:meth:`DecodeEngine._pool_prefill_chunk`). Same results as
+  :class:`kvpop.decode.one_pool.OnePoolCache` (tests/test_pooled.py).
 
 Attention of the step is FlexAttention's decoding kernel on CUDA (split over the KV length,
 fp32 accumulation, GQA), and SDPA with the same mask evaluated densely on CPU; one
@@ -206,8 +216,10 @@ class DecodeEngine:
     cache (``policy``: any static or delayed :class:`kvpop.policies.Policy`; ``layout`` is
     nominal, as in BoundedCache; ``max_len``: the most tokens it will hold, if known, which sizes it
     ``min(slots, max_len)``, see the module docstring); ``DecodeEngine(model, None, max_len=L,
-    batch_size=1)`` (or a policy that never evicts) -- the dense static cache. ``chunk``: prefill
-    chunk (a multiple of 128; None: 2048 on CUDA, about the cache's size on the CPU).
+    batch_size=1)`` (or a policy that never evicts) -- the dense static cache; a ``one_pool`` policy
+    -- the pooled store (:mod:`kvpop.decode.pooled`; ``page``: its page, 128 on CUDA (the compiled step
+    needs FlexAttention's block), 16 on the CPU; its prefill chunks are at most ``window``). ``chunk``:
+    prefill chunk (a multiple of 128; None: 2048 on CUDA, about the cache's size on the CPU).
 
     ``fused``: a static rule's token arrival (the leaver's score, the victim, the two-slot write)
     runs as one Triton kernel per layer (:mod:`kvpop.kernels.insert`) instead of the tensor code,
