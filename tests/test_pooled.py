@@ -198,10 +198,10 @@ def test_select_lowest_is_pool_leavers(levels):
     g = torch.Generator().manual_seed(7)
     B, N, pairs = 3, 200, 8
     for n in (1, 5, 8, 12, 40):
-        pos = torch.randint(0, 60, (B, N), generator=g)
+        combo = torch.stack([torch.randperm(60 * pairs, generator=g)[:N] for _ in range(B)])  # distinct (position, pair) entries
+        pos, pair = combo // pairs, combo % pairs
         if n > 10:
             pos[:, :10] = -1  # empty entries go first (pool_leavers ties them all: take more than there are)
-        pair = torch.randint(0, pairs, (B, N), generator=g)
         lb = -torch.rand(B, N, generator=g, dtype=torch.float64) if levels is None else -torch.randint(1, levels + 1, (B, N), generator=g).double() / 7
         want = pool_leavers(pos, pair, lb, 70, pairs, n)
         score = torch.where(pos >= 0, (70 - pos).double() * lb, float("-inf"))
