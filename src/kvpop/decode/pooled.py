@@ -120,7 +120,8 @@ class PoolStore:
         # the compiled step's block masks, one per layer: its ring pages, then its pool pages
         nb = -(-(self.RP + self.NPP - 1) // 4) * 4  # int32 rows a multiple of 16 bytes: every layer's view stays aligned
         self.bm_idx = torch.zeros(L, B, 1, 1, nb, dtype=torch.int32, device=device)
-        self.bm_num = torch.zeros(L, B, 1, 1, dtype=torch.int32, device=device)
+        self._bm_num = torch.zeros(L, -(-B // 4) * 4, dtype=torch.int32, device=device)  # rows of 16 bytes: aligned views
+        self.bm_num = [self._bm_num[i, :B].view(B, 1, 1) for i in range(L)]  # kv_num_blocks (B, 1, 1) of each layer
         self.bm_idx[:, :, 0, 0, : self.RP] = (torch.arange(L, device=device)[:, None] * self.RP + torch.arange(self.RP, device=device)).to(torch.int32)[:, None]
         self.reset()
 
@@ -139,7 +140,7 @@ class PoolStore:
         self._sync_block_masks()
 
     def nbytes(self) -> int:
-        bufs = (self.keys, self.values, self.pos, self.tag, self.prio, self.lidx, self.count, self.ptab, self.used, self.bm_idx, self.bm_num)
+        bufs = (self.keys, self.values, self.pos, self.tag, self.prio, self.lidx, self.count, self.ptab, self.used, self.bm_idx, self._bm_num)
         return sum(t.numel() * t.element_size() for t in bufs)
 
     def home_slot(self, pos: Tensor | int) -> Tensor | int:
@@ -181,7 +182,7 @@ class PoolStore:
         if not self.flex:
             return
         npp = self.NPP - 1
-        self.bm_num.copy_((self.RP + (self.count + self.page - 1) // self.page).t().to(torch.int32)[:, :, None, None])
+        self._bm_num[:, : self.B] = (self.RP + (self.count + self.page - 1) // self.page).t().to(torch.int32)
         self.bm_idx[:, :, 0, 0, self.RP : self.RP + npp] = (self.PS0 // self.page + self.ptab[:, :, :npp]).transpose(0, 1).to(torch.int32)
 
     # --- the competition -----------------------------------------------------------------------------
