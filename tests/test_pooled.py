@@ -214,3 +214,37 @@ def test_a_page_holds_one_entry_per_kv_head():
     with pytest.raises(ValueError, match="one entry per KV head"):
         PoolStore(batch=1, layers=2, kv_heads=8, head_dim=16, layout=LAYOUT, dtype=torch.float32, device=torch.device("cpu"), page=4,
                   decays=True)
+
+
+@pytest.mark.parametrize("page", [4, 128])
+def test_the_compiled_steps_attention_on_the_cpu(model, page, tie_policy):
+    """What the compiled step reads, checked on the CPU: each layer's block list (its ring pages, then its own
+    pool pages, ``kv_num_blocks`` of them) covers exactly the slots of its heads' entries; and the step's
+    FlexAttention form (query heads as the queries of one head over the store, the layer's block mask, the
+    tag mask_mod; run eagerly here) gives the eager gather's output."""
+    policy = make("dbtrimkv", tie_policy)
+    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, page=page)
+    st = eng.store
+    st.flex = True  # keep the block masks, as a compiled engine does
+    x = ids(n=90, seed=5)
+    engine_logits(eng, x[:, :80], 60)
+    for layer in range(2):
+        for b in range(2):
+            blocks = st.bm_idx[layer, b, 0, 0, : int(st.bm_num[layer][b])].long()
+            listed = (blocks[:, None] * page + torch.arange(page)).flatten()
+            tags = st.tag[b, listed]
+            assert sorted(listed[tags >= 0].tolist()) == sorted(torch.nonzero(st.tag[b] // 2 == layer).flatten().tolist())
+            assert ((tags < 0) | (tags // 2 == layer)).all()
+    eng.tok.copy_(x[:, 80:81])
+    eng.seen += 1
+    xs, h, cos, sin, at = eng._pool_head(eng)
+    layer = eng.layers[0]
+    args = (eng, layer, layer.input_layernorm, eng._wqkv[0], eng._wgu[0], eng._layer_index[0], st.bm_num[0], st.bm_idx[0], xs, h, cos, sin, at)
+    with torch.no_grad():
+        eager = eng._pool_layer(*args)[0]
+        eng.compiled = True  # the compiled step's branch, run eagerly
+        try:
+            flex = eng._pool_layer(*args)[0]
+        finally:
+            eng.compiled = False
+    assert (flex - eager).abs().max() < 1e-5
