@@ -237,14 +237,14 @@ def test_the_compiled_steps_attention_on_the_cpu(model, page, tie_policy):
             assert ((tags < 0) | (tags // 2 == layer)).all()
     eng.tok.copy_(x[:, 80:81])
     eng.seen += 1
-    xs, h, cos, sin, at = eng._pool_head(eng)
+    xs, h, cos, sin, at = eng._step_head(eng)
     layer = eng.layers[0]
     args = (eng, layer, layer.input_layernorm, eng._wqkv[0], eng._wgu[0], eng._layer_index[0], st.bm_num[0], st.bm_idx[0], xs, h, cos, sin, at)
     with torch.no_grad():
-        eager = eng._pool_layer(*args)[0]
+        eager = eng._layer_step(*args)[0]
         eng.compiled = True  # the compiled step's branch, run eagerly
         try:
-            flex = eng._pool_layer(*args)[0]
+            flex = eng._layer_step(*args)[0]
         finally:
             eng.compiled = False
     assert (flex - eager).abs().max() < 1e-5
