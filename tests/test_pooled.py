@@ -15,6 +15,8 @@ from kvpop.decode.pooled import PoolStore, select_lowest
 from kvpop.geometry import CacheLayout
 from kvpop.policies import OnePool, make_policy
 from kvpop.selection import pool_leavers
+from test_engine import engine_logits
+from test_engine import ids as random_ids
 
 SINKS, WINDOW, K = 4, 16, 12
 BUDGET = SINKS + WINDOW + K
@@ -59,16 +61,7 @@ NAMES = ["dbtrimkv", "dbtrimkv_tied", "one_pool_mlp", "one_pool_ties", "kvpop_ml
 
 
 def ids(B=2, n=S, seed=1):
-    return torch.randint(0, 96, (B, n), generator=torch.Generator().manual_seed(seed))
-
-
-def engine_logits(eng: DecodeEngine, tokens: torch.Tensor, prefill: int) -> torch.Tensor:
-    """Prefill ``prefill`` tokens, then teacher-force the rest one step at a time -> (B, n - prefill + 1, V)."""
-    out = [eng.prefill(tokens[:, :prefill])]
-    for t in range(prefill, tokens.shape[1]):
-        eng.tok.copy_(tokens[:, t : t + 1])
-        out.append(eng.step().clone())
-    return torch.stack(out, 1)
+    return random_ids(B, n, seed)
 
 
 def reference_cache(model, policy, tokens: torch.Tensor) -> OnePoolCache:
