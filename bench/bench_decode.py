@@ -68,7 +68,7 @@ from pathlib import Path
 
 import torch
 
-from kvpop.benchmarking import copy_bandwidth, default_out, fill_cache, qwen3_4b_config, random_ids, run_script, sync
+from kvpop.benchmarking import copy_bandwidth, default_out, fill_cache, pooled_policy, qwen3_4b_config, random_ids, run_script, sync
 from kvpop.decode.cache import enable
 from kvpop.decode.engine import COMPILE_MODES, DecodeEngine, engine_refusal, kv_bytes_per_token, weight_bytes
 from kvpop.decode.generate import new_cache
@@ -343,23 +343,6 @@ def policy_row(name: str, model, *, budget: int, ctx: int, steps: int, warmup: i
     return row("reference", B=1, ctx=ctx, budget=budget, timed=(s_step, 0.0), eng=cache, floor_bytes=wbytes + min(ctx, cache.slots) * per_tok,
                bw=bw, base_bytes=base, dev=dev, prefill_s=pre,
                extra={**extra, "path": f"reference {type(cache).__name__}", "prompt_fed": fed})
-
-
-def pooled_policy(name: str, model, kvpop_mlp, dev):
-    """The one-pool policy ``name`` on the bench model: ``dbtrimkv`` with a random gate (retentions that
-    differ per token), or ``kvpop_mlp``: the bench's scorer ranked with one pool."""
-    from kvpop.policies import OnePool
-
-    cfg = model.config
-    if name == "kvpop_mlp":
-        return OnePool(kvpop_mlp)
-    pol = make_policy(name, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
-    if not pol.one_pool:
-        raise SystemExit(f"--pooled-policies: {name!r} does not rank with one pool")
-    if name == "dbtrimkv":
-        torch.manual_seed(1)
-        torch.nn.init.normal_(pol.scorer.w2, std=0.5)
-    return pol.to(dev)
 
 
 def pooled_rows(args, model, kvpop_mlp, done, *, contexts, budget, batch, wbytes, per_tok, bw, base, dev, modes) -> None:

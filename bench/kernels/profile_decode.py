@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvpop.benchmarking import default_out, fill_cache, qwen3_4b_config, random_ids
+from kvpop.benchmarking import default_out, fill_cache, pooled_policy, qwen3_4b_config, random_ids
 from kvpop.decode.engine import DecodeEngine
 from kvpop.geometry import CacheLayout
 from kvpop.policies import make_policy
@@ -55,12 +55,7 @@ def main() -> None:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     policy = make_policy("kvpop_mlp", num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim).to(dev)
     if args.policy != "kvpop_mlp":
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("bench_decode", Path(__file__).resolve().parents[1] / "bench_decode.py")
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
-        policy = bench.pooled_policy("kvpop_mlp" if args.policy == "kvpop_mlp_one_pool" else args.policy, model, policy, dev)
+        policy = pooled_policy("kvpop_mlp" if args.policy == "kvpop_mlp_one_pool" else args.policy, model, policy, dev)
     fused = {"auto": None, "off": False, "on": True}[args.fused]
     eng = DecodeEngine(model, policy, layout=CacheLayout(2048, 4, 256), batch_size=args.batch, fused=fused)
     if args.batch == 1:

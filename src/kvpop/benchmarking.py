@@ -196,6 +196,23 @@ def fill_cache(eng, ctx: int, seed: int) -> float:
     return time.perf_counter() - t0
 
 
+def pooled_policy(name: str, model, kvpop_mlp, dev):
+    """The one-pool policy ``name`` on the bench model: ``dbtrimkv`` with a random gate (retentions that
+    differ per token), or ``kvpop_mlp``: the bench's scorer ranked with one pool."""
+    from kvpop.policies import OnePool, make_policy
+
+    cfg = model.config
+    if name == "kvpop_mlp":
+        return OnePool(kvpop_mlp)
+    pol = make_policy(name, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+    if not pol.one_pool:
+        raise ValueError(f"policy {name!r} does not rank with one pool")
+    if name == "dbtrimkv":
+        torch.manual_seed(1)
+        torch.nn.init.normal_(pol.scorer.w2, std=0.5)
+    return pol.to(dev)
+
+
 def device_tag(cuda: bool | None = None) -> str:
     """A short name for the machine in a file name: the accelerator's model (``NVIDIA H200`` -> ``h200``),
     else ``cpu``. ``cuda=False`` names the CPU even where a GPU is present (a run that stayed on the CPU)."""
