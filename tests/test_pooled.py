@@ -241,3 +241,48 @@ def test_the_compiled_steps_attention_on_the_cpu(model, page, tie_policy):
         finally:
             eng.compiled = False
     assert (flex - eager).abs().max() < 1e-5
+
+
+def test_a_competition_without_a_leaver_changes_nothing(model, tie_policy):
+    """The graphed step runs the competition at every token (static control flow); before a token leaves the
+    window (its leaver a sink, or before the first token) it must leave every buffer as it was."""
+    eng = DecodeEngine(model, make("dbtrimkv", tie_policy), layout=LAYOUT, batch_size=2, page=4)
+    st = eng.store
+    st.flex = True
+    eng.prefill(ids(n=50, seed=3))
+    st.tag[:, st.dump], st.pos[:, st.dump] = -1, -1
+    names = ("keys", "values", "pos", "tag", "prio", "lidx", "count", "ptab", "used", "bm_idx", "_bm_num")
+    before = {n: getattr(st, n).clone() for n in names}
+    for q in (0, SINKS + WINDOW - 1):
+        st.update(torch.tensor(q), torch.randn(2, st.F, dtype=torch.float64))
+        for n in names:
+            a, b = getattr(st, n), before[n]
+            if n in ("ptab", "used"):  # their last column is where the writes that change nothing go
+                a, b = a[..., :-1], b[..., :-1]
+            if n in ("keys", "values", "prio", "lidx"):  # the dump slot
+                a, b = a[:, : st.dump], b[:, : st.dump]
+            assert torch.equal(a, b), (q, n)
+
+
+@pytest.mark.parametrize("name", ["dbtrimkv", "one_pool_mlp"])
+def test_the_compiled_steps_control_flow_on_the_cpu(tiny_model, name, tie_policy):
+    """The step as the compiled engine runs it (the competition at every token, FlexAttention over each
+    layer's block list; eager here, neither compiled nor graphed: about 20 s, eager flex on the CPU) from a
+    short prompt on: OnePoolCache's logits."""
+    model = enable(tiny_model("qwen3"))
+    policy = make(name, tie_policy)
+    x = ids(n=60, seed=6)
+    ref = teacher_forced_logits(model, policy, x, layout=LAYOUT, prefill=1)
+    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, page=8)
+    eng.store.flex = True
+    eng.prefill(x[:, :10])  # before any token leaves the window
+    eng.compiled = True  # the pieces stay the eager functions: only their control flow changes
+    try:
+        for t in range(10, 60):
+            eng.tok.copy_(x[:, t : t + 1])
+            eng.seen += 1
+            with torch.no_grad():
+                got = eng._eager_step(eng)
+            assert (got - ref[:, t]).abs().max() < 1e-4, t
+    finally:
+        eng.compiled = False
