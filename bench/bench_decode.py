@@ -27,6 +27,15 @@ invocation:
   first ``budget`` prompt tokens and then ``steps`` decoded ones (its memory does not change with
   the context).
 
+* ``--parts pooled`` (in the default): the engine's ``pooled`` kind (:mod:`kvpop.decode.pooled`: one pool of
+  ``L x Hk x k`` long-range entries for the whole model) for each of ``--pooled-policies`` (``dbtrimkv``,
+  random gate; ``kvpop_mlp``: the scorer above ranked with one pool, ``OnePool(kvpop_mlp)``) at the first
+  budget: batch 1 at every context, each prompt prefilled whole from an empty cache (``prefill_s``), then
+  ``--steps`` timed steps, the peak memory since that prompt began; the largest of ``--batches`` at
+  ``--batch-context`` (cache filled at random, :func:`kvpop.benchmarking.fill_cache`). With it the bounded
+  engine's whole-prompt prefill at ``--batch-context`` (``bounded_prefill_s``) and the goals of issue 33
+  against the bounded rows of the same run (``pooled_goals``).
+
 * ``--parts goals`` (in the default): issue 15's goals table from the rows above plus two scripts
   run in fresh processes after them: ``bench_ttft.py`` (cold, warm and eager time to the first
   token) and ``bench_train_step.py --model 4b`` (the selection's share of the training step; it
@@ -42,6 +51,8 @@ reached; ratios against eager ``generate`` and against dense at the same context
     PYTHONPATH=src python3 bench/bench_decode.py --parts b1          # batch-1 rows only
     PYTHONPATH=src python3 bench/bench_decode.py --parts batch       # batch 16/64 rows only
     PYTHONPATH=src python3 bench/bench_decode.py --parts policies --out results/bench_decode/policies_h200.json
+    PYTHONPATH=src python3 bench/bench_decode.py --parts b1,batch,pooled --budgets 2048 --batches 64 --dense-modes none --eager-new 0 \
+        --out results/bench_decode/pooled_h200.json   # issue 33's rows and goals alone (bounded and pooled)
     PYTHONPATH=src python3 bench/bench_decode.py --small --out /tmp/d.json   # tiny model (also on CPU)
 
 ``--out`` defaults to ``results/bench_decode/<device>.json`` (``<device>_small.json`` with ``--small``),
@@ -57,7 +68,7 @@ from pathlib import Path
 
 import torch
 
-from kvpop.benchmarking import copy_bandwidth, default_out, fill_cache, qwen3_4b_config, random_ids, run_script, sync
+from kvpop.benchmarking import copy_bandwidth, default_out, fill_cache, pooled_policy, qwen3_4b_config, random_ids, run_script, sync
 from kvpop.decode.cache import enable
 from kvpop.decode.engine import COMPILE_MODES, DecodeEngine, engine_refusal, kv_bytes_per_token, weight_bytes
 from kvpop.decode.generate import new_cache
@@ -129,9 +140,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None, help="default: results/bench_decode/<device>[_small].json")
     ap.add_argument("--small", action="store_true", help="tiny Qwen3 config and short contexts (smoke test)")
-    ap.add_argument("--parts", default="b1,batch,goals", help="comma list of: b1 (eager + batch-1 rows), batch (batch 16/64 at "
-                    "--batch-context), policies (decode memory per policy), goals (issue 15's table: the b1 and batch rows with the time "
-                    "to the first token and the training step's selection share, each measured by its own script in a fresh process)")
+    ap.add_argument("--parts", default="b1,batch,pooled,goals", help="comma list of: b1 (eager + batch-1 rows), batch (batch 16/64 at "
+                    "--batch-context), pooled (the one-pool engine's rows and issue 33's goals), policies (decode memory per policy), goals "
+                    "(issue 15's table: the b1 and batch rows with the time to the first token and the training step's selection share, each "
+                    "measured by its own script in a fresh process)")
+    ap.add_argument("--pooled-policies", default="dbtrimkv,kvpop_mlp", help="part 'pooled': one-pool policies (kvpop_mlp: OnePool(kvpop_mlp))")
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--budgets", default="2048,4096")
     ap.add_argument("--batches", default="16,64")
@@ -144,9 +157,9 @@ def main() -> None:
     ap.add_argument("--fused", choices=("auto", "off", "on", "both"), default="auto", help="the bounded engines' fused insert kernel "
                     "(kvpop.kernels.insert): the engine's default (auto: on with CUDA and Triton), off, on, or both side by side "
                     "(batch-1 rows; the batch rows take the last)")
-    ap.add_argument("--dense-modes", default=None, help="the batch-1 dense rows' compile modes (default: --compile-modes)")
+    ap.add_argument("--dense-modes", default=None, help="the batch-1 dense rows' compile modes (default: --compile-modes; none: no dense rows)")
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--eager-new", type=int, default=32, help="new tokens timed for eager generate")
+    ap.add_argument("--eager-new", type=int, default=32, help="new tokens timed for eager generate (0: no eager row)")
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--policies", default="kvpop_mlp,kvpop,dms,trimkv,dbtrimkv", help="part 'policies': the evicting policies compared")
     ap.add_argument("--policy-context", type=int, default=32768, help="part 'policies': the context of the memory rows")
@@ -201,10 +214,11 @@ def main() -> None:
     vocab = cfg.vocab_size
     if "b1" in parts:
         ctx0 = contexts[0]
-        s = eager_generate(model, ctx0, args.eager_new, dev)
-        done({"engine": "hf_eager_generate", "batch": 1, "context": ctx0, "budget": None, "ms_per_step": round(s * 1e3, 3),
-              "tokens_per_s": round(1 / s, 1), "floor_ms": round((wbytes + ctx0 * per_tok) / bw * 1e3, 3),
-              "floor_fraction": round((wbytes + ctx0 * per_tok) / bw / s, 3)})
+        if args.eager_new > 0:
+            s = eager_generate(model, ctx0, args.eager_new, dev)
+            done({"engine": "hf_eager_generate", "batch": 1, "context": ctx0, "budget": None, "ms_per_step": round(s * 1e3, 3),
+                  "tokens_per_s": round(1 / s, 1), "floor_ms": round((wbytes + ctx0 * per_tok) / bw * 1e3, 3),
+                  "floor_fraction": round((wbytes + ctx0 * per_tok) / bw / s, 3)})
         torch.cuda.empty_cache() if dev.type == "cuda" else None
         for mode, fused, budget in ((m, f, b) for m in modes for f in fuse for b in budgets):
             if dev.type == "cuda":
@@ -218,7 +232,7 @@ def main() -> None:
                          base_bytes=base, dev=dev, prefill_s=pre))
             del eng
             torch.cuda.empty_cache() if dev.type == "cuda" else None
-        for mode in args.dense_modes.split(",") if args.dense_modes else modes:
+        for mode in [] if args.dense_modes == "none" else args.dense_modes.split(",") if args.dense_modes else modes:
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             max_len = -(-(contexts[-1] + len(contexts) * (args.steps + args.warmup) + 1) // 128) * 128
@@ -262,6 +276,12 @@ def main() -> None:
             del eng
             torch.cuda.empty_cache() if dev.type == "cuda" else None
 
+    if "pooled" in parts:
+        pooled_rows(args, model, policy, done, contexts=contexts, budget=budgets[0], batch=max(batches), wbytes=wbytes, per_tok=per_tok, bw=bw,
+                    base=base, dev=dev, modes=modes)
+        pooled_table = pooled_goals(rows, budget=budgets[0], batch=max(batches), contexts=contexts, batch_context=args.batch_context)
+        write_result(args.out, {"info": info, "rows": rows, "pooled_goals": pooled_table})
+
     if "policies" in parts:  # last: enable() switches the model's attention to the kvpop_cache implementation
         for name in args.policies.split(","):
             done(policy_row(name, model, budget=budgets[0], ctx=args.policy_context, steps=args.policy_steps, warmup=args.warmup,
@@ -272,10 +292,13 @@ def main() -> None:
         torch.cuda.empty_cache() if dev.type == "cuda" else None
         subs = run_goal_scripts(args.out, budget=budgets[0], small=args.small)
         table = goals(rows, subs, budget=budgets[0], batch=max(batches), contexts=contexts)
-        write_result(args.out, {"info": info, "rows": rows, "goals": table, "goal_scripts": subs})
+        extra = {"pooled_goals": pooled_table} if "pooled" in parts else {}
+        write_result(args.out, {"info": info, "rows": rows, "goals": table, "goal_scripts": subs, **extra})
     summarize(info, rows)
     if "goals" in parts:
         print_goals(table)
+    if "pooled" in parts:
+        print_goals(pooled_table, "issue 33's goals (the pooled engine against the per-head bounded one, same run)")
 
 
 @torch.no_grad()
@@ -320,6 +343,86 @@ def policy_row(name: str, model, *, budget: int, ctx: int, steps: int, warmup: i
     return row("reference", B=1, ctx=ctx, budget=budget, timed=(s_step, 0.0), eng=cache, floor_bytes=wbytes + min(ctx, cache.slots) * per_tok,
                bw=bw, base_bytes=base, dev=dev, prefill_s=pre,
                extra={**extra, "path": f"reference {type(cache).__name__}", "prompt_fed": fed})
+
+
+def pooled_rows(args, model, kvpop_mlp, done, *, contexts, budget, batch, wbytes, per_tok, bw, base, dev, modes) -> None:
+    """Part ``pooled``: every one-pool policy on the pooled engine (batch 1 at every context, prompt prefilled
+    whole; the largest batch at --batch-context, filled), and the bounded engine's whole-prompt prefill."""
+    vocab = model.config.vocab_size
+    layout = CacheLayout(budget, 4, 256)
+    eng = DecodeEngine(model, kvpop_mlp, layout=layout, batch_size=1, chunk=args.chunk, compile_mode=modes[0])
+    grow(eng, 1024, vocab, 0)  # compiled pieces warm: the prefill timed next is the prompt's, not the compiler's
+    eng.reset()
+    bounded_pre = grow(eng, args.batch_context, vocab, args.batch_context)
+    del eng
+    torch.cuda.empty_cache() if dev.type == "cuda" else None
+    for name in args.pooled_policies.split(","):
+        pol = pooled_policy(name, model, kvpop_mlp, dev)
+        extra = {"policy": name, "bounded_prefill_s": round(bounded_pre, 2), "bounded_prefill_context": args.batch_context}
+        eng = DecodeEngine(model, pol, layout=layout, batch_size=1, chunk=args.chunk, compile_mode=modes[0])
+        for ctx in contexts:
+            eng.reset()
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            pre = grow(eng, ctx, vocab, ctx)
+            timed = time_steps(eng, args.steps, args.warmup)
+            done(row("pooled", B=1, ctx=ctx, budget=budget, timed=timed, eng=eng, floor_bytes=wbytes + min(ctx, eng.slots) * per_tok, bw=bw,
+                     base_bytes=base, dev=dev, prefill_s=pre, extra={**extra, "prefill_s": round(pre, 2)}))
+        del eng
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        eng = DecodeEngine(model, pol, layout=layout, batch_size=batch, chunk=args.chunk, compile_mode=modes[0])
+        pre = fill_cache(eng, args.batch_context, args.batch_context + batch)
+        timed = time_steps(eng, args.steps, args.warmup)
+        done(row("pooled", B=batch, ctx=args.batch_context, budget=budget, timed=timed, eng=eng,
+                 floor_bytes=wbytes + batch * min(args.batch_context, eng.slots) * per_tok, bw=bw, base_bytes=base, dev=dev, prefill_s=pre,
+                 extra={"policy": name}))
+        del eng
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+
+
+#: issue 33's goals, each against the bounded engine of the same run: (what, target, higher is better)
+POOLED_GOALS = {
+    "ms_ratio": ("pooled / bounded ms per step", 1.15, False),
+    "prefill_ratio": ("pooled / bounded prefill of the whole prompt", 1.5, False),
+    "peak_ratio": ("pooled peak GB at the longest / at the shortest context", 1.02, False),
+    "bounded_b1_ms": ("bounded ms per step, batch 1 (today: 3.70)", 3.70, False),
+    "bounded_batch_tok_s": ("bounded tokens/s at the largest batch (today: 7,203)", 7203.0, True),
+}
+
+
+def pooled_goals(rows: list[dict], *, budget: int, batch: int, contexts: list[int], batch_context: int) -> list[dict]:
+    """Issue 33's table from this run's rows: one dict per goal and policy (None where not measured)."""
+    def find(**kw):
+        return next((r for r in rows if "ms_per_step" in r and all(r.get(k) == v for k, v in kw.items())), None)
+
+    out = []
+
+    def add(key, value, detail, policy=None):
+        what, target, higher = POOLED_GOALS[key]
+        met = None if value is None else (value >= target if higher else value <= target)
+        out.append({"goal": key, "what": what + (f" [{policy}]" if policy else ""), "value": value, "target": target, "met": met,
+                    "detail": detail})
+
+    names = sorted({r["policy"] for r in rows if r.get("engine") == "pooled"})
+    for name in names:
+        for B, ctx in [(1, c) for c in contexts] + [(batch, batch_context)]:
+            p, b = find(engine="pooled", policy=name, batch=B, context=ctx), find(engine="bounded", batch=B, context=ctx, budget=budget)
+            add("ms_ratio", round(p["ms_per_step"] / b["ms_per_step"], 3) if p and b else None, f"batch {B}, {ctx} tokens"
+                + (f": {p['ms_per_step']} vs {b['ms_per_step']} ms" if p and b else ": a row is missing"), name)
+        p = find(engine="pooled", policy=name, batch=1, context=batch_context)
+        add("prefill_ratio", round(p["prefill_s"] / p["bounded_prefill_s"], 3) if p else None,
+            f"{batch_context} tokens: {p['prefill_s']} vs {p['bounded_prefill_s']} s" if p else "no row", name)
+        lo, hi = find(engine="pooled", policy=name, batch=1, context=contexts[0]), find(engine="pooled", policy=name, batch=1, context=contexts[-1])
+        ok = lo and hi and lo["peak_gb"] == lo["peak_gb"]  # NaN off CUDA
+        add("peak_ratio", round(hi["peak_gb"] / lo["peak_gb"], 4) if ok else None,
+            f"{hi['peak_gb']} GB at {contexts[-1]}, {lo['peak_gb']} GB at {contexts[0]}" if ok else "no CUDA rows", name)
+    b1 = find(engine="bounded", batch=1, context=contexts[1] if len(contexts) > 1 else contexts[0], budget=budget)
+    add("bounded_b1_ms", b1["ms_per_step"] if b1 else None, "at 32K" if b1 else "no row")
+    bb = find(engine="bounded", batch=batch, context=batch_context, budget=budget)
+    add("bounded_batch_tok_s", bb["tokens_per_s"] if bb else None, f"batch {batch}" if bb else "no row")
+    return out
 
 
 # issue 15's goals: (key, what, target, higher is better)
@@ -383,8 +486,8 @@ def goals(rows: list[dict], subs: dict, *, budget: int, batch: int, contexts: li
     return table
 
 
-def print_goals(table: list[dict]) -> None:
-    print("\nissue 15's goals")
+def print_goals(table: list[dict], title: str = "issue 15's goals") -> None:
+    print(f"\n{title}")
     for g in table:
         status = "not measured" if g["met"] is None else ("met" if g["met"] else "MISSED")
         print(f"  {g['what']:<58} {g['value'] if g['value'] is not None else '-':>10}  target {g['target']:<8} {status:<12} {g['detail']}")
@@ -411,7 +514,7 @@ def summarize(info: dict, rows: list[dict]) -> None:
         label = f"{r['engine']} {r['policy']}" if "policy" in r else r["engine"] + (" fused" if r.get("fused") else "")
         print(f"{label:<18}{r.get('compile_mode') or '-':>8}{r['batch']:>4}{r['context']:>9}{r['budget'] or '':>7}{r['ms_per_step']:>9.2f}"
               f"{r['tokens_per_s']:>9.1f}{100 * r['floor_fraction']:>7.0f}%{pk:>9.2f}{ve:>9}{vd:>9}{r.get('warmup_s', float('nan')):>10.1f}")
-    pols = [r for r in rows if "policy" in r]
+    pols = [r for r in rows if "path" in r]  # part 'policies' (the pooled rows name a policy too)
     if pols:
         print(f"\ndecode memory at {pols[0]['context']} tokens, batch 1, budget {pols[0]['budget']} (dense cache: {pols[0]['dense_kv_gb_at_context']} GB)")
         print(f"{'policy':<12}{'path':<28}{'cache GB':>9}{'peak above weights GB':>23}{'ms/step':>9}")

@@ -171,7 +171,7 @@ def test_budget_error_comes_before_the_model_loads(exported, tmp_path, capsys):
 
 def test_one_pool_generate_and_score(tiny_llama_dir, tiny_tokenizer, tmp_path, capsys):
     """``--one-pool``: generate decodes the export's kvpop_mlp with one pool for the whole model (the
-    reference pool cache), score adds a row per policy it can rank so; a policy it cannot is named, exit 2."""
+    engine's pooled kind), score adds a row per policy it can rank so; a policy it cannot is named, exit 2."""
     torch.manual_seed(4)
     policy = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
     for layer in policy.scorer.layers:  # a scorer that ranks (the untrained one gives every head the same order)
@@ -180,7 +180,7 @@ def test_one_pool_generate_and_score(tiny_llama_dir, tiny_tokenizer, tmp_path, c
     export(load_model(tiny_llama_dir), tiny_tokenizer, policy, exported, layout=CacheLayout(24, 2, 8))
     assert gen(exported, "kvpop_mlp", "--prompt", "Recall v1 =", "--one-pool") == 0
     err = capsys.readouterr().err
-    assert "kvpop_mlp, one pool budget 16 (sinks 2, window 8)" in err and "reference path" in err
+    assert "kvpop_mlp, one pool budget 16 (sinks 2, window 8)" in err and "engine path" in err
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"text": TEXT * 3}) + "\n")
     argv = ["score", "--checkpoint", str(exported), "--policy", "dense,streaming_llm,kvpop_mlp", "--budget", "16", str(rows), "--json"]

@@ -320,14 +320,14 @@ def test_the_one_pool_cache(llama):
     kv = B * L * Hk * BUDGET * 2 * D * es  # keys and values of the budget's entries
     meta = B * L * Hk * R * (f64 + i64) + B * P * (f64 + 2 * i64)  # log beta and position per ring entry; log beta, position, pair per pool entry
     assert cache.cache_bytes() == kv + meta
-    assert engine_refusal(llama, policy) is not None
+    assert engine_refusal(llama, policy) is None  # the engine serves the pool (kvpop.decode.pooled)
 
 
 def test_the_per_head_cache_is_not_offered_for_the_pool(llama):
-    """The engine's refusal names the cache that decodes the pool; the per-head BoundedCache refuses the
-    policy (as OnePoolCache refuses a per-head one) instead of decoding it as trimkv."""
+    """The engine decodes the pool (its pooled kind); the per-head BoundedCache refuses the policy (as
+    OnePoolCache refuses a per-head one) instead of decoding it as trimkv."""
     policy = random_gate(seed=1)
-    assert "OnePoolCache" in engine_refusal(llama, policy)
+    assert engine_refusal(llama, policy) is None
     with pytest.raises((ValueError, NotImplementedError)):
         BoundedCache(llama.config, policy, layout=LAYOUT)
     with pytest.raises(ValueError, match="per-head budget"):

@@ -402,6 +402,50 @@ def test_compiled_engine_equals_bounded_cache(policy_name, tiny_model):
     assert d_ref < 1e-4 and max(diffs.values()) < 1e-4
 
 
+@pytest.mark.parametrize("policy_name", ["dbtrimkv", "kvpop_mlp, one pool"])
+def test_compiled_pooled_engine_equals_one_pool_cache(policy_name, tiny_model):
+    """The pooled engine (kvpop.decode.pooled) on CUDA: the compiled step (FlexAttention's decoding kernel over
+    each layer's pages, the pool's competition inside the CUDA graph) and the compiled prefill competitions
+    (one graph replayed per query) equal the eager engine and token-by-token OnePoolCache; two rows, a prompt
+    longer than the budget, then steps; both hold the same entries."""
+    from kvpop.decode import enable, teacher_forced_logits
+    from kvpop.decode.engine import DecodeEngine
+    from kvpop.policies import OnePool, make_policy
+
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    model = enable(tiny_model("qwen3").cuda())
+    torch.manual_seed(0)
+    base = "dbtrimkv" if policy_name == "dbtrimkv" else "kvpop_mlp"
+    policy = make_policy(base, num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.normal_(std=0.5)
+        if base == "dbtrimkv":
+            policy.scorer.b2.fill_(2.0)
+    policy = (policy if base == "dbtrimkv" else OnePool(policy)).cuda()
+    layout = CacheLayout(4 + 32 + 48, 4, 32)
+    S, pre = 300, 200
+    ids = torch.randint(0, 96, (2, S), generator=torch.Generator().manual_seed(1)).cuda()
+    ref = teacher_forced_logits(model, policy, ids, layout=layout, prefill=1)
+    got, held = {}, {}
+    for compiled in (False, True):
+        eng = DecodeEngine(model, policy, layout=layout, batch_size=2, compile=compiled)
+        assert eng.kind == "pooled" and eng.store.page == 128
+        logits = [eng.prefill(ids[:, :pre]).clone()]
+        for t in range(pre, S):
+            eng.tok.copy_(ids[:, t : t + 1])
+            logits.append(eng.step().clone())
+        got[compiled] = torch.stack(logits, 1)
+        st = eng.store
+        held[compiled] = sorted(zip(st.tag.flatten().tolist(), st.pos.flatten().tolist(), [b for b in range(2) for _ in range(st.NS)]))
+    d_ref, d_comp = _maxdiff(got[False], ref[:, pre - 1 :]), _maxdiff(got[True], got[False])
+    print(f"pooled engine {policy_name}: eager vs OnePoolCache {d_ref:.2e}; compiled vs eager {d_comp:.2e}")
+    assert d_ref < 1e-4 and d_comp < 1e-4
+    assert [h for h in held[True] if h[0] >= 0] == [h for h in held[False] if h[0] >= 0]
+
+
 # --- dms: the gate's training forward (compiled flex + score_mod) against the SDPA float mask ----------
 @pytest.mark.parametrize("policy_name", ["dms", "trimkv_joint"])
 def test_gated_training_flex_equals_sdpa(tiny_model, policy_name):

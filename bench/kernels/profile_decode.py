@@ -4,6 +4,7 @@
     PYTHONPATH=src python3 bench/kernels/profile_decode.py --max-autotune --out /tmp/p.json   # GEMMs autotuned by inductor
     PYTHONPATH=src python3 bench/kernels/profile_decode.py --fused off --out /tmp/p.json      # the tensor insert instead of the kernel
     PYTHONPATH=src python3 bench/kernels/profile_decode.py --batch 64 --context 32768 --out /tmp/p64.json   # batch 64 at 32K
+    PYTHONPATH=src python3 bench/kernels/profile_decode.py --policy dbtrimkv --out /tmp/pool.json   # the pooled engine (one pool)
 
 Prints the ms per step (mean of 200 replays) above the kernel table, and writes both as JSON
 (``ms_per_step``, the settings, and the profiler's table as text under ``"table"``) through
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvpop.benchmarking import default_out, fill_cache, qwen3_4b_config, random_ids
+from kvpop.benchmarking import default_out, fill_cache, pooled_policy, qwen3_4b_config, random_ids
 from kvpop.decode.engine import DecodeEngine
 from kvpop.geometry import CacheLayout
 from kvpop.policies import make_policy
@@ -35,6 +36,8 @@ def main() -> None:
                     help="the fused insert kernel (kvpop.kernels.insert): the engine's default (auto: on with Triton), off or on")
     ap.add_argument("--batch", type=int, default=1, help="rows; above 1 the cache is put into its state at --context (kvpop.benchmarking.fill_cache)")
     ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--policy", default="kvpop_mlp", help="kvpop_mlp (the bounded engine), or a one-pool policy on the pooled engine "
+                    "(bench_decode.py's: dbtrimkv with a random gate, kvpop_mlp_one_pool for OnePool(kvpop_mlp))")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode.py profiles the CUDA kernels of a decode step: it needs a CUDA device")
@@ -51,6 +54,8 @@ def main() -> None:
     with dev:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     policy = make_policy("kvpop_mlp", num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim).to(dev)
+    if args.policy != "kvpop_mlp":
+        policy = pooled_policy("kvpop_mlp" if args.policy == "kvpop_mlp_one_pool" else args.policy, model, policy, dev)
     fused = {"auto": None, "off": False, "on": True}[args.fused]
     eng = DecodeEngine(model, policy, layout=CacheLayout(2048, 4, 256), batch_size=args.batch, fused=fused)
     if args.batch == 1:
@@ -73,7 +78,8 @@ def main() -> None:
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
     print(head + table)
-    write_result(out, {"model": "qwen3-small" if args.small else "Qwen3-4B architecture (random weights)", "compile": mode,
+    write_result(out, {"model": "qwen3-small" if args.small else "Qwen3-4B architecture (random weights)", "compile": mode, "policy": args.policy,
+                       "engine": eng.kind,
                        "batch": args.batch, "context": args.context, "budget": 2048, "ms_per_step": round(ms, 3),
                        "steps_timed": 200, "steps_profiled": 10, "summary": head.strip(), "table": table})
 

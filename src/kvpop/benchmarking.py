@@ -169,7 +169,10 @@ def fill_cache(eng, ctx: int, seed: int) -> float:
     t0 = time.perf_counter()
     g = torch.Generator(eng.device).manual_seed(seed)
     B, Hk, dev = eng.B, eng.Hk, eng.device
-    if eng.kind == "dense":
+    if eng.kind == "pooled":  # one pool for the whole model: kvpop.decode.pooled.PoolStore.fill
+        eng.store.fill(ctx, g)
+        held = slots = None
+    elif eng.kind == "dense":
         held = slots = torch.arange(ctx, device=dev).expand(B, Hk, ctx)  # (B, Hk, n) positions, and their slots
     else:
         fixed = torch.cat([torch.arange(min(ctx, eng.sinks), device=dev), torch.arange(max(eng.sinks, ctx - eng.window), ctx, device=dev)])
@@ -178,8 +181,8 @@ def fill_cache(eng, ctx: int, seed: int) -> float:
         lr = torch.rand(B * Hk, older, generator=g, device=dev).argsort(-1)[:, :lr_n].sort(-1).values + eng.sinks  # random survivors
         held = torch.cat([fixed.expand(B * Hk, -1), lr], -1).view(B, Hk, -1)  # (B, Hk, n)
         slots = torch.cat([eng.home_slot(fixed), torch.arange(eng.first_long_range, eng.first_long_range + lr_n, device=dev)]).expand(B, Hk, -1)  # (B, Hk, n)
-    n = held.shape[-1]
-    for i in range(len(eng.layers)):
+    n = held.shape[-1] if held is not None else 0
+    for i in range(len(eng.keys)):
         eng.pos[i].fill_(-1).scatter_(2, slots, held)
         for buf in (eng.keys[i], eng.values[i]):
             x = torch.randn(B, Hk, n, eng.D, generator=g, device=dev, dtype=torch.float32).to(buf.dtype)  # (B, Hk, n, D)
@@ -191,6 +194,23 @@ def fill_cache(eng, ctx: int, seed: int) -> float:
     eng.tok.copy_(torch.randint(0, min(1000, eng.model.config.vocab_size), (B, 1), generator=g, device=dev))  # (B, 1) the next input
     sync(dev)
     return time.perf_counter() - t0
+
+
+def pooled_policy(name: str, model, kvpop_mlp, dev):
+    """The one-pool policy ``name`` on the bench model: ``dbtrimkv`` with a random gate (retentions that
+    differ per token), or ``kvpop_mlp``: the bench's scorer ranked with one pool."""
+    from kvpop.policies import OnePool, make_policy
+
+    cfg = model.config
+    if name == "kvpop_mlp":
+        return OnePool(kvpop_mlp)
+    pol = make_policy(name, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+    if not pol.one_pool:
+        raise ValueError(f"policy {name!r} does not rank with one pool")
+    if name == "dbtrimkv":
+        torch.manual_seed(1)
+        torch.nn.init.normal_(pol.scorer.w2, std=0.5)
+    return pol.to(dev)
 
 
 def device_tag(cuda: bool | None = None) -> str:

@@ -12,8 +12,8 @@ checkpoint, an unknown policy and an empty input exit with status 2 and a messag
 
 ``--one-pool`` ranks a trained ``kvpop_mlp``'s own priorities with one pool of slots for the whole
 model (:class:`kvpop.policies.OnePool`: the same number of cached entries, split between layers and
-heads by the priorities): ``generate`` decodes with it (:class:`kvpop.decode.one_pool.OnePoolCache`,
-the reference path), ``score`` adds a ``<name>, one pool`` row for every policy it can rank so.
+heads by the priorities): ``generate`` decodes with it (the engine's pooled kind, :mod:`kvpop.decode.pooled`;
+:class:`kvpop.decode.one_pool.OnePoolCache` its reference twin), ``score`` adds a ``<name>, one pool`` row for every policy it can rank so.
 """
 
 from __future__ import annotations

@@ -312,7 +312,7 @@ class RulerConfig(_Section):
     samples: int = Field(0, ge=0, description="samples per task (0: RULER is not run)")
     reference_samples: int = Field(
         1, ge=0, description="of those, how many a policy without an engine decodes, token by token past the budget (TOVA, H2O, "
-        "one-pool and decaying rules; 0: none, so teacher-forced only); TOVA and H2O are teacher-forced on as many, token by token too",
+        "per-head decaying rules; 0: none, so teacher-forced only); TOVA and H2O are teacher-forced on as many, token by token too",
     )
     seed: int = Field(RULER_SEED, description="RULER's random_seed of the generators (its default: 42)")
 

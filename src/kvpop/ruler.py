@@ -430,7 +430,7 @@ def evaluate_ruler(samples: Mapping[str, Sequence[Sample]], tokenizer, teacher, 
     "samples": {task: generated samples}, "scores": {task: [per-sample score]}, "path": decode path}}``:
     ``accuracy`` RULER's metric of the greedy answers (not for oracles), ``teacher_forced`` the top-1
     accuracy of the gold answer's tokens, ``kl`` to the dense teacher on them; means over the tasks.
-    A candidate decoded on the reference cache (no engine: TOVA, H2O, one-pool and decaying rules) generates
+    A candidate decoded on the reference cache (no engine: TOVA, H2O, per-head decaying rules) generates
     the first ``reference_samples`` samples of a task (None: all); a rule that exists only at decode time
     (``needs_attention``: TOVA, H2O) is teacher-forced token by token, on as many (and at most its ``max_traces``).
     ``pad_to``: right-pad the teacher-forcing records to one length (CUDA: one compile per policy).

@@ -6,7 +6,7 @@
   entries for every layer and KV head (``one_pool``: ``dbtrimkv``, ``OnePool(...)``), and why decoding
   with it equals the teacher-forced fixed point;
 * :mod:`~kvpop.decode.engine` -- :class:`DecodeEngine`, the fast path (chunked prefill, static
-  step, CUDA graphs);
+  step, CUDA graphs); :mod:`~kvpop.decode.pooled` its store and competition for the one-pool policies;
 * :mod:`~kvpop.decode.generate` -- :func:`generate` on the fastest path that supports the policy.
 """
 

@@ -11,7 +11,17 @@ captured once as a CUDA graph that every later step replays) are separate functi
   (token ``p - window``) competes for the long-range slot of lowest (priority, position) and
   takes it iff it ranks at least as high. Same rule, same tie-break, same results as
   :class:`kvpop.decode.cache.BoundedLayer` (the slow twin that tests compare against);
-* ``dense`` -- a static cache of ``max_len`` slots (the dense baseline in the same engine).
+* ``dense`` -- a static cache of ``max_len`` slots (the dense baseline in the same engine);
+* ``pooled`` -- the ``one_pool`` policies (``dbtrimkv``, ``OnePool(...)``, ``kvpop_mlp_pool``): one pool of
+  ``L x Hk x k`` long-range entries for the whole model (:mod:`kvpop.decode.pooled`,
+  :class:`kvpop.decode.pooled.PoolStore`): every layer's rings and the pool's pages in one store per row
+  (B, NS, D), each layer's entries dense on its own pages. The step's head runs the pool's competition for
+  the token leaving every window (its ``L x Hk`` priorities scored from the ring's keys and values, the
+  lowest of pool and leavers go, swap-with-last compaction, static shapes); each layer writes the token
+  into its ring and attends to its own pages (FlexAttention's decoding kernel with the layer's ``H`` query
+  heads as the queries of one head, a block mask of the layer's pages per row). Prefill of any length in
+  chunks of at most ``window`` tokens, exact (:meth:`DecodeEngine._pool_prefill_chunk`). Same results as
+  :class:`kvpop.decode.one_pool.OnePoolCache` (tests/test_pooled.py).
 
 Attention of the step is FlexAttention's decoding kernel on CUDA (split over the KV length,
 fp32 accumulation, GQA), and SDPA with the same mask evaluated densely on CPU; one
@@ -85,6 +95,7 @@ from torch import Tensor
 from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from kvpop.decode.pooled import PoolStore
 from kvpop.geometry import NEG_INF, CacheLayout
 from kvpop.kernels import triton_available
 from kvpop.masks import dense_mask
@@ -189,8 +200,10 @@ def engine_refusal(model, policy: Policy | None) -> str | None:
         return f"policy {policy.name!r} is an oracle (it reads the trace's future): teacher-forced evaluation only"
     if policy is not None and policy.needs_attention:
         return f"policy {policy.name!r} needs attention weights: decode it with kvpop.decode.BoundedCache"
+    if policy is not None and policy.one_pool and policy.scores_on_exit:
+        return f"policy {policy.name!r} ranks with one pool and scores a token when it leaves: decode it with kvpop.decode.OnePoolCache"
     if policy is not None and policy.one_pool:
-        return f"policy {policy.name!r} ranks with one pool for all layers: decode it with kvpop.decode.OnePoolCache"
+        return None  # the pooled kind: kvpop.decode.pooled
     if policy is not None and policy.decays:
         return f"policy {policy.name!r} re-ranks its slots by age at every step: decode it with kvpop.decode.BoundedCache"
     return None
@@ -203,8 +216,10 @@ class DecodeEngine:
     cache (``policy``: any static or delayed :class:`kvpop.policies.Policy`; ``layout`` is
     nominal, as in BoundedCache; ``max_len``: the most tokens it will hold, if known, which sizes it
     ``min(slots, max_len)``, see the module docstring); ``DecodeEngine(model, None, max_len=L,
-    batch_size=1)`` (or a policy that never evicts) -- the dense static cache. ``chunk``: prefill
-    chunk (a multiple of 128; None: 2048 on CUDA, about the cache's size on the CPU).
+    batch_size=1)`` (or a policy that never evicts) -- the dense static cache; a ``one_pool`` policy
+    -- the pooled store (:mod:`kvpop.decode.pooled`; ``page``: its page, 128 on CUDA (the compiled step
+    needs FlexAttention's block), 16 on the CPU; its prefill chunks are at most ``window``). ``chunk``:
+    prefill chunk (a multiple of 128; None: 2048 on CUDA, about the cache's size on the CPU).
 
     ``fused``: a static rule's token arrival (the leaver's score, the victim, the two-slot write)
     runs as one Triton kernel per layer (:mod:`kvpop.kernels.insert`) instead of the tensor code,
@@ -221,7 +236,7 @@ class DecodeEngine:
     def __init__(
         self, model, policy: Policy | None = None, *, layout: CacheLayout | None = None,
         max_len: int | None = None, batch_size: int = 1, chunk: int | None = None, compile: bool | None = None,
-        compile_mode: CompileMode = "layer", fused: bool | None = None,
+        compile_mode: CompileMode = "layer", fused: bool | None = None, page: int | None = None,
     ):
         cfg = model.config.get_text_config(decoder=True)
         if (refusal := engine_refusal(model, policy)) is not None:
@@ -248,7 +263,7 @@ class DecodeEngine:
         else:
             if layout is None:
                 raise ValueError("a bounded engine needs a layout (its budget, sinks and window)")
-            self.kind = "bounded"
+            self.kind = "pooled" if self.policy.one_pool else "bounded"  # pooled: kvpop.decode.pooled
             self.layout = layout.for_policy(self.policy, head_dim=self.D)
         self.sinks, self.window, self.long_range = self.layout.sinks, self.layout.window, self.layout.long_range
         self.max_len = max_len  # the most tokens it holds (None: bounded, any number)
@@ -267,9 +282,10 @@ class DecodeEngine:
         self.T = -(-self.slots // pad) * pad
         B, Hk, T, D, dev = self.B, self.Hk, self.T, self.D, self.device
         L = len(self.layers)
-        self.keys = [torch.zeros(B, Hk, T, D, dtype=self.dtype, device=dev) for _ in range(L)]
-        self.values = [torch.zeros(B, Hk, T, D, dtype=self.dtype, device=dev) for _ in range(L)]
-        self.pos = [torch.full((B, Hk, T), -1, dtype=torch.int64, device=dev) for _ in range(L)]
+        per_head = self.kind != "pooled"  # the pooled kind keeps every layer in one store (self.store)
+        self.keys = [torch.zeros(B, Hk, T, D, dtype=self.dtype, device=dev) for _ in range(L)] if per_head else []
+        self.values = [torch.zeros(B, Hk, T, D, dtype=self.dtype, device=dev) for _ in range(L)] if per_head else []
+        self.pos = [torch.full((B, Hk, T), -1, dtype=torch.int64, device=dev) for _ in range(L)] if per_head else []
         self.prio = [torch.full((B, Hk, T), NEG_INF, dtype=torch.float64, device=dev) for _ in range(L)] if self.kind == "bounded" else []
         self.state = [self.policy.init_state(i, B, dev) for i in range(L)] if self.delayed else []
         self.p = torch.zeros((), dtype=torch.int64, device=dev)  # tokens seen = position of the next token
@@ -283,6 +299,15 @@ class DecodeEngine:
         self._kv_indices = torch.arange(T // BLOCK, dtype=torch.int32, device=dev).view(1, 1, 1, -1)
         if compile is None:
             compile = dev.type == "cuda"
+        self.store: PoolStore | None = None
+        if self.kind == "pooled":
+            if page is None:  # CUDA: FlexAttention's block; CPU: smaller pages waste fewer slots
+                page = BLOCK if dev.type == "cuda" else 16
+            if compile and page != BLOCK:
+                raise ValueError(f"the compiled pooled step reads pages of FlexAttention's block ({BLOCK}), not {page}")
+            self.store = PoolStore(batch=B, layers=L, kv_heads=Hk, head_dim=self.D, layout=self.layout, dtype=self.dtype, device=dev,
+                                   page=page, decays=self.policy.decays, max_len=max_len, flex=bool(compile))
+            self._layer_index = [torch.tensor(i, dtype=torch.int64, device=dev) for i in range(L)]
         if compile and dev.type != "cuda":
             raise ValueError("compile=True needs a CUDA device (the step is replayed as a CUDA graph)")
         if compile_mode not in COMPILE_MODES:
@@ -290,7 +315,7 @@ class DecodeEngine:
         self.compiled = compile
         # each layer's rule and the layer index it is called with: the policy and i, or (per-layer
         # compile) the layer's one-layer view and 0, so that no Python int tells the layers apart
-        views = [self.policy.for_layer(i) for i in range(L)] if self.policy is not None and compile_mode == "layer" else None
+        views = [self.policy.for_layer(i) for i in range(L)] if self.kind == "bounded" and compile_mode == "layer" else None
         if views is not None and any(v is None for v in views):
             compile_mode, views = "step", None  # a rule without one-layer views: the whole step is compiled
         self.compile_mode: CompileMode | None = compile_mode if compile else None
@@ -299,7 +324,9 @@ class DecodeEngine:
         # the step's pieces as functions of the engine (not bound methods: an engine that held its own
         # bound methods would be a reference cycle, its cache freed only by the cyclic collector)
         cls = type(self)
-        self._step_head, self._layer_step, self._step_tail = cls._head, cls._layer, cls._tail
+        pooled = self.kind == "pooled"
+        self._step_head, self._layer_step, self._step_tail = (cls._pool_head, cls._pool_layer, cls._tail) if pooled else (cls._head, cls._layer, cls._tail)
+        self._eager_step = cls._pool_decode_step if pooled else cls._decode_step
         self._compiled_step = None
         # the token's arrival as one Triton kernel per layer (kvpop.kernels.insert) where the rule has a fused form
         # (the kernel's lanes over the head dim are a Triton arange: a power of two)
@@ -319,24 +346,27 @@ class DecodeEngine:
             use_compile_cache()
             if compile_mode == "layer":  # the step runs in Python over three compiled pieces, captured as one graph
                 comp = lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)  # noqa: E731
-                self._step_head, self._layer_step, self._step_tail = comp(cls._head), comp(cls._layer), comp(cls._tail)
-                self._compiled_step = cls._decode_step
+                self._step_head, self._layer_step, self._step_tail = (comp(fn) for fn in (self._step_head, self._layer_step, self._step_tail))
+                self._compiled_step = self._eager_step
             else:
-                self._compiled_step = torch.compile(cls._decode_step, fullgraph=True, dynamic=False)
+                self._compiled_step = torch.compile(self._eager_step, fullgraph=True, dynamic=False)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_out: Tensor | None = None
         self._warm = False
         self._chunk_shared: dict[str, Tensor] | None = None
+        self._compete_graph: torch.cuda.CUDAGraph | None = None  # pooled, compiled: a prefill chunk's competition
 
     # --- buffers --------------------------------------------------------------------------------
     def cache_bytes(self) -> int:
         """Bytes of the cache: keys, values, positions, priorities and recurrent states."""
         bufs = [*self.keys, *self.values, *self.pos, *self.prio, *(t for s in self.state for t in s)]
-        return sum(t.numel() * t.element_size() for t in bufs)
+        return sum(t.numel() * t.element_size() for t in bufs) + (self.store.nbytes() if self.store is not None else 0)
 
     @torch.no_grad()
     def reset(self) -> None:
-        for i in range(len(self.layers)):
+        if self.store is not None:
+            self.store.reset()
+        for i in range(len(self.keys)):
             self.keys[i].zero_()
             self.values[i].zero_()
             self.pos[i].fill_(-1)
@@ -410,7 +440,7 @@ class DecodeEngine:
             raise ValueError(f"the engine holds {self.max_len} tokens (max_len); one more would overflow it")
         self.seen += 1
         if not self.compiled:
-            return self._decode_step()
+            return self._eager_step(self)
         if self._graph is not None:
             self._graph.replay()
             return self._graph_out
@@ -561,6 +591,192 @@ class DecodeEngine:
         for buf, m, n in zip(bufs, moved, new, strict=True):
             buf.index_put_(rows, torch.cat([m, n]))
 
+    # --- the pooled kind: one pool for every layer and KV head (kvpop.decode.pooled) -------------------
+    @torch.no_grad()
+    def _pool_decode_step(self) -> Tensor:
+        x, h, cos, sin, at = self._step_head(self)
+        L, st = len(self.layers), self.store
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < L else self.model.model.norm
+            x, h = self._layer_step(self, layer, nxt, self._wqkv[i], self._wgu[i], self._layer_index[i], st.bm_num[i], st.bm_idx[i],
+                                    x, h, cos, sin, at)
+        return self._step_tail(self, h)
+
+    def _leaver_prio(self, j: Tensor) -> Tensor:
+        """Priorities (B, F, n) float64 of tokens j (n,) (non-sinks, in their rings) in every layer and KV
+        head, scored from their stored keys and values: the number they got when they entered (a static rule)."""
+        st, B = self.store, self.B
+        out = []
+        for i in range(len(self.layers)):
+            slots = st.ring_slots(i, j)  # (Hk, n)
+            k, v = st.keys[:, slots], st.values[:, slots]  # (B, Hk, n, D)
+            out.append(self.policy.token_scores(i, k, v, j.expand(B, -1)).double())  # (B, Hk, n)
+        return torch.cat(out, 1)
+
+    def _pool_head(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """The pooled step's input (as :meth:`_head`), after the pool's competition for the token that
+        leaves the window now (before any layer overwrites its ring slot); ``at`` (Hk,): the new
+        token's ring slot in each head, relative to its layer's first ring slot."""
+        p, B, st = self.p, self.B, self.store
+        x = self.model.model.embed_tokens(self.tok)  # (B, 1, hidden)
+        cos, sin = self.model.model.rotary_emb(x, p.view(1, 1).expand(B, 1))
+        # eager: no competition before the first token leaves (the graphed step runs it always; nothing changes then)
+        if self.compiled or self.seen - 1 - self.window >= self.sinks:
+            j = p - self.window
+            prio = self._leaver_prio(j.clamp(min=self.sinks).view(1))[:, :, 0]  # (B, F)
+            if self.device.type == "cpu":
+                with one_thread():  # a selection among a few hundred entries (module docstring)
+                    st.update(p, prio)
+            else:
+                st.update(p, prio)
+        at = torch.arange(self.Hk, device=self.device) * st.R + st.home_slot(p)  # (Hk,)
+        return x, self.layers[0].input_layernorm(x), cos, sin, at
+
+    def _pool_layer(self, layer, nxt, wqkv, wgu, li: Tensor, bm_num: Tensor, bm_idx: Tensor, x: Tensor, h: Tensor, cos: Tensor,
+                    sin: Tensor, at: Tensor) -> tuple[Tensor, Tensor]:
+        """One decoder layer of the pooled step (as :meth:`_layer`): the token enters its ring slot in
+        every head of layer ``li`` (0-d int64), then the layer's H query heads attend to its ring and pool
+        entries. Compiled: FlexAttention's decoding kernel over the layer's pages (``bm_num`` (B, 1, 1),
+        ``bm_idx`` (B, 1, 1, NB): :class:`kvpop.decode.pooled.PoolStore`'s block mask of the layer);
+        eager: the layer's slots gathered, SDPA under the same mask."""
+        st, B, Hk, H, G = self.store, self.B, self.Hk, self.H, self.G
+        q, k, v = self._qkv(layer, wqkv, h, cos, sin)  # (B, H, 1, D), (B, Hk, 1, D)
+        bi, hi = self._bh  # (B * Hk,)
+        slot = (li * st.RS + at)[hi]  # (B * Hk,)
+        st.keys.index_put_((bi, slot), k.reshape(B * Hk, -1))
+        st.values.index_put_((bi, slot), v.reshape(B * Hk, -1))
+        st.pos.index_put_((bi, slot), self.p.expand(B * Hk))
+        st.tag.index_put_((bi, slot), li * Hk + hi)
+        if self.compiled:
+            from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+            tag, first = st.tag, li * Hk
+
+            def mask_mod(b, hh, q_idx, kv_idx):  # the query heads are the queries of one head: pair of query q_idx
+                return tag[b, kv_idx] == first + q_idx // G
+
+            bm = BlockMask.from_kv_blocks(bm_num, bm_idx, BLOCK_SIZE=st.page, mask_mod=mask_mod, seq_lengths=(H, st.NS), compute_q_blocks=False)
+            out = flex_attention(q.transpose(1, 2), st.keys.view(B, 1, st.NS, -1), st.values.view(B, 1, st.NS, -1), block_mask=bm, scale=self.scale)
+            out = out.transpose(1, 2)  # (B, 1, H, D) -> (B, H, 1, D)
+        else:
+            i = int(li)
+            slots, mine = st.layer_slots(i)  # (B, N)
+            ks, vs = (buf.gather(1, slots[..., None].expand(-1, -1, self.D))[:, None] for buf in (st.keys, st.values))  # (B, 1, N, D)
+            heads = i * Hk + torch.arange(H, device=self.device) // G  # (H,) the pair each query head reads
+            ok = mine[:, None, None, :] & (st.tag.gather(1, slots)[:, None, None, :] == heads[None, :, None, None])  # (B, H, 1, N)
+            out = F.scaled_dot_product_attention(q, ks, vs, attn_mask=ok, scale=self.scale, enable_gqa=True)
+        x = self._finish_layer(layer, wgu, x, out)
+        return x, nxt(x)
+
+    def _pool_prefill_chunk(self, ids: Tensor) -> Tensor:
+        """A chunk ids (B, C) of at most ``window`` tokens into the pooled cache -> logits (B, V) of its last.
+
+        Its queries' competitions read only tokens of earlier chunks (:mod:`kvpop.pool`), so they all run
+        first, on the bookkeeping only (:meth:`PoolStore.update` with ``move_kv=False``), recording when
+        each entry present at the chunk's start goes; every layer's queries then attend, under those
+        eviction times, to the layer's entries as they were at the start and to the chunk causally; last,
+        the pool's keys and values follow the bookkeeping (one gather) and the chunk enters the rings."""
+        st, B, (_, C), dev = self.store, self.B, ids.shape, self.device
+        c0 = self.seen
+        c1 = c0 + C
+        snap = (st.tag.clone(), st.pos.clone(), st.ptab.clone(), st.count.clone())
+        q0 = max(c0, self.sinks + self.window)  # the first query whose leaver competes
+        orig = e = None
+        if q0 < c1:
+            orig = torch.arange(st.NS, device=dev).expand(B, -1).clone()  # (B, NS) the chunk-start slot of each slot's entry
+            e = torch.full((B, st.NS), NEVER, dtype=torch.int64, device=dev)  # (B, NS) eviction time by chunk-start slot
+            prio = self._leaver_prio(torch.arange(q0 - self.window, c1 - self.window, device=dev))  # (B, F, c1 - q0)
+            self._pool_competitions(q0, prio, orig, e)
+        pos = torch.arange(c0, c1, device=dev)
+        x = self.model.model.embed_tokens(ids)
+        cos, sin = self.model.model.rotary_emb(x, pos.expand(B, C))
+        new = []
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, self._wqkv[i], layer.input_layernorm(x), cos, sin)  # (B, H, C, D), (B, Hk, C, D)
+            out = self._pool_chunk_attend(i, q, k, v, pos, snap, e)
+            new.append((k, v))
+            x = self._finish_layer(layer, self._wgu[i], x, out)
+        if orig is not None:  # the pool's entries where the bookkeeping put them
+            idx = orig[..., None].expand(-1, -1, self.D)
+            st.keys.copy_(st.keys.gather(1, idx))
+            st.values.copy_(st.values.gather(1, idx))
+        for i, (k, v) in enumerate(new):
+            slots = st.ring_slots(i, pos)  # (Hk, C)
+            st.keys[:, slots], st.values[:, slots] = k, v
+            st.pos[:, slots] = pos
+            st.tag[:, slots] = (i * self.Hk + torch.arange(self.Hk, device=dev))[:, None]
+        st._sync_block_masks()
+        self.seen = c1
+        self.p.fill_(c1)
+        return self.model.lm_head(self.model.model.norm(x[:, -1:]))[:, -1].float()
+
+    def _pool_competitions(self, q0: int, prio: Tensor, orig: Tensor, e: Tensor) -> None:
+        """The pool's competitions at queries ``q0, q0 + 1, ...`` (one per column of prio (B, F, n)) on the
+        bookkeeping, tracking ``orig`` and ``e`` (:meth:`PoolStore.update`). Compiled (CUDA): one compiled
+        competition captured as a CUDA graph once per engine and replayed per query (static buffers)."""
+        st, dev = self.store, self.device
+        if not self.compiled:
+            with one_thread() if dev.type == "cpu" else nullcontext():
+                for t in range(prio.shape[2]):
+                    st.update(torch.tensor(q0 + t, device=dev), prio[:, :, t], move_kv=False, track=(orig, e))
+            return
+        if self._compete_graph is None:
+            self._cq = torch.zeros((), dtype=torch.int64, device=dev)  # q = 0: no leaver, the warm-up changes nothing
+            self._cprio = torch.zeros(self.B, st.F, dtype=torch.float64, device=dev)
+            self._corig, self._ce = torch.zeros_like(orig), torch.zeros_like(e)
+            fn = torch.compile(type(self)._pool_compete, fullgraph=True, dynamic=False)
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                fn(self)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn(self)
+            self._compete_graph = graph
+        self._corig.copy_(orig)
+        self._ce.copy_(e)
+        for t in range(prio.shape[2]):
+            self._cq.fill_(q0 + t)
+            self._cprio.copy_(prio[:, :, t])
+            self._compete_graph.replay()
+        orig.copy_(self._corig)
+        e.copy_(self._ce)
+
+    def _pool_compete(self) -> None:
+        """One competition of a prefill chunk from the static buffers (compiled, CUDA-graphed)."""
+        self.store.update(self._cq, self._cprio, move_kv=False, track=(self._corig, self._ce))
+
+    def _pool_chunk_attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, snap: tuple, e: Tensor | None) -> Tensor:
+        """Layer i's chunk q (B, H, C, D), k, v (B, Hk, C, D) at positions pos (C,) over the layer's entries at
+        the chunk's start (``snap``: tag, pos, page tables and counts then) under eviction times e (B, NS)
+        (None: nothing leaves in the chunk), and over the chunk itself causally -> (B, H, C, D).
+
+        Each KV head's entries are gathered apart, (B, Hk, N, D) padded to the longest head, so that a query
+        head reads only its own KV head's entries (GQA), as in the per-head cache."""
+        st, B, Hk, G, D, dev = self.store, self.B, self.Hk, self.G, self.D, self.device
+        tag0, pos0, ptab0, count0 = snap
+        slots, mine = st.layer_slots(i, count0, ptab0)  # (B, N0)
+        N0 = slots.shape[1]
+        ctag = torch.where(mine, tag0.gather(1, slots), -1)
+        ours = ctag[:, None, :] == (i * Hk + torch.arange(Hk, device=dev))[None, :, None]  # (B, Hk, N0)
+        cnt = ours.sum(-1)  # (B, Hk)
+        n = int(cnt.max())
+        ar = torch.arange(N0, device=dev)
+        sel = torch.where(ours, ar, N0 + ar).argsort(-1)[..., :n]  # (B, Hk, n) each head's candidates first, in slot order
+        hs = slots.gather(1, sel.flatten(1))  # (B, Hk n) store slots
+        valid = torch.arange(n, device=dev) < cnt[..., None]  # (B, Hk, n)
+        ks, vs = (torch.cat([buf.gather(1, hs[..., None].expand(-1, -1, D)).view(B, Hk, n, D), new], 2) for buf, new in ((st.keys, k), (st.values, v)))
+        C = k.shape[2]
+        cpos = torch.cat([pos0.gather(1, hs).view(B, Hk, n), pos.expand(B, Hk, C)], 2)  # (B, Hk, N)
+        ce = e.gather(1, hs).view(B, Hk, n) if e is not None else torch.full((B, Hk, n), NEVER, dtype=torch.int64, device=dev)
+        ce = torch.cat([ce, torch.full((B, Hk, C), NEVER, dtype=torch.int64, device=dev)], 2)
+        valid = torch.cat([valid, torch.ones(B, Hk, C, dtype=torch.bool, device=dev)], 2)[:, :, None]  # (B, Hk, 1, N)
+        qp = pos[None, None, :, None]  # (1, 1, C, 1)
+        cpos, ce = cpos[:, :, None], ce[:, :, None]
+        ok = valid & (cpos <= qp) & ((cpos < self.sinks) | (qp < ce))  # (B, Hk, C, N)
+        return F.scaled_dot_product_attention(q, ks, vs, attn_mask=ok.repeat_interleave(G, 1), scale=self.scale, enable_gqa=True)
+
     # --- prefill ----------------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, ids: Tensor) -> Tensor:
@@ -575,6 +791,12 @@ class DecodeEngine:
             for t in range(ids.shape[1]):
                 self.tok.copy_(ids[:, t : t + 1])
                 logits = self.step().clone()
+            return logits
+        if self.kind == "pooled":  # chunks of at most `window` tokens: exact (kvpop.pool)
+            chunk = min(self.chunk, self.window)
+            for c0 in range(0, ids.shape[1], chunk):
+                logits = self._pool_prefill_chunk(ids[:, c0 : c0 + chunk])
+            self.tok.copy_(logits.argmax(-1, keepdim=True))
             return logits
         for c0 in range(0, ids.shape[1], self.chunk):
             logits = self._prefill_chunk(ids[:, c0 : c0 + self.chunk])

@@ -4,7 +4,8 @@ Two paths decode the same policy to the same tokens (``tests/test_engine.py`` pr
 
 * ``engine`` -- :class:`kvpop.decode.engine.DecodeEngine`: chunked prefill and a static-shape
   step over preallocated buffers (compiled and CUDA-graphed on request). It decodes ``dense``
-  (a static cache of prompt + new tokens) and every static or delayed rule on the Llama family;
+  (a static cache of prompt + new tokens), every static or delayed rule and the ``one_pool`` policies
+  (its pooled kind, :mod:`kvpop.decode.pooled`) on the Llama family;
 * ``reference`` -- ``model.generate`` over :class:`kvpop.decode.cache.BoundedCache` (or a
   ``DynamicCache`` for dense): the slow twin, and the only path of the rules that need each
   step's attention (TOVA, H2O) and of architectures the engine does not support.

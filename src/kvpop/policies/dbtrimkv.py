@@ -19,8 +19,10 @@ another holds fewer.
   ``(t - i) log beta``; the lowest go (:func:`kvpop.selection.global_decaying_eviction_times`).
   A layer's pattern then depends on the later layers' gates, which depend on the earlier layers'
   patterns: a teacher-forced forward is a fixed point (:func:`kvpop.evaluate.pool_fixed_point`).
-* **Decoding**: :class:`kvpop.decode.one_pool.OnePoolCache`, the pool itself (entries tagged with
-  their layer and head), token by token; why it equals the fixed point: :mod:`kvpop.decode.one_pool`.
+* **Decoding**: :class:`kvpop.decode.DecodeEngine`'s pooled kind (:mod:`kvpop.decode.pooled`: chunked
+  prefill, a static step with the competition inside), and its twin
+  :class:`kvpop.decode.one_pool.OnePoolCache`, the pool itself (entries tagged with their layer and head),
+  token by token; why it equals the fixed point: :mod:`kvpop.decode.one_pool`.
 
 Shapes: B batch, Hk KV heads, S sequence, D head dim, L layers, F hidden width.
 """

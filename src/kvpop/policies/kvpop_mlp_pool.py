@@ -30,4 +30,4 @@ class KvpopMLPPool(KvpopMLP):
     one_pool = True
 
     def fused_scorer(self, layer):
-        return None  # the engine does not serve one_pool policies (yet): no fused insert
+        return None  # the pooled engine scores leavers in the step's head (kvpop.decode.pooled): no fused insert

@@ -1,0 +1,352 @@
+"""The model-wide pool at engine speed: :class:`PoolStore`, the buffers and the in-step competition of
+``DecodeEngine``'s ``pooled`` kind (``one_pool`` policies: ``dbtrimkv``, ``OnePool(...)``, ``kvpop_mlp_pool``).
+
+The rule is :class:`kvpop.decode.one_pool.OnePoolCache`'s (the slow twin the tests compare against):
+per layer and KV head the ``sinks`` first tokens and a ring of the ``window`` most recent ones; the
+long-range entries of every layer and KV head in one pool of ``P = L x Hk x k``. At query ``q`` token
+``j = q - window`` leaves every window; the ``F = L x Hk`` leavers and the pool's entries compete by
+their rank at ``q`` (a retention ``(q - i) * log beta`` that decays, else a static priority) and the
+lowest go, as many as the candidates exceed ``P``; ties: the older token, then the higher pair
+``f = layer * Hk + head`` (:func:`kvpop.selection.pool_leavers`).
+
+Layout: one store per row, pages of ``page`` slots (the attention block, 128 on CUDA)
+-----------------------------------------------------------------------------------------------
+Every slot of the store holds one entry: keys and values ``(B, NS, D)``, its position, priority, pair
+``tag`` (``-1``: empty) and, in the pool, its index in its layer's list. A slot's pair says whose
+entry it is, so one page may hold entries of every head of *one* layer::
+
+    [ layer 0's rings | layer 1's rings | ... | pool pages ............................ | dump page ]
+      Hk x R slots, padded to whole pages      a layer's long-range entries: its own pages
+
+* the rings: layer ``l``, head ``h``, ring slot ``r`` at ``l * RS + h * R + r`` (``R = sinks + window``;
+  ``RS``: ``Hk x R`` rounded up to whole pages), written as the bounded engine writes its ring;
+* the pool: layer ``l`` keeps its ``n_l`` long-range entries (every head's) dense at logical indices
+  ``[0, n_l)`` of its page list ``ptab[l]`` (logical ``s``: page ``ptab[l, s // page]``, offset
+  ``s % page``). A removal fills its hole swap-with-last style: entering leavers of the layer first,
+  then the layer's last live entries; a page past ``ceil(n_l / page)`` goes back to the free pages, a
+  layer that grows past its pages takes the lowest free one (at most one per step: ``Hk <= page``).
+  Pages hold at most ``P + F`` entries plus one partial page per layer: ``ceil((P + F) / page) + L``
+  pages, and one dump page where the writes that change nothing go. The memory is fixed at
+  construction (flat in the context) and exceeds a per-head cache of the same budget by a page or two
+  per layer (Qwen3-4B at budget 2,048: 598,400 slots per row against 589,824, 1.5%; and 32 bytes of
+  bookkeeping per slot, position, priority, tag and list index, against the per-head cache's 16).
+
+Attention of layer ``l`` then reads only its own pages: its ring pages and ``ptab[l][:ceil(n_l / page)]``.
+On CUDA the compiled step runs FlexAttention's decoding kernel with the layer's ``H`` query heads as
+``H`` queries of *one* head over the store viewed as ``(B, 1, NS, D)``, a block mask per row whose
+block list is the layer's pages (``kv_num_blocks (B, 1, 1)``, ``kv_indices (B, 1, 1, NB)``), and the
+``mask_mod`` ``tag == layer * Hk + query // G``: the bytes read are the layer's entries, as in the
+per-head cache (a per-KV-head block list would need a block mask per head, which the decoding kernel
+refuses under GQA). Eager (CPU, or ``compile=False``), the layer's slots are gathered and attended with
+SDPA under the same boolean mask.
+
+The competition (:meth:`PoolStore.update`): static shapes, no host synchronization
+------------------------------------------------------------------------------------
+The candidates are the pool's slots, the ``F`` leavers and ``F`` virtual empty entries, of which
+``F - r`` rank lowest (``r``: the candidates beyond ``P``); :func:`select_lowest` takes the ``F``
+lowest by (rank, tie) with two ``topk`` (the twin of :func:`kvpop.selection.pool_leavers`, tested
+equal). So ``r`` real candidates go, exactly the reference's. Everything after is gathers, cumsums and
+``index_put_`` over ``O(F + L x F)`` entries: the step's CUDA graph holds it.
+
+Shapes: B batch, L layers, Hk KV heads, F = L x Hk pairs, D head dim, NS store slots, NP pool slots,
+NPP pool pages, R ring slots per head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvpop.geometry import CacheLayout
+from kvpop.selection import NEVER
+
+I64_MAX = torch.iinfo(torch.int64).max
+
+
+def select_lowest(score: Tensor, tie: Tensor, n: int) -> Tensor:
+    """The ``n`` lowest candidates of every row by (score, tie), both ascending: score (B, N) float,
+    tie (B, N) int64 (distinct within a row among equal scores) -> their indices (B, n).
+
+    The selection of :func:`kvpop.selection.pool_leavers` with ``topk`` in place of ``kthvalue`` (on
+    CUDA ``kthvalue`` runs one thread block per row): the ``n``-th lowest score ``v``; every candidate
+    below it goes, and of those at ``v`` the ones of lowest tie make up the ``n``."""
+    vals, idx = score.topk(n, dim=1, largest=False, sorted=True)  # (B, n) ascending: those below v come first
+    v = vals[:, -1:]
+    below = (vals < v).sum(1, keepdim=True)  # every candidate below v is among the n lowest
+    at_v = torch.where(score == v, tie, I64_MAX).topk(n, dim=1, largest=False, sorted=True).indices  # (B, n)
+    i = torch.arange(n, device=score.device)
+    return torch.where(i < below, idx, at_v.gather(1, (i - below).clamp(min=0)))
+
+
+class PoolStore:
+    """The rings and the pool of a ``pooled`` :class:`kvpop.decode.DecodeEngine` (module docstring).
+
+    ``max_len``: the most tokens the engine holds, if known: the rings then hold ``min(R, max_len)``
+    slots and the pool ``min(P, F x (max_len - R))`` entries (no more can ever have left the windows),
+    which changes no decision."""
+
+    def __init__(self, *, batch: int, layers: int, kv_heads: int, head_dim: int, layout: CacheLayout, dtype, device,
+                 page: int, decays: bool, max_len: int | None = None, flex: bool = False):
+        if kv_heads > page:
+            raise ValueError(f"pooled engine: a page ({page} slots) must hold one entry per KV head ({kv_heads})")
+        B, L, Hk, D = batch, layers, kv_heads, head_dim
+        self.B, self.L, self.Hk, self.D, self.F, self.page = B, L, Hk, D, L * Hk, page
+        self.sinks, self.window, self.decays = layout.sinks, layout.window, decays
+        full_ring = layout.sinks + layout.window
+        self.R = min(full_ring, max_len) if max_len is not None else full_ring  # ring slots per head
+        P = self.F * layout.long_range
+        if max_len is not None:
+            P = min(P, self.F * max(0, max_len - full_ring))
+        self.P = P
+        self.RP = -(-(Hk * self.R) // page)  # ring pages per layer
+        self.RS = self.RP * page  # ring slots per layer
+        self.NPP = (-(-(P + self.F) // page) + L if P else 0) + 1  # pool pages, the last the dump page
+        self.PS0 = L * self.RS  # first pool slot
+        self.NP = (self.NPP - 1) * page  # pool slots that can hold entries
+        self.NS = self.PS0 + self.NPP * page
+        self.dump = self.NS - 1
+        self.device, self.flex = device, flex
+        self.keys = torch.zeros(B, self.NS, D, dtype=dtype, device=device)
+        self.values = torch.zeros(B, self.NS, D, dtype=dtype, device=device)
+        self.pos = torch.full((B, self.NS), -1, dtype=torch.int64, device=device)  # -1: empty
+        self.tag = torch.full((B, self.NS), -1, dtype=torch.int64, device=device)  # pair layer * Hk + head, -1: empty
+        self.prio = torch.zeros(B, self.NS, dtype=torch.float64, device=device)  # a pool entry's priority (log beta, dbtrimkv)
+        self.lidx = torch.zeros(B, self.NS, dtype=torch.int64, device=device)  # a pool entry's index in its layer's list
+        self.count = torch.zeros(B, L, dtype=torch.int64, device=device)  # n_l: entries of each layer's pool list
+        self.ptab = torch.zeros(B, L, self.NPP + 1, dtype=torch.int64, device=device)  # logical page -> pool page; column NPP: junk
+        self.used = torch.zeros(B, self.NPP + 1, dtype=torch.bool, device=device)  # pool page in use (the dump page always); NPP: junk
+        f = torch.arange(self.F, device=device)
+        self.pair = f  # (F,)
+        self.ring_base = (f // Hk) * self.RS + (f % Hk) * self.R  # (F,) ring slot 0 of each pair
+        # the compiled step's block masks, one per layer: its ring pages, then its pool pages
+        nb = -(-(self.RP + self.NPP - 1) // 4) * 4  # int32 rows a multiple of 16 bytes: every layer's view stays aligned
+        self.bm_idx = torch.zeros(L, B, 1, 1, nb, dtype=torch.int32, device=device)
+        self._bm_num = torch.zeros(L, -(-B // 4) * 4, dtype=torch.int32, device=device)  # rows of 16 bytes: aligned views
+        self.bm_num = [self._bm_num[i, :B].view(B, 1, 1) for i in range(L)]  # kv_num_blocks (B, 1, 1) of each layer
+        self.bm_idx[:, :, 0, 0, : self.RP] = (torch.arange(L, device=device)[:, None] * self.RP + torch.arange(self.RP, device=device)).to(torch.int32)[:, None]
+        self.reset()
+
+    # --- bookkeeping ------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.keys.zero_()
+        self.values.zero_()
+        self.pos.fill_(-1)
+        self.tag.fill_(-1)
+        self.prio.zero_()
+        self.lidx.zero_()
+        self.count.zero_()
+        self.ptab.zero_()
+        self.used.zero_()
+        self.used[:, self.NPP - 1] = True  # the dump page
+        self._sync_block_masks()
+
+    def nbytes(self) -> int:
+        bufs = (self.keys, self.values, self.pos, self.tag, self.prio, self.lidx, self.count, self.ptab, self.used, self.bm_idx, self._bm_num)
+        return sum(t.numel() * t.element_size() for t in bufs)
+
+    def home_slot(self, pos: Tensor | int) -> Tensor | int:
+        """Ring slot of a sink or window token at position(s) pos (:meth:`CacheLayout.home_slot`)."""
+        if isinstance(pos, int):
+            return pos if pos < self.sinks else self.sinks + (pos - self.sinks) % self.window
+        return torch.where(pos < self.sinks, pos, self.sinks + (pos - self.sinks) % self.window)
+
+    def ring_slots(self, layer: int, pos: Tensor) -> Tensor:
+        """Store slots of positions pos (C,) in every head of ``layer``'s ring -> (Hk, C)."""
+        heads = torch.arange(self.Hk, device=pos.device)[:, None]
+        return layer * self.RS + heads * self.R + self.home_slot(pos)[None]
+
+    def pages(self, layer: int) -> Tensor:
+        """Pages in use by layer's pool list (B,) int64."""
+        return (self.count[:, layer] + self.page - 1) // self.page
+
+    def layer_slots(self, layer: int, count: Tensor | None = None, ptab: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Store slots of layer's rings and pool pages (B, N) and whether each is the layer's (B, N) bool
+        (a page past a row's own count is another row's length: not its); eager (one host sync)."""
+        count = self.count if count is None else count
+        ptab = self.ptab if ptab is None else ptab
+        pg = (count[:, layer] + self.page - 1) // self.page  # (B,)
+        n = int(pg.max())
+        ring = layer * self.RS + torch.arange(self.RS, device=self.device).expand(self.B, -1)  # (B, RS)
+        j = torch.arange(n, device=self.device)
+        pool = self.PS0 + ptab[:, layer, :n, None] * self.page + torch.arange(self.page, device=self.device)  # (B, n, page)
+        mine = (j < pg[:, None])[:, :, None].expand(-1, -1, self.page)
+        return torch.cat([ring, pool.flatten(1)], 1), torch.cat([torch.ones_like(ring, dtype=torch.bool), mine.flatten(1)], 1)
+
+    def occupancy(self) -> Tensor:
+        """Entries held per layer and KV head (rings and pool), per row: (B, L, Hk) int64."""
+        t = torch.where(self.tag >= 0, self.tag, self.F)
+        return torch.zeros(self.B, self.F + 1, dtype=torch.int64, device=self.device).scatter_add_(1, t, torch.ones_like(t))[:, : self.F].view(
+            self.B, self.L, self.Hk)
+
+    def _sync_block_masks(self) -> None:
+        """The compiled step's block masks from the page tables: layer l reads its ring pages and its pages."""
+        if not self.flex:
+            return
+        npp = self.NPP - 1
+        self._bm_num[:, : self.B] = (self.RP + (self.count + self.page - 1) // self.page).t().to(torch.int32)
+        self.bm_idx[:, :, 0, 0, self.RP : self.RP + npp] = (self.PS0 // self.page + self.ptab[:, :, :npp]).transpose(0, 1).to(torch.int32)
+
+    # --- the competition -----------------------------------------------------------------------------
+    def leaver_slots(self, j: Tensor) -> Tensor:
+        """Ring slots (F,) of token j (0-d int64, a non-sink) in every layer and head."""
+        return self.ring_base + self.home_slot(j.clamp(min=self.sinks))
+
+    def update(self, q: Tensor, prio: Tensor, *, move_kv: bool = True, track: tuple[Tensor, Tensor] | None = None) -> None:
+        """The competition at query ``q`` (0-d int64): token ``j = q - window`` leaves every ring, its
+        priorities prio (B, F) float64 (pair ``f = layer * Hk + head``); the ``r`` lowest candidates go
+        and the layers' lists are compacted (module docstring). A ``j`` below ``sinks`` changes nothing.
+
+        ``move_kv=False`` moves the bookkeeping only (a prefill chunk reads the keys and values as they
+        were at its start); ``track = (orig, e)`` (B, NS) int64 each: ``orig`` the chunk-start slot of each
+        slot's entry, moved along with it; ``e`` indexed by chunk-start slot, set to ``q`` where the entry
+        goes (its eviction time)."""
+        B, F, Hk, L, NP, PS0, pg = self.B, self.F, self.Hk, self.L, self.NP, self.PS0, self.page
+        dev = self.device
+        rows = torch.arange(B, device=dev)[:, None]
+        j = q - self.window
+        leaves = j >= self.sinks  # 0-d
+        src_ring = self.leaver_slots(j)  # (F,)
+        # candidates: the pool's slots, the F leavers, F virtual empty entries (the F - r lowest of all)
+        ppos, pprio, ptag = self.pos[:, PS0 : PS0 + NP], self.prio[:, PS0 : PS0 + NP], self.tag[:, PS0 : PS0 + NP]  # (B, NP)
+        valid = ptag >= 0
+        inf = torch.tensor(float("inf"), dtype=torch.float64, device=dev)
+        rank = (q - ppos).double() * pprio if self.decays else pprio
+        score = torch.where(valid, rank, inf)
+        tie = torch.where(valid, ppos * F + (F - 1 - ptag), I64_MAX)
+        lrank = self.window * prio if self.decays else prio  # (B, F): a leaver is window old
+        lscore = torch.where(leaves, lrank, inf)
+        ltie = (j * F + (F - 1 - self.pair)).expand(B, F)
+        r = (self.count.sum(1) + F * leaves.long() - self.P).clamp(min=0)  # (B,) real candidates beyond P
+        vi = torch.arange(F, device=dev)
+        vscore = torch.where(vi < F - r[:, None], -inf, inf)  # (B, F)
+        vtie = (-1 - vi).expand(B, F)
+        gone = select_lowest(torch.cat([score, lscore, vscore], 1), torch.cat([tie, ltie, vtie], 1), F)  # (B, F)
+        # removed pool entries (holes) and leavers that do not stay
+        is_hole = gone < NP
+        hole = torch.where(is_hole, PS0 + gone, self.dump)  # (B, F) store slots
+        is_lv = (gone >= NP) & (gone < NP + F)
+        lv_gone = torch.zeros(B, F + 1, dtype=torch.bool, device=dev).scatter_(1, torch.where(is_lv, gone - NP, F), True)[:, :F]
+        stays = leaves & ~lv_gone  # (B, F)
+        h_layer = torch.where(is_hole, self.tag.gather(1, hole) // Hk, L)  # (B, F); L: not a hole
+        h_lidx = torch.where(is_hole, self.lidx.gather(1, hole), 0)
+        hcount = torch.zeros(B, L + 1, dtype=torch.int64, device=dev).scatter_add_(1, h_layer, torch.ones_like(h_layer))[:, :L]  # (B, L)
+        acount = stays.view(B, L, Hk).sum(-1)  # (B, L) leavers that enter each layer's list
+        n = self.count
+        n2 = n - hcount + acount
+        start = hcount.cumsum(1) - hcount  # (B, L) a layer's first hole in the sorted list
+        order = (h_layer * (NP + 1) + h_lidx).sort(1).indices  # holes by (layer, index), non-holes last
+        s_slot, s_lidx = hole.gather(1, order), h_lidx.gather(1, order)  # (B, F)
+        # the entering leavers: the layer's first holes, then appended at n_l, n_l + 1, ...
+        lay = self.pair // Hk  # (F,)
+        rk = (stays.view(B, L, Hk).cumsum(-1) - 1).view(B, F)
+        hl, st, nl = hcount[:, lay], start[:, lay], n[:, lay]  # (B, F)
+        use_hole = rk < hl
+        at = (st + rk).clamp(0, F - 1)
+        new_lidx = torch.where(use_hole, s_lidx.gather(1, at), nl + rk - hl)
+        # the layers' last live entries fill the holes left below n2 (swap with last)
+        t = torch.arange(F, device=dev)
+        s_tail = n2[:, :, None] + t  # (B, L, F) logical indices [n2, n)
+        in_tail = t < (n - n2)[:, :, None]
+        tail = self._slot(torch.arange(L, device=dev)[None, :, None], s_tail, in_tail)  # (B, L, F)
+        marked = torch.zeros(B, self.NS, dtype=torch.bool, device=dev).scatter_(1, hole, True)
+        live = in_tail & ~marked.gather(1, tail.view(B, -1)).view(B, L, F)
+        mrank = live.cumsum(-1) - 1
+        fill = (start + acount)[:, :, None] + mrank  # sorted-hole index each mover fills
+        mv_dst = torch.where(live, s_slot.gather(1, fill.clamp(0, F - 1).view(B, -1)).view(B, L, F), self.dump).view(B, -1)
+        mv_lidx = s_lidx.gather(1, fill.clamp(0, F - 1).view(B, -1))
+        mv_src = torch.where(live, tail, self.dump).view(B, -1)  # (B, L * F)
+        # pages: a layer that grows past its pages takes the lowest page free before this step; pages past ceil(n2 / page) go back
+        pg_old, pg_new = (n + pg - 1) // pg, (n2 + pg - 1) // pg  # (B, L)
+        grow = pg_new > pg_old
+        free = ~self.used[:, : self.NPP]
+        frank = free.cumsum(1) - 1
+        fmap = torch.full((B, L + 1), self.NPP - 1, dtype=torch.int64, device=dev)
+        fmap.scatter_(1, torch.where(free & (frank < L), frank, L), torch.arange(self.NPP, device=dev).expand(B, -1))
+        newpage = fmap.gather(1, torch.where(grow, grow.cumsum(1) - 1, L))  # (B, L)
+        mf = F // pg + 2
+        fp = pg_new[:, :, None] + torch.arange(mf, device=dev)  # (B, L, mf) logical pages that may be freed
+        freed = torch.where(fp < pg_old[:, :, None], self.ptab.gather(2, fp.clamp(max=self.NPP)), self.NPP).view(B, -1)
+        self.ptab.scatter_(2, torch.where(grow, pg_old, self.NPP)[:, :, None], newpage[:, :, None])
+        self.used.scatter_(1, torch.where(grow, newpage, self.NPP), True)
+        self.used.scatter_(1, freed, False)
+        new_dst = torch.where(stays, torch.where(use_hole, s_slot.gather(1, at), self._slot(lay[None], new_lidx, stays)), self.dump)  # (B, F)
+        # gather every source, then clear the holes and the tails, then write
+        src = torch.cat([src_ring.expand(B, F), mv_src], 1)  # (B, F + L F)
+        dst = torch.cat([new_dst, mv_dst], 1)
+        moved = {
+            "pos": torch.cat([j.expand(B, F), self.pos.gather(1, mv_src)], 1),
+            "tag": torch.cat([self.pair.expand(B, F), self.tag.gather(1, mv_src)], 1),
+            "prio": torch.cat([prio.to(torch.float64), self.prio.gather(1, mv_src)], 1),
+            "lidx": torch.cat([new_lidx, mv_lidx], 1),
+        }
+        if move_kv:
+            kv = [buf[rows, src] for buf in (self.keys, self.values)]  # (B, F + L F, D)
+        if track is not None:
+            orig, e = track
+            o_src = orig.gather(1, src)
+            gone_origin = torch.cat([torch.where(is_hole, orig.gather(1, hole), self.dump),
+                                     torch.where(lv_gone & leaves, orig.gather(1, src_ring.expand(B, F)), self.dump)], 1)
+            e.scatter_(1, gone_origin, q.expand(B, 2 * F))
+        cleared = torch.cat([hole, torch.where(in_tail, tail, self.dump).view(B, -1)], 1)
+        self.tag.scatter_(1, cleared, -1)
+        self.pos.scatter_(1, cleared, -1)
+        for name, val in moved.items():
+            getattr(self, name).index_put_((rows, dst), val)
+        if move_kv:
+            for buf, val in zip((self.keys, self.values), kv, strict=True):
+                buf.index_put_((rows, dst), val)
+        if track is not None:
+            orig.index_put_((rows, dst), o_src)
+        # the dump slot stays empty
+        self.tag[:, self.dump] = -1
+        self.pos[:, self.dump] = -1
+        self.count.copy_(n2)
+        self._sync_block_masks()
+
+    def _slot(self, layer: Tensor, s: Tensor, ok: Tensor) -> Tensor:
+        """Store slot of logical index s in layer's list (broadcast shapes); the dump slot where not ``ok``."""
+        B = self.B
+        pg = (s // self.page).clamp(0, self.NPP)
+        shape = torch.broadcast_shapes(layer.shape, s.shape)
+        rows = torch.arange(B, device=self.device).view(B, *([1] * (len(shape) - 1)))
+        page = self.ptab[rows, layer.expand(shape), pg.expand(shape)]
+        return torch.where(ok, self.PS0 + page * self.page + s % self.page, self.dump)
+
+    # --- the benchmark's state --------------------------------------------------------------------
+    @torch.no_grad()
+    def fill(self, ctx: int, generator: torch.Generator) -> None:
+        """The state after ``ctx`` tokens, at random: rings full, the pool's ``P`` entries spread over the
+        layers and heads as a per-head cache would hold them (``k`` each), random keys, values and
+        priorities. A step does the same work whatever the entries hold (``kvpop.benchmarking.fill_cache``)."""
+        self.reset()
+        B, L, Hk, dev = self.B, self.L, self.Hk, self.device
+        fixed = torch.cat([torch.arange(min(ctx, self.sinks), device=dev), torch.arange(max(self.sinks, ctx - self.window), ctx, device=dev)])
+        for l in range(L):
+            slots = self.ring_slots(l, fixed)  # (Hk, m)
+            self.pos[:, slots] = fixed
+            self.tag[:, slots] = (l * Hk + torch.arange(Hk, device=dev))[:, None]
+        older = max(0, ctx - self.window - self.sinks)
+        per = min(older, self.P // self.F)  # entries per pair
+        for l in range(L):
+            n = per * Hk
+            pgs = -(-n // self.page)
+            if not pgs:
+                continue
+            pages = torch.arange(l * pgs, (l + 1) * pgs, device=dev)
+            self.ptab[:, l, :pgs] = pages
+            self.used[:, pages] = True
+            s = torch.arange(n, device=dev)
+            slot = self.PS0 + pages[s // self.page] * self.page + s % self.page
+            self.pos[:, slot] = self.sinks + torch.randint(0, max(1, older), (n,), generator=generator, device=dev)
+            self.tag[:, slot] = l * Hk + s % Hk
+            self.lidx[:, slot] = s
+            self.prio[:, slot] = -torch.rand(B, n, generator=generator, device=dev, dtype=torch.float64) * 1e-3
+            self.count[:, l] = n
+        live = self.tag >= 0
+        for buf in (self.keys, self.values):
+            for b in range(B):  # a row at a time: no float32 copy of the whole store
+                buf[b] = torch.randn(buf.shape[1:], generator=generator, device=dev, dtype=torch.float32).to(buf.dtype) * live[b, :, None]
+        self._sync_block_masks()
+
+
+__all__ = ["NEVER", "PoolStore", "select_lowest"]

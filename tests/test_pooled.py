@@ -1,0 +1,288 @@
+"""The engine's pooled kind (kvpop.decode.pooled): one pool for every layer and KV head at engine speed.
+
+Twins: :class:`kvpop.decode.OnePoolCache` decoding token by token (logits, tokens and the entries each
+layer and head holds) against the engine's chunked prefill and static step, for ``dbtrimkv`` (decaying
+retention; a tie-heavy gate too), ``OnePool(kvpop_mlp)``, ``OnePool`` of a tie-heavy rule and
+``kvpop_mlp_pool``; :func:`kvpop.decode.pooled.select_lowest` against :func:`kvpop.selection.pool_leavers`.
+The compiled (FlexAttention, CUDA-graphed) step against the eager one: tests/test_gpu.py.
+"""
+
+import pytest
+import torch
+
+from kvpop.decode import DecodeEngine, OnePoolCache, choose_path, enable, engine_refusal, generate, teacher_forced_logits
+from kvpop.decode.pooled import PoolStore, select_lowest
+from kvpop.geometry import CacheLayout
+from kvpop.policies import OnePool, make_policy
+from kvpop.selection import pool_leavers
+from test_engine import engine_logits
+from test_engine import ids as random_ids
+
+SINKS, WINDOW, K = 4, 16, 12
+BUDGET = SINKS + WINDOW + K
+LAYOUT = CacheLayout(BUDGET, SINKS, WINDOW)
+S = 120
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model(request, tiny_model):
+    return enable(tiny_model(request.param))
+
+
+def random_weights(policy, seed: int, std: float = 0.5):
+    torch.manual_seed(seed)
+    for p in policy.parameters():
+        torch.nn.init.normal_(p, std=std)
+    return policy
+
+
+def make(name: str, tie_policy):
+    """The one-pool policies on the tiny models (2 layers, 2 KV heads, head dim 16)."""
+    shape = dict(num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
+    if name == "dbtrimkv":
+        policy = random_weights(make_policy("dbtrimkv", **shape), 1)
+        policy.scorer.b2.data.fill_(2.0)  # log beta around logsigmoid(2): some tokens decay fast, some slowly
+        policy.scorer.w1.data *= 3.0
+        return policy
+    if name == "dbtrimkv_tied":  # every token retains at one rate: every decision is a tie (older, then the higher pair)
+        policy = make_policy("dbtrimkv", **shape)
+        policy.scorer.b2.data.fill_(2.0)
+        return policy
+    if name == "kvpop_mlp_pool":
+        return random_weights(make_policy("kvpop_mlp_pool", **shape), 2)
+    if name == "one_pool_ties":  # static priorities with three levels: ties broken by the newer token, then the lower pair
+        rule = tie_policy(per_head_shift=True, name="ties")
+        type(rule).learned = True  # OnePool ranks learned (or oracle) priorities
+        return OnePool(rule)
+    return OnePool(random_weights(make_policy("kvpop_mlp", **shape), 3))
+
+
+NAMES = ["dbtrimkv", "dbtrimkv_tied", "one_pool_mlp", "one_pool_ties", "kvpop_mlp_pool"]
+
+
+def ids(B=2, n=S, seed=1):
+    return random_ids(B, n, seed)
+
+
+def reference_cache(model, policy, tokens: torch.Tensor) -> OnePoolCache:
+    """OnePoolCache after teacher-forcing ``tokens`` one at a time."""
+    cache = OnePoolCache(model.config, policy, LAYOUT)
+    with torch.no_grad():
+        for t in range(tokens.shape[1]):
+            model(input_ids=tokens[:, t : t + 1], past_key_values=cache)
+    return cache
+
+
+def held(eng: DecodeEngine) -> list[list[list[list[int]]]]:
+    """The engine's entries: [row][layer][head] -> sorted positions (rings and pool)."""
+    st = eng.store
+    out = []
+    for b in range(eng.B):
+        rows = [[[] for _ in range(eng.Hk)] for _ in range(len(eng.layers))]
+        for tag, pos in zip(st.tag[b].tolist(), st.pos[b].tolist(), strict=True):
+            if tag >= 0:
+                rows[tag // eng.Hk][tag % eng.Hk].append(pos)
+        out.append([[sorted(h) for h in layer] for layer in rows])
+    return out
+
+
+def reference_held(cache: OnePoolCache) -> list[list[list[list[int]]]]:
+    Hk = cache.num_kv_heads
+    B = cache.pool_pos.shape[0]
+    out = []
+    for b in range(B):
+        rows = [[[p for p in layer.pos[b, h].tolist() if p >= 0] for h in range(Hk)] for layer in cache.layers]
+        for p, f in zip(cache.pool_pos[b].tolist(), cache.pool_f[b].tolist(), strict=True):
+            if p >= 0:
+                rows[f // Hk][f % Hk].append(p)
+        out.append([[sorted(h) for h in layer] for layer in rows])
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("prefill,page", [(1, 4), (30, 4), (100, 4), (120, 16), (100, 16)])
+def test_engine_equals_the_one_pool_cache(model, name, prefill, page, tie_policy):
+    """Prompts shorter and longer than the budget (chunks of ``window`` tokens), then steps: the logits of
+    token-by-token decoding with OnePoolCache, two rows with pools of their own. Pages of 4 slots: the
+    layers' lists take and return pages as they grow and shrink."""
+    policy = make(name, tie_policy)
+    x = ids()
+    ref = teacher_forced_logits(model, policy, x, layout=LAYOUT, prefill=1)
+    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, page=page)
+    assert eng.kind == "pooled"
+    got = engine_logits(eng, x, prefill)
+    assert (got - ref[:, prefill - 1 :]).abs().max() < 1e-4
+    assert eng.seen == S
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_engine_holds_the_reference_entries(model, name, tie_policy):
+    """After a chunked prefill and after steps, every layer and head holds the positions OnePoolCache holds,
+    and the pool is full (its split between layers and heads the policy's, not k each)."""
+    policy = make(name, tie_policy)
+    x = ids(n=140, seed=4)
+    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, page=4)
+    eng.prefill(x[:, :100])
+    assert held(eng) == reference_held(reference_cache(model, policy, x[:, :100]))
+    for t in range(100, 140):
+        eng.tok.copy_(x[:, t : t + 1])
+        eng.step()
+    want = reference_held(reference_cache(model, policy, x))
+    assert held(eng) == want
+    occ = eng.store.occupancy()  # (B, L, Hk)
+    assert (occ.sum((1, 2)) == 2 * 2 * BUDGET).all()
+    assert torch.equal(occ, torch.tensor([[[len(h) for h in layer] for layer in row] for row in want]))
+    st = eng.store  # the lists are dense: layer l's entries at logical [0, n_l), on its pages
+    for b in range(2):
+        for layer in range(2):
+            n = int(st.count[b, layer])
+            s = torch.arange(n)
+            slots = st.PS0 + st.ptab[b, layer, s // st.page] * st.page + s % st.page
+            assert (st.tag[b, slots] // 2 == layer).all() and torch.equal(st.lidx[b, slots], s)
+            assert n == (st.tag[b, st.PS0 :] // 2 == layer).sum()
+
+
+@pytest.mark.parametrize("name", ["dbtrimkv", "one_pool_mlp"])
+def test_prefill_after_decode_steps(model, name, tie_policy):
+    """Decode steps, then another prefill (a second turn), then steps: the logits of the reference."""
+    policy = make(name, tie_policy)
+    x = ids()
+    ref = teacher_forced_logits(model, policy, x, layout=LAYOUT, prefill=1)
+    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, page=4)
+    first = engine_logits(eng, x[:, :70], prefill=35)
+    assert first[:, 1:].sub(ref[:, 35:70]).abs().max() < 1e-4
+    last = eng.prefill(x[:, 70:100])  # 30 tokens: a chunk of 16, then 14
+    assert (last - ref[:, 99]).abs().max() < 1e-4
+    for t in range(100, S):
+        eng.tok.copy_(x[:, t : t + 1])
+        assert (eng.step() - ref[:, t]).abs().max() < 1e-4
+
+
+def test_generate_takes_the_engine_with_the_reference_tokens(model, tiny_tokenizer, tie_policy):
+    """``path="auto"`` now decodes one-pool policies on the engine; greedy tokens as on OnePoolCache."""
+    policy = make("dbtrimkv", tie_policy)
+    assert engine_refusal(model, policy) is None and choose_path(model, policy) == "engine"
+    prompt = ids(n=70, seed=9)
+    fast, stats = generate(model, tiny_tokenizer, policy, prompt, layout=LAYOUT, max_new_tokens=12)
+    slow, ref_stats = generate(model, tiny_tokenizer, policy, prompt, layout=LAYOUT, max_new_tokens=12, path="reference")
+    assert stats.path == "engine" and ref_stats.path == "reference"
+    assert torch.equal(fast, slow)
+
+
+def test_memory_is_flat_and_sized_for_short_generations(model, tie_policy):
+    policy = make("dbtrimkv", tie_policy)
+    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=1, page=4)
+    before = eng.cache_bytes()
+    engine_logits(eng, ids(B=1, n=200), 150)
+    assert eng.cache_bytes() == before
+    L, Hk, page = 2, 2, eng.store.page
+    # slots: the budget's entries, room for one step's leavers, a partial page per layer's rings and list, the dump page
+    assert eng.store.NS <= L * Hk * BUDGET + L * Hk + (2 * L + 2) * page
+    short = DecodeEngine(model, policy, layout=LAYOUT, batch_size=1, max_len=SINKS + WINDOW + 3, page=4)
+    assert short.store.P == L * Hk * 3 and short.cache_bytes() < before
+    x = ids(B=1, n=SINKS + WINDOW + 3)
+    ref = teacher_forced_logits(model, policy, x, layout=LAYOUT, prefill=1)
+    assert (engine_logits(short, x, 10) - ref[:, 9:]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("levels", [None, 3])
+def test_select_lowest_is_pool_leavers(levels):
+    """The engine's selection (two topk) against the reference's (kthvalue): the same n candidates."""
+    g = torch.Generator().manual_seed(7)
+    B, N, pairs = 3, 200, 8
+    for n in (1, 5, 8, 12, 40):
+        combo = torch.stack([torch.randperm(60 * pairs, generator=g)[:N] for _ in range(B)])  # distinct (position, pair) entries
+        pos, pair = combo // pairs, combo % pairs
+        if n > 10:
+            pos[:, :10] = -1  # empty entries go first (pool_leavers ties them all: take more than there are)
+        lb = -torch.rand(B, N, generator=g, dtype=torch.float64) if levels is None else -torch.randint(1, levels + 1, (B, N), generator=g).double() / 7
+        want = pool_leavers(pos, pair, lb, 70, pairs, n)
+        score = torch.where(pos >= 0, (70 - pos).double() * lb, float("-inf"))
+        tie = torch.where(pos >= 0, pos * pairs + (pairs - 1 - pair), -1)
+        got = torch.zeros_like(want).scatter_(1, select_lowest(score, tie, n), True)
+        assert torch.equal(got, want), n
+
+
+def test_a_page_holds_one_entry_per_kv_head():
+    with pytest.raises(ValueError, match="one entry per KV head"):
+        PoolStore(batch=1, layers=2, kv_heads=8, head_dim=16, layout=LAYOUT, dtype=torch.float32, device=torch.device("cpu"), page=4,
+                  decays=True)
+
+
+@pytest.mark.parametrize("page", [4, 128])
+def test_the_compiled_steps_attention_on_the_cpu(model, page, tie_policy):
+    """What the compiled step reads, checked on the CPU: each layer's block list (its ring pages, then its own
+    pool pages, ``kv_num_blocks`` of them) covers exactly the slots of its heads' entries; and the step's
+    FlexAttention form (query heads as the queries of one head over the store, the layer's block mask, the
+    tag mask_mod; run eagerly here) gives the eager gather's output."""
+    policy = make("dbtrimkv", tie_policy)
+    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, page=page)
+    st = eng.store
+    st.flex = True  # keep the block masks, as a compiled engine does
+    x = ids(n=90, seed=5)
+    engine_logits(eng, x[:, :80], 60)
+    for layer in range(2):
+        for b in range(2):
+            blocks = st.bm_idx[layer, b, 0, 0, : int(st.bm_num[layer][b])].long()
+            listed = (blocks[:, None] * page + torch.arange(page)).flatten()
+            tags = st.tag[b, listed]
+            assert sorted(listed[tags >= 0].tolist()) == sorted(torch.nonzero(st.tag[b] // 2 == layer).flatten().tolist())
+            assert ((tags < 0) | (tags // 2 == layer)).all()
+    eng.tok.copy_(x[:, 80:81])
+    eng.seen += 1
+    xs, h, cos, sin, at = eng._step_head(eng)
+    layer = eng.layers[0]
+    args = (eng, layer, layer.input_layernorm, eng._wqkv[0], eng._wgu[0], eng._layer_index[0], st.bm_num[0], st.bm_idx[0], xs, h, cos, sin, at)
+    with torch.no_grad():
+        eager = eng._layer_step(*args)[0]
+        eng.compiled = True  # the compiled step's branch, run eagerly
+        try:
+            flex = eng._layer_step(*args)[0]
+        finally:
+            eng.compiled = False
+    assert (flex - eager).abs().max() < 1e-5
+
+
+def test_a_competition_without_a_leaver_changes_nothing(model, tie_policy):
+    """The graphed step runs the competition at every token (static control flow); before a token leaves the
+    window (its leaver a sink, or before the first token) it must leave every buffer as it was."""
+    eng = DecodeEngine(model, make("dbtrimkv", tie_policy), layout=LAYOUT, batch_size=2, page=4)
+    st = eng.store
+    st.flex = True
+    eng.prefill(ids(n=50, seed=3))
+    st.tag[:, st.dump], st.pos[:, st.dump] = -1, -1
+    names = ("keys", "values", "pos", "tag", "prio", "lidx", "count", "ptab", "used", "bm_idx", "_bm_num")
+    before = {n: getattr(st, n).clone() for n in names}
+    for q in (0, SINKS + WINDOW - 1):
+        st.update(torch.tensor(q), torch.randn(2, st.F, dtype=torch.float64))
+        for n in names:
+            a, b = getattr(st, n), before[n]
+            if n in ("ptab", "used"):  # their last column is where the writes that change nothing go
+                a, b = a[..., :-1], b[..., :-1]
+            if n in ("keys", "values", "prio", "lidx"):  # the dump slot
+                a, b = a[:, : st.dump], b[:, : st.dump]
+            assert torch.equal(a, b), (q, n)
+
+
+@pytest.mark.parametrize("name", ["dbtrimkv", "one_pool_mlp"])
+def test_the_compiled_steps_control_flow_on_the_cpu(tiny_model, name, tie_policy):
+    """The step as the compiled engine runs it (the competition at every token, FlexAttention over each
+    layer's block list; eager here, neither compiled nor graphed: about 20 s, eager flex on the CPU) from a
+    short prompt on: OnePoolCache's logits."""
+    model = enable(tiny_model("qwen3"))
+    policy = make(name, tie_policy)
+    x = ids(n=60, seed=6)
+    ref = teacher_forced_logits(model, policy, x, layout=LAYOUT, prefill=1)
+    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, page=8)
+    eng.store.flex = True
+    eng.prefill(x[:, :10])  # before any token leaves the window
+    eng.compiled = True  # the pieces stay the eager functions: only their control flow changes
+    try:
+        for t in range(10, 60):
+            eng.tok.copy_(x[:, t : t + 1])
+            eng.seen += 1
+            with torch.no_grad():
+                got = eng._eager_step(eng)
+            assert (got - ref[:, t]).abs().max() < 1e-4, t
+    finally:
+        eng.compiled = False
