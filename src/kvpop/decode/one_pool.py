@@ -134,7 +134,7 @@ class PoolLayer(CacheLayerMixin):
         if self.seen == 0:
             if S > c.max_prefill:
                 raise NotImplementedError(
-                    f"OnePoolCache: a {S}-token prompt is longer than the budget ({c.max_prefill} slots); feed the first {c.max_prefill} "
+                    f"OnePoolCache: a {S}-token prompt is longer than the budget ({c.max_prefill}); feed the first {c.max_prefill} "
                     "at once and the rest one at a time (kvpop.decode.feed, generate and teacher_forced_logits do)"
                 )
             self._reserve(S)
