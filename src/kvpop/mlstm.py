@@ -312,10 +312,12 @@ class ChunkwiseStream:
     read-out delay as its ``window``). :meth:`feed` takes the next chunk and reads out the tokens whose
     ``tau`` falls in it, each exactly once, so a token's score is ready once the chunk that holds its
     ``tau`` has been fed. Keeps every fed token's read-out side (q~, the direct term): a reader may sit
-    in an earlier chunk. One host sync per feed (the readers' range)."""
+    in an earlier chunk. One host sync per stream (the read-out times, copied to the host once, give each
+    feed's readers without another)."""
 
     def __init__(self, cell: HeadwiseMLSTM, start: Tensor, tau: Tensor):
         self.cell, self.start, self.tau = cell, start.to(torch.int64), tau.to(torch.int64).contiguous()
+        self.tau_host = self.tau.cpu()  # (B, S): the readers' ranges without a sync per feed
         self.seen = 0  # tokens fed
         self.q: Tensor | None = None  # (B, Hk, seen, d_k) read-out queries of every fed token
         self.direct: Tensor | None = None  # (B, Hk, seen) their direct terms
@@ -336,8 +338,8 @@ class ChunkwiseStream:
             self.state = (f.k.new_zeros(B, Hk, self.cell.d_k, self.cell.d_v + 1),
                           torch.full((B, Hk), float("-inf"), device=k.device, dtype=torch.float64))
         # readers: tau in [c0, c1), a contiguous range of t per row (tau is non-decreasing); their union over rows
-        bounds = torch.searchsorted(self.tau, torch.tensor([c0, c1], device=k.device).expand(B, 2).contiguous())  # (B, 2)
-        r0, r1 = torch.stack([bounds[:, 0].min(), bounds[:, 1].max()]).tolist()
+        bounds = torch.searchsorted(self.tau_host, torch.tensor([c0, c1]).expand(B, 2).contiguous())  # (B, 2)
+        r0, r1 = int(bounds[:, 0].min()), int(bounds[:, 1].max())
         vn = torch.cat([f.v, torch.ones_like(f.v[..., :1])], dim=-1)  # (B, Hk, C, d_v + 1)
         ta, st = self.tau[:, r0:r1] - c0, self.start[:, r0:r1] - c0  # (B, R) relative to the chunk
         h, Cn, m = _chunkwise_chunk(*self.state, self.q[:, :, r0:r1], f.k, vn, f.i_pre, f.log_f, ta, st, self.start[:, c1 - 1] - c0)
