@@ -106,12 +106,17 @@ def test_the_chunked_forward_is_the_fixed_point(llama, delay, chunk):
 def test_the_chunked_forward_is_decoding(llama, delay):
     """OnePoolCache: the state reads every token as it enters, token p - delay is read out at step p."""
     policy = mlstm_pool(delay, seed=5)
-    ids = torch.randint(0, 96, (2, 56), generator=torch.Generator().manual_seed(6))
-    _, logits = pool_chunked(llama, policy, ids, layout=LAYOUT, keep_logits=True)
+    S = 56
+    ids = torch.randint(0, 96, (2, S), generator=torch.Generator().manual_seed(6))
+    evict, logits = pool_chunked(llama, policy, ids, layout=LAYOUT, keep_logits=True)
     cache = new_cache(llama, policy, NOMINAL)
     decoded = teacher_forced_logits(llama, policy, ids, layout=NOMINAL, prefill=LAYOUT.slots, cache=cache)
     assert (decoded - logits).abs().max() < 1e-4
     assert bool((cache.pool_pos >= 0).all()) and bool(torch.isfinite(cache.pool_lb).all())  # a full pool, every entry scored
+    for b in range(2):  # the pool holds exactly the (pair, token) entries past the window that the last query attends
+        held = {(int(f), int(j)) for f, j in zip(cache.pool_f[b], cache.pool_pos[b], strict=True)}
+        alive = (evict[:, b, :, SINKS : S - WINDOW] > S - 1).nonzero().tolist()  # (layer, head, j - sinks)
+        assert held == {(layer * 2 + h, j + SINKS) for layer, h, j in alive}
 
 
 def test_a_prompt_of_the_budget_is_decoded_as_the_chunked_forward(llama):
@@ -119,6 +124,27 @@ def test_a_prompt_of_the_budget_is_decoded_as_the_chunked_forward(llama):
     policy = mlstm_pool(seed=7)
     cache = new_cache(llama, policy, NOMINAL)
     assert cache.max_prefill == LAYOUT.slots < NOMINAL.budget
+
+
+def test_greedy_generation_is_the_chunked_forwards_argmax(llama):
+    """kvpop.decode.generate runs kvpop_pool (the reference path: OnePoolCache, the prompt past its slots fed one
+    token at a time): each greedy token is the argmax of the chunked forward's logits over the generated text
+    (a path check: the tiny model's argmax hardly depends on the pattern; the decoding twin above checks it)."""
+    from kvpop.decode import generate
+
+    class Tok:
+        pad_token_id, eos_token_id = 0, llama.generation_config.eos_token_id
+
+    policy = mlstm_pool(seed=15)
+    prompt = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(16))
+    new, stats = generate(llama, Tok(), policy, prompt, layout=NOMINAL, max_new_tokens=16)
+    assert stats.path == "reference" and new.shape == (1, 16)
+    full = torch.cat([prompt, new], 1)
+    _, logits = pool_chunked(llama, policy, full, layout=LAYOUT, keep_logits=True)
+    want = logits[0, 29:-1].argmax(-1)  # (16,) the prediction after each prefix
+    stop = [i for i, t in enumerate(new[0].tolist()) if t == Tok.eos_token_id]
+    n = stop[0] + 1 if stop else 16  # after an end-of-sequence token: padding
+    assert torch.equal(new[0, :n], want[:n]) and n > 8
 
 
 @pytest.mark.parametrize("delay", [0, WINDOW // 2])
