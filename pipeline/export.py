@@ -37,7 +37,8 @@ def main() -> None:
     model = load_model(args.base)
     shape = model_shape(model)
     policy = make_policy(args.policy, **{k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}, scorer_hidden=p.train.scorer_hidden,
-                         scorer_recency=p.train.scorer_recency, scorer_recency_space=p.train.scorer_recency_space)
+                         scorer_recency=p.train.scorer_recency, scorer_recency_space=p.train.scorer_recency_space,
+                         scorer_delay=p.train.scorer_delay)
     student_sd = {k.removeprefix("student."): v for k, v in state.items() if k.startswith("student.")}
     policy_sd = {k.removeprefix("policy."): v for k, v in state.items() if k.startswith("policy.")}
     if not student_sd:

@@ -360,6 +360,57 @@ def test_chunked_pool_forward_equals_the_flex_fixed_point_and_the_training_forwa
     assert _maxdiff(train_logits, logits) < 1e-3
 
 
+@pytest.mark.parametrize("delay", [0, 4, 7])
+def test_delayed_mlstm_pool_chunked_equals_the_flex_fixed_point_decoding_and_the_training_forward(delay, tiny_model):
+    """kvpop_pool on CUDA (the mLSTM read out at j + delay, kvpop.policies.kvpop_pool): the chunked pool forward
+    (chunks of window - delay, the mLSTM streamed over them) reaches the fixed point's times (FlexAttention full
+    forwards) with equal logits; token-by-token decoding through OnePoolCache and the training forward
+    (FlexAttention under those times, on packed rows too) give the same logits, and the training forward's
+    priorities give the same times back."""
+    from kvpop.decode import enable, teacher_forced_logits
+    from kvpop.evaluate import pool_fixed_point
+    from kvpop.policies import make_policy
+    from kvpop.pool import pool_chunked
+    from kvpop.selection import global_eviction_times
+
+    dev = torch.device("cuda")
+    model = enable(tiny_model("llama").to(dev))
+    torch.manual_seed(0)
+    policy = make_policy("kvpop_pool", num_layers=2, num_kv_heads=2, head_dim=16, scorer_dk=4, scorer_dv=4, scorer_delay=delay)
+    with torch.no_grad():  # drawn on the CPU, then moved
+        for cell in policy.scorer.layers:
+            cell.w_gate.normal_(std=0.3)
+            cell.w_o.mul_(3.0)
+    policy.to(dev)
+    nominal = CacheLayout(21, 2, 8)  # one slot for the mLSTM state (21 numbers at head dim 16)
+    layout = nominal.for_policy(policy, head_dim=16)
+    assert layout.long_range == 10
+    ids = torch.randint(0, 96, (3, 160), generator=torch.Generator().manual_seed(2)).to(dev)
+    want, want_logits = pool_fixed_point(model, policy, ids, layout=layout, keep_logits=True)
+    got, logits = pool_chunked(model, policy, ids, layout=layout, keep_logits=True)
+    assert torch.equal(got, want.long()) and bool((got < 160).any())
+    d_fixed = _maxdiff(logits, want_logits)
+    decoded = teacher_forced_logits(model, policy, ids, layout=nominal, prefill=layout.slots)
+    d_decode = _maxdiff(decoded, logits)
+    pos = torch.arange(160, device=dev).expand(3, 160)
+    ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, layout, global_evict=got, executor="flex")
+    with torch.no_grad():
+        train_logits = model(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits.float()
+    d_train = _maxdiff(train_logits, logits)
+    ids_p, doc, pos_p = (t.to(dev) for t in packed_toy(2, 160, seed=3))
+    got_p, logits_p = pool_chunked(model, policy, ids_p, layout=layout, doc_ids=doc, pos=pos_p, keep_logits=True)
+    ctx = SparseContext.for_rows(policy, doc, pos_p, layout, global_evict=got_p, executor="flex")
+    with torch.no_grad():
+        train_p = model(input_ids=ids_p, position_ids=pos_p, kvpop_ctx=ctx).logits.float()
+    prio = torch.stack([ctx.global_prio[i] for i in sorted(ctx.global_prio)])
+    again = global_eviction_times(prio, doc, pos_p, sinks=layout.sinks, window=layout.window, long_range=layout.long_range)
+    d_packed = _maxdiff(train_p[doc >= 0], logits_p[doc >= 0])
+    print(f"kvpop_pool delay {delay}: chunked vs flex fixed point {d_fixed:.2e}, vs decoding {d_decode:.2e}, "
+          f"flex training forward {d_train:.2e}, packed {d_packed:.2e}")
+    assert max(d_fixed, d_decode, d_train, d_packed) < 1e-3
+    assert torch.equal(again.long(), got_p) and bool((got_p < 160).any())
+
+
 # --- the decode engine: compiled (CUDA graph) step == eager step == BoundedCache on CUDA ---------------
 @pytest.mark.parametrize("policy_name", ["streaming_llm", "kvpop_mlp", "kvpop", "dms", "dense"])
 def test_compiled_engine_equals_bounded_cache(policy_name, tiny_model):

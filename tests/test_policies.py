@@ -20,7 +20,7 @@ SHAPE = dict(num_layers=2, num_kv_heads=2, head_dim=16)
 
 def test_registry_holds_every_policy_once_under_its_own_name():
     assert list(REGISTRY) == [
-        "dense", "streaming_llm", "tova", "h2o", "streaming_llm_plus", "kvpop_mlp", "kvpop_mlp_pool", "kvpop", "dms", "trimkv", "trimkv_joint",
+        "dense", "streaming_llm", "tova", "h2o", "streaming_llm_plus", "kvpop_mlp", "kvpop_mlp_pool", "kvpop", "kvpop_pool", "dms", "trimkv", "trimkv_joint",
         "dbtrimkv", "oracle_target", "oracle_sources",
     ]
     for name, cls in REGISTRY.items():
@@ -32,11 +32,13 @@ def test_registry_holds_every_policy_once_under_its_own_name():
 def test_declared_capabilities():
     caps = {name: cls.capabilities() for name, cls in REGISTRY.items()}
     assert caps["dense"]["evicts"] is False and all(c["evicts"] for n, c in caps.items() if n != "dense")
-    assert names(learned=True) == ("kvpop_mlp", "kvpop_mlp_pool", "kvpop", "dms", "trimkv", "trimkv_joint", "dbtrimkv")
-    assert names(trained=True) == ("streaming_llm_plus", "kvpop_mlp", "kvpop_mlp_pool", "kvpop", "dms", "trimkv", "trimkv_joint", "dbtrimkv")
+    assert names(learned=True) == ("kvpop_mlp", "kvpop_mlp_pool", "kvpop", "kvpop_pool", "dms", "trimkv", "trimkv_joint", "dbtrimkv")
+    assert names(trained=True) == (
+        "streaming_llm_plus", "kvpop_mlp", "kvpop_mlp_pool", "kvpop", "kvpop_pool", "dms", "trimkv", "trimkv_joint", "dbtrimkv",
+    )
     assert names(gated=True) == ("dms", "trimkv", "trimkv_joint", "dbtrimkv")
     assert names(decays=True) == ("trimkv", "trimkv_joint", "dbtrimkv")
-    assert names(one_pool=True) == ("kvpop_mlp_pool", "dbtrimkv")
+    assert names(one_pool=True) == ("kvpop_mlp_pool", "kvpop_pool", "dbtrimkv")
     assert [n for n, cls in REGISTRY.items() if not cls.trains_model] == ["trimkv", "dbtrimkv"]
     assert names(needs_attention=True) == ("tova", "h2o")
     assert names(scores_on_exit=True) == ("kvpop",)
@@ -78,13 +80,20 @@ def test_declared_hooks_are_implemented():
         if s is not None:
             assert s.prio.shape == (1, 2, 6) and s.prio.dtype == torch.float64
             assert (s.r_hat is not None) == p.learned
-        if p.scores_on_exit:
+        delayed = p.read_delay(8) is not None  # a static priority read d tokens late (kvpop_pool)
+        if p.scores_on_exit or delayed:
             state = p.init_state(0, 1, "cpu")
             state = p.step(0, state, k[:, :, 0], k[:, :, 0])
             assert p.exit_scores(0, state, k[:, :, 0], k[:, :, 0], 0).shape == (1, 2)
         else:
             with pytest.raises(NotImplementedError, match=f"policy '{name}' keeps no recurrent state"):
                 p.init_state(0, 1, "cpu")
+        if delayed:
+            prio, r0, read = p.score_stream(0, torch.zeros_like(pos), pos, window=8).feed(k, k)
+            assert prio.dtype == torch.float64 and r0 == 0 and prio.shape == (1, 2, 6) and bool(read.all())  # the whole document: all read out
+        else:
+            with pytest.raises(NotImplementedError, match=f"policy '{name}' has no delayed static priority"):
+                p.score_stream(0, torch.zeros_like(pos), pos, window=8)
         if not p.needs_attention and p.evicts:
             with pytest.raises(NotImplementedError, match="does not re-score from attention"):
                 p.slot_scores(torch.zeros(1, 2, 3), torch.rand(1, 2, 1, 3))
@@ -94,7 +103,7 @@ def test_long_range_slots_per_policy():
     geo = dict(layout=CacheLayout(384, 4, 256), head_dim=64)
     for name in REGISTRY:
         p = make_policy(name, num_layers=2, num_kv_heads=2, head_dim=64)
-        want = 124 - 3 if name == "kvpop" else 124  # the mLSTM state (273 numbers) takes ceil(273 / 128) = 3 slots
+        want = 124 - 3 if name in ("kvpop", "kvpop_pool") else 124  # the mLSTM state (273 numbers) takes ceil(273 / 128) = 3 slots
         assert p.long_range_slots(**geo) == want
 
 

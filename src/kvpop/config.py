@@ -20,6 +20,7 @@ from kvpop.boundary import BoundaryWeight
 from kvpop.data.synthetic import DEFAULT_MIN_QUOTE_DISTANCE_CHARS, DEFAULT_NUM_RECALLS, DEFAULT_NUM_VALUES
 from kvpop.geometry import CacheLayout, check_budget
 from kvpop.policies import OnePool, names, policy_class
+from kvpop.policies.kvpop_pool import check_delay
 from kvpop.ruler import DEFAULT_SEED as RULER_SEED
 from kvpop.ruler import TASKS as RULER_TASKS
 from kvpop.ruler import min_seq_len as ruler_min_seq_len
@@ -176,6 +177,11 @@ class TrainConfig(_Section):
     scorer_recency_space: Literal["log", "share"] = Field(
         "log", description="what scorer_recency is subtracted from: log (r_hat, with the learned decay) or share "
         "(exp(r_hat), the attention share; the learned decay unused; kvpop.scorer)",
+    )
+    scorer_delay: int | None = Field(
+        None, description="kvpop_pool: tokens after token j that its mLSTM score reads, 0 <= scorer_delay < window (the score is "
+        "ready before the token leaves the window; the chunked pool forward runs chunks of window - scorer_delay); null: window // 2 "
+        "(kvpop.policies.kvpop_pool)",
     )
     scorer_calibration: float = Field(
         0.0, ge=0, description="weight of the scorer's calibration term, the squared error of r_hat against the target "
@@ -408,6 +414,8 @@ class Params(_Section):
     @model_validator(mode="after")
     def _check_budget(self) -> Params:
         check_budget(self.budget, self.sinks, self.window)  # the message names budget, sinks and window
+        if self.train.scorer_delay is not None:
+            check_delay(self.train.scorer_delay, self.window, key="train.scorer_delay")  # names both numbers
         if self.filter.source == "synthetic" and self.eval_seed == self.seed:
             raise ValueError(f"filter.synthetic.eval_seed equals seed ({self.seed}): the held-out traces would be the training traces")
         if (ruler := self.evaluate.benchmarks.ruler).enabled:

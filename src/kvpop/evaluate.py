@@ -196,7 +196,8 @@ def pool_fixed_point(model, policy: Policy, input_ids: Tensor, *, layout: CacheL
     ``one_pool`` policy on B traces of one length (B, S) at once, one trace per row: the fixed point of
     "forward under E, simulate the pool on the recorded priorities", started from no eviction (why it
     is unique, reached within ``ceil((S - budget) / window) + 1`` forwards and equal to decoding:
-    :mod:`kvpop.decode.one_pool`), with the pool's simulation vectorized over the rows.
+    :mod:`kvpop.decode.one_pool`; a score read ``d`` tokens late, ``window - d`` for ``window``:
+    :mod:`kvpop.policies.kvpop_pool`), with the pool's simulation vectorized over the rows.
     The simulation is sequential over queries and costs about as much for 16 rows as for one, so
     batching the traces divides the fixed point's cost by about B (without ``keep_logits`` the
     forwards skip the vocabulary projection but the last position's: :func:`forward_under` then)."""
@@ -204,7 +205,8 @@ def pool_fixed_point(model, policy: Policy, input_ids: Tensor, *, layout: CacheL
     pos = torch.arange(S, device=input_ids.device).expand(B, S)
     doc = torch.zeros_like(pos)
     evict, run = None, None  # (L, B, Hk, S); the last simulation, which the next one continues where the scores changed
-    for _ in range(max(0, -(-(S - layout.slots) // layout.window)) + 2):
+    step = layout.window - (policy.read_delay(layout.window) or 0)  # queries each forward settles (kvpop.policies.kvpop_pool: window - delay)
+    for _ in range(max(0, -(-(S - layout.slots) // step)) + 2):
         ctx, logits = _pool_forward(model, policy, input_ids, evict, layout=layout, logits=keep_logits)  # records each layer's scores
         prio = torch.stack([ctx.global_prio[i] for i in sorted(ctx.global_prio)])  # (L, B, Hk, S) log beta
         new, run = global_decaying_eviction_times(prio, doc, pos, sinks=layout.sinks, window=layout.window, long_range=layout.long_range, previous=run,

@@ -4,6 +4,7 @@ Layout of an export folder::
 
     config.json, model.safetensors, tokenizer files   the student, a plain Hugging Face folder
     kvpop.json                                        {"policy", "budget", "sinks", "window", "scorer": {...} | null}
+                                                      (kvpop_pool: "scorer" holds its read-out "delay")
     scorer.safetensors                                scorer and decay parameters (learned policies)
 
 Training checkpoints come in two layouts, both read by :func:`load_training_state`: one file
@@ -142,6 +143,8 @@ def export(student, tokenizer, policy: Policy, out_dir: Path, *, layout: CacheLa
         scorer_cfg = None
         if policy.learned:
             scorer_cfg = dict(policy.scorer.config)
+            if (delay := policy.read_delay(layout.window)) is not None:  # kvpop_pool: the read-out delay at this window
+                scorer_cfg["delay"] = delay
             save_file({k: v.detach().cpu().contiguous() for k, v in policy.state_dict().items()}, str(tmp / SCORER))
         meta = {"policy": policy.name, "budget": layout.budget, "sinks": layout.sinks, "window": layout.window, "scorer": scorer_cfg, **(extra or {})}
         (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
@@ -179,7 +182,7 @@ def load_export(path: Path, dtype: str = "float32", *, recency: float | None = N
         meta["policy"], num_layers=shape["num_layers"], num_kv_heads=shape["num_kv_heads"], head_dim=shape["head_dim"],
         scorer_hidden=sc.get("hidden", 64), scorer_dk=sc.get("d_k", 16), scorer_dv=sc.get("d_v", 16),
         scorer_forget_gate=sc.get("forget_gate", "sigmoid"), scorer_recency=sc.get("recency", 0.0) if recency is None else recency,
-        scorer_recency_space=sc.get("recency_space", "log") if recency_space is None else recency_space,
+        scorer_recency_space=sc.get("recency_space", "log") if recency_space is None else recency_space, scorer_delay=sc.get("delay"),
     )
     if policy.learned:
         f = path / SCORER

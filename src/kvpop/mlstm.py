@@ -302,6 +302,51 @@ class HeadwiseMLSTM(nn.Module):
         return self.head(h, f.direct)
 
 
+class ChunkwiseStream:
+    """The chunkwise form fed one chunk of keys and values at a time, as a chunked forward writes them
+    (``kvpop_pool`` in :func:`kvpop.pool.pool_chunked`): the same per-chunk step as
+    :meth:`HeadwiseMLSTM.chunkwise` with its chunk edges at the fed chunks' edges, the stabilized state
+    ``[C | n], m`` carried from one feed to the next.
+
+    ``start, tau`` (B, S) int64 of the whole rows, laid out as :func:`readout_times` makes them (with the
+    read-out delay as its ``window``). :meth:`feed` takes the next chunk and reads out the tokens whose
+    ``tau`` falls in it, each exactly once, so a token's score is ready once the chunk that holds its
+    ``tau`` has been fed. Keeps every fed token's read-out side (q~, the direct term): a reader may sit
+    in an earlier chunk. One host sync per stream (the read-out times, copied to the host once, give each
+    feed's readers without another)."""
+
+    def __init__(self, cell: HeadwiseMLSTM, start: Tensor, tau: Tensor):
+        self.cell, self.start, self.tau = cell, start.to(torch.int64), tau.to(torch.int64).contiguous()
+        self.tau_host = self.tau.cpu()  # (B, S): the readers' ranges without a sync per feed
+        self.seen = 0  # tokens fed
+        self.q: Tensor | None = None  # (B, Hk, seen, d_k) read-out queries of every fed token
+        self.direct: Tensor | None = None  # (B, Hk, seen) their direct terms
+        self.state: tuple[Tensor, Tensor] | None = None  # [C | n] (B, Hk, d_k, d_v + 1), m (B, Hk) float64
+
+    def feed(self, k: Tensor, v: Tensor) -> tuple[Tensor, int, Tensor]:
+        """k, v (B, Hk, C, D) of tokens ``[seen, seen + C)`` -> (r_hat (B, Hk, R), r0, read (B, R) bool) of
+        tokens ``r0 .. r0 + R - 1``: ``read`` marks the ones whose ``tau`` is in this chunk (their r_hat is
+        final); the others' r_hat is not a score and must be ignored (another row's readers)."""
+        B, Hk, C, _ = k.shape
+        c0, c1 = self.seen, self.seen + C
+        if c1 > self.tau.shape[1]:
+            raise ValueError(f"ChunkwiseStream: fed {c1} tokens of rows of {self.tau.shape[1]}")
+        f = self.cell.features(k, v)
+        self.q = f.q if self.q is None else torch.cat([self.q, f.q], 2)
+        self.direct = f.direct if self.direct is None else torch.cat([self.direct, f.direct], 2)
+        if self.state is None:  # the empty state, as chunkwise starts
+            self.state = (f.k.new_zeros(B, Hk, self.cell.d_k, self.cell.d_v + 1),
+                          torch.full((B, Hk), float("-inf"), device=k.device, dtype=torch.float64))
+        # readers: tau in [c0, c1), a contiguous range of t per row (tau is non-decreasing); their union over rows
+        bounds = torch.searchsorted(self.tau_host, torch.tensor([c0, c1]).expand(B, 2).contiguous())  # (B, 2)
+        r0, r1 = int(bounds[:, 0].min()), int(bounds[:, 1].max())
+        vn = torch.cat([f.v, torch.ones_like(f.v[..., :1])], dim=-1)  # (B, Hk, C, d_v + 1)
+        ta, st = self.tau[:, r0:r1] - c0, self.start[:, r0:r1] - c0  # (B, R) relative to the chunk
+        h, Cn, m = _chunkwise_chunk(*self.state, self.q[:, :, r0:r1], f.k, vn, f.i_pre, f.log_f, ta, st, self.start[:, c1 - 1] - c0)
+        self.state, self.seen = (Cn, m), c1
+        return self.cell.head(h, self.direct[:, :, r0:r1]), r0, (ta >= 0) & (ta < C)
+
+
 def _parallel_chunk(q: Tensor, k: Tensor, v: Tensor, i_pre: Tensor, cum: Tensor, cum_tau: Tensor, st: Tensor, ta: Tensor) -> Tensor:
     """One chunk of the parallel form; returns h (B, Hk, c, d_v).
 

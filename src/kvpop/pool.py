@@ -22,6 +22,16 @@ the chunks every query attends to the pattern of the fixed point, which is uniqu
 (:mod:`kvpop.decode.one_pool`, "The fixed point"), so the two agree; the tests check it against the
 fixed point and against token-by-token decoding with :class:`kvpop.decode.OnePoolCache`.
 
+A delayed score (``kvpop_pool``: the mLSTM reads token ``j`` out after tokens ``.. j + d``, ``d =``
+:meth:`~kvpop.policies.Policy.read_delay` ``< window``) is fixed at ``j + d``, not when ``j`` enters. The
+same argument holds with chunks of at most ``window - d`` queries (the default then): the tokens the
+chunk's queries compete over are ``< c + C - window``, their scores read tokens ``< c + C - window + d
+<= c``, so they were read out by earlier chunks. Each layer's scorer runs as a stream over the chunks
+(:meth:`~kvpop.policies.Policy.score_stream`, :class:`kvpop.mlstm.ChunkwiseStream`: its recurrent
+state carried from chunk to chunk), and a token's priority is written when the chunk holding ``j + d``
+runs; until then its entry is a placeholder, which no query of a chunk that reads it can see (the
+closed form is right for queries ``< c - d + window``, at least ``c + C``). A longer chunk is refused.
+
 The forward is ``S / C`` model calls of ``C`` tokens (one forward's work plus the prefix's keys, and the
 simulation once over the sequence), against the fixed point's up to ``(S - budget) / window + 1`` full
 forwards. It runs without gradients: training takes its eviction times and runs one differentiable
@@ -64,18 +74,26 @@ class ChunkContext:
     prio: Tensor | None = None  # (L, B, Hk, S) float64 priorities of the tokens written so far (0 beyond)
     keys: dict[int, Tensor] = field(default_factory=dict)  # layer -> (B, Hk, start + C, D)
     values: dict[int, Tensor] = field(default_factory=dict)
+    streams: dict[int, object] = field(default_factory=dict)  # a delayed scorer (read_delay): layer -> its score stream
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """q (B, H, C, D), k, v (B, Hk, C, D) of the chunk -> attention output (B, C, H, D)."""
         B, H, C, _ = q.shape
         Hk, c = k.shape[1], self.start
         S = self.doc_ids.shape[1]
-        with torch.autocast(device_type=k.device.type, enabled=False):  # scorers compute in fp32
-            prio = self.policy.scores(layer, k.float(), v.float(), self.pos[:, c : c + C], doc_ids=self.doc_ids[:, c : c + C],
-                                      window=self.layout.window).prio  # (B, Hk, C)
         if self.prio is None:
             self.prio = torch.zeros(self.num_layers, B, Hk, S, dtype=torch.float64, device=k.device)
-        self.prio[layer, :, :, c : c + C] = prio.detach().double()
+        with torch.autocast(device_type=k.device.type, enabled=False):  # scorers compute in fp32
+            if self.policy.read_delay(self.layout.window) is None:  # fixed from the token itself
+                prio = self.policy.scores(layer, k.float(), v.float(), self.pos[:, c : c + C], doc_ids=self.doc_ids[:, c : c + C],
+                                          window=self.layout.window).prio  # (B, Hk, C)
+                self.prio[layer, :, :, c : c + C] = prio.detach().double()
+            else:  # delayed: the tokens whose read-out time falls in this chunk (module docstring)
+                if layer not in self.streams:
+                    self.streams[layer] = self.policy.score_stream(layer, self.doc_ids, self.pos, window=self.layout.window)
+                prio, r0, read = self.streams[layer].feed(k.float(), v.float())  # (B, Hk, R) tokens r0 .., (B, R)
+                dst = self.prio[layer, :, :, r0 : r0 + prio.shape[-1]]
+                dst.copy_(torch.where(read[:, None], prio.detach().double(), dst))
         if c:
             k = torch.cat([self.keys[layer], k], 2)
             v = torch.cat([self.values[layer], v], 2)
@@ -91,19 +109,24 @@ class ChunkContext:
 def pool_chunked(model, policy: Policy, input_ids: Tensor, *, layout: CacheLayout, doc_ids: Tensor | None = None,
                  pos: Tensor | None = None, chunk: int | None = None, keep_logits: bool = False) -> tuple[Tensor, Tensor | None]:
     """(Eviction times (L, B, Hk, S) int64, logits (B, S, V) float32 under them if ``keep_logits``, else None)
-    of a ``one_pool`` policy whose priorities are fixed when a token enters, on B rows (B, S): the fixed
+    of a ``one_pool`` policy whose priorities are fixed when a token enters (or ``d < window`` tokens later,
+    :meth:`~kvpop.policies.Policy.read_delay`), on B rows (B, S): the fixed
     point of :func:`kvpop.evaluate.pool_fixed_point`, reached in ``S / chunk`` chunks (module docstring).
 
     ``doc_ids``, ``pos`` (B, S): packed rows (a new document empties its row's pool); default one
-    document per row. ``chunk``: at most ``layout.window`` (the default)."""
+    document per row. ``chunk``: at most ``layout.window - d`` (the default), ``d`` the policy's
+    :meth:`~kvpop.policies.Policy.read_delay` (0 for a score fixed when its token enters)."""
     if not policy.one_pool:
         raise ValueError(f"pool_chunked runs one_pool policies, not {policy.name!r}")
     if policy.scores_on_exit or policy.needs_attention:
         raise ValueError(f"{policy.name!r} does not fix a token's priority when it enters: the chunked pool forward does not apply")
     B, S = input_ids.shape
-    C = layout.window if chunk is None else chunk
-    if not 0 < C <= layout.window:
-        raise ValueError(f"chunk {C} must be in [1, window = {layout.window}]: a longer chunk would hold a query whose leaver it writes itself")
+    delay = policy.read_delay(layout.window)
+    reach = layout.window - (delay or 0)  # the longest exact chunk
+    C = reach if chunk is None else chunk
+    if not 0 < C <= reach:
+        raise ValueError(f"chunk {C} must be in [1, window - delay = {layout.window} - {delay or 0} = {reach}]: a longer chunk would hold "
+                         "a query whose leaver's score it writes itself")
     if pos is None:
         pos = torch.arange(S, device=input_ids.device).expand(B, S)
     if doc_ids is None:

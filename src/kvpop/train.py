@@ -216,7 +216,7 @@ class DistillModule(L.LightningModule):
         gated = self.policy.gated
         ctx = self._ctx(self.policy, batch, self.s.scorer_training if self.policy.learned and not gated else None,
                         self.s.gate_training if gated else None)
-        if self.policy.one_pool and not gated:  # trained in the pool (kvpop_mlp_pool): its pattern under the current scorer, exactly
+        if self.policy.one_pool and not gated:  # trained in the pool (kvpop_mlp_pool, kvpop_pool): its pattern under the current scorer, exactly
             with torch.no_grad():
                 ctx.global_evict, _ = pool_chunked(self.student, self.policy, ids, layout=self.s.layout, doc_ids=batch["doc_ids"], pos=pos)
         s_logits = self.student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx, use_cache=False).logits
@@ -456,11 +456,11 @@ class Training:
 
 def training_policy(name: str, shape: Mapping[str, int], cfg: TrainConfig, **policy_kw: Any) -> Policy:
     """A fresh policy ``name`` for a model of ``shape`` (:func:`kvpop.modeling.model_shape`) with ``cfg``'s
-    scorer settings (``scorer_hidden``, ``scorer_recency``, ``scorer_recency_space``) and ``policy_kw``
-    (e.g. ``scorer_dk``): the policy a training run on ``cfg`` starts from."""
+    scorer settings (``scorer_hidden``, ``scorer_recency``, ``scorer_recency_space``, ``scorer_delay``) and
+    ``policy_kw`` (e.g. ``scorer_dk``): the policy a training run on ``cfg`` starts from."""
     dims = {k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}
     return make_policy(name, **dims, scorer_hidden=cfg.scorer_hidden, scorer_recency=cfg.scorer_recency,
-                       scorer_recency_space=cfg.scorer_recency_space, **policy_kw)
+                       scorer_recency_space=cfg.scorer_recency_space, scorer_delay=cfg.scorer_delay, **policy_kw)
 
 
 def build_training(

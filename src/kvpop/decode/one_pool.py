@@ -39,7 +39,13 @@ equals decoding:
    ``tests/test_gpu.py`` with FlexAttention). An oracle reads the trace's future and is never decoded.
 
 The priorities must be computable from the token itself: the delayed mLSTM (``kvpop``) scores a
-token from its whole window, which breaks 1., so :class:`kvpop.policies.OnePool` refuses it.
+token from its whole window, which breaks 1., so :class:`kvpop.policies.OnePool` refuses it. A score
+that reads ``d < window`` tokens past its own (``kvpop_pool``,
+:meth:`~kvpop.policies.Policy.read_delay`) keeps the argument with ``window - d`` for ``window``: the
+priority of ``i`` reads positions ``<= i + d``, the pattern at ``t`` the tokens ``<= t - window``, so
+an iteration right below ``T`` is right below ``T + window - d`` (:mod:`kvpop.policies.kvpop_pool`).
+The cache then keeps each layer's recurrent state, reads every token into it as it enters and reads
+token ``p - d`` out at step ``p``, ``window - d`` steps before it leaves (:meth:`PoolLayer._read_out`).
 
 The cache
 ---------
@@ -47,7 +53,8 @@ The reference cache of the pool, the decoding twin of the simulation. Per layer 
 the ``sinks`` first tokens and a ring over the ``window`` most recent ones, as
 :class:`kvpop.decode.BoundedCache` does (:class:`PoolLayer`); the long-range entries in the pool.
 
-Prefill: a prompt of at most ``budget`` tokens fills no pool beyond its size, so nothing is evicted
+Prefill: a prompt of at most ``budget`` tokens (a stateful policy's slots: its nominal budget less
+the state's, :func:`kvpop.mlstm.kvpop_k`) fills no pool beyond its size, so nothing is evicted
 in it: it attends causally and its tokens past the window go to the pool. A longer prompt must be
 fed one token at a time after its first ``budget`` (:func:`kvpop.decode.generate` and
 :func:`kvpop.decode.teacher_forced_logits` do): a layer's evictions depend on every later layer.
@@ -88,6 +95,7 @@ class PoolLayer(CacheLayerMixin):
         self.layer_idx, self.cache = layer_idx, cache
         self.seen = 0
         self._pending: tuple | None = None
+        self.delay: int | None = None  # read_delay of the policy (set with the buffers)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         B, Hk, S, D = key_states.shape
@@ -97,6 +105,9 @@ class PoolLayer(CacheLayerMixin):
         self.values = value_states.new_zeros(B, Hk, R, value_states.shape[-1])
         self.lb = torch.zeros(B, Hk, R, dtype=torch.float64, device=self.device)  # log beta
         self.pos = torch.full((B, Hk, R), -1, dtype=torch.int64, device=self.device)
+        self.delay = self.cache.policy.read_delay(self.cache.window)  # a delayed score (kvpop_pool): its recurrent state
+        if self.delay is not None:
+            self.state = self.cache.policy.init_state(self.layer_idx, B, self.device)
         self.is_initialized = True
         self.cache._allocate_pool(key_states, value_states)
 
@@ -112,11 +123,18 @@ class PoolLayer(CacheLayerMixin):
             raise RuntimeError("OnePoolCache: the previous step's attention did not run through the cache; call kvpop.decode.enable(model)")
         S = key_states.shape[-2]
         c = self.cache
-        lb = c.policy.token_scores(self.layer_idx, key_states, value_states, torch.arange(self.seen, self.seen + S, device=self.device)[None])
+        if self.delay is None:
+            lb = c.policy.token_scores(self.layer_idx, key_states, value_states, torch.arange(self.seen, self.seen + S, device=self.device)[None])
+        elif self.seen == 0:  # the prompt's priorities, exact for j + delay <= S - 1 (the others: read out again at j + delay), and the state
+            with torch.no_grad():
+                pos = torch.arange(S, device=self.device).expand(key_states.shape[0], S)
+                lb, self.state = c.policy.prefill(self.layer_idx, key_states, value_states, pos, window=c.window)
+        else:
+            lb = torch.full(key_states.shape[:3], float("nan"), dtype=torch.float64, device=self.device)  # read out at p + delay
         if self.seen == 0:
             if S > c.max_prefill:
                 raise NotImplementedError(
-                    f"OnePoolCache: a {S}-token prompt is longer than the budget ({c.budget}); feed the first {c.max_prefill} "
+                    f"OnePoolCache: a {S}-token prompt is longer than the budget ({c.max_prefill}); feed the first {c.max_prefill} "
                     "at once and the rest one at a time (kvpop.decode.feed, generate and teacher_forced_logits do)"
                 )
             self._reserve(S)
@@ -135,8 +153,21 @@ class PoolLayer(CacheLayerMixin):
         self.lb[:, :, slot] = lb[:, :, 0]
         self.pos[:, :, slot] = p
         self.seen = p + 1
+        if self.delay is not None:
+            self._read_out(p, key_states[:, :, 0], value_states[:, :, 0])
         self._pending = ("decode",)
         return key_states, value_states
+
+    @torch.no_grad()
+    def _read_out(self, p: int, k: Tensor, v: Tensor) -> None:
+        """A delayed score: the state reads token p (k, v (B, Hk, D)), then token ``j = p - delay`` gets its
+        priority from it (still in the ring: ``delay < window``), ``window - delay`` steps before it leaves."""
+        c = self.cache
+        self.state = c.policy.step(self.layer_idx, self.state, k, v)
+        j = p - self.delay
+        if j >= c.sinks:  # sinks never compete
+            slot = c.layout.home_slot(j)
+            self.lb[:, :, slot] = c.policy.exit_scores(self.layer_idx, self.state, self.keys[:, :, slot], self.values[:, :, slot], j)
 
     @torch.no_grad()
     def _prefill_store(self, k: Tensor, v: Tensor, lb: Tensor) -> None:
@@ -194,6 +225,8 @@ class PoolLayer(CacheLayerMixin):
     def reset(self) -> None:
         if self.is_initialized:
             self.pos.fill_(-1)
+            if self.delay is not None:
+                self.state = self.cache.policy.init_state(self.layer_idx, self.keys.shape[0], self.device)
             if self.layer_idx == 0:
                 self.cache._allocate_pool(self.keys, self.values, entries=0)
         self.seen, self._pending = 0, None
@@ -201,7 +234,8 @@ class PoolLayer(CacheLayerMixin):
     def nbytes(self) -> int:
         if not self.is_initialized:
             return 0
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.lb, self.pos))
+        state = tuple(self.state) if self.delay is not None else ()  # a delayed score's recurrent state
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.lb, self.pos, *state))
 
 
 class OnePoolCache(BoundedCache):
@@ -213,7 +247,7 @@ class OnePoolCache(BoundedCache):
     def _make_layers(self, cfg) -> list[PoolLayer]:
         self.num_layers, self.num_kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
         self.pool_size = self.num_layers * self.num_kv_heads * self.long_range
-        self.max_prefill = self.budget  # a longer prompt: a layer's evictions would depend on every later layer
+        self.max_prefill = self.slots  # a longer prompt: a layer's evictions would depend on every later layer (slots: the budget less a state's)
         return [PoolLayer(i, self) for i in range(self.num_layers)]
 
     def _allocate_pool(self, k: Tensor, v: Tensor, entries: int | None = None) -> None:

@@ -6,7 +6,7 @@ means that file plus its line in :data:`REGISTRY`; the config's allowed names, t
 evaluate stage and both decode paths read the registry and the declared capabilities.
 
     from kvpop.policies import make_policy, names
-    names(trained=True)                      # ('streaming_llm_plus', 'kvpop_mlp', 'kvpop_mlp_pool', 'kvpop', 'dms', 'trimkv', 'trimkv_joint', 'dbtrimkv')
+    names(trained=True)                      # ('streaming_llm_plus', 'kvpop_mlp', 'kvpop_mlp_pool', 'kvpop', 'kvpop_pool', 'dms', ...)
     make_policy("kvpop_mlp", num_layers=30, num_kv_heads=3, head_dim=64)
 """
 
@@ -20,6 +20,7 @@ from kvpop.policies.h2o import H2O
 from kvpop.policies.kvpop import Kvpop
 from kvpop.policies.kvpop_mlp import KvpopMLP
 from kvpop.policies.kvpop_mlp_pool import KvpopMLPPool
+from kvpop.policies.kvpop_pool import KvpopPool
 from kvpop.policies.one_pool import OnePool
 from kvpop.policies.oracle import OracleSources, OracleTarget
 from kvpop.policies.streaming_llm import StreamingLLM, StreamingLLMPlus
@@ -29,7 +30,8 @@ from kvpop.policies.trimkv import TrimKV, TrimKVJoint
 #: name -> policy class, in the order tables list them
 REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls for cls in (
-        Dense, StreamingLLM, TOVA, H2O, StreamingLLMPlus, KvpopMLP, KvpopMLPPool, Kvpop, Dms, TrimKV, TrimKVJoint, DBTrimKV, OracleTarget, OracleSources,
+        Dense, StreamingLLM, TOVA, H2O, StreamingLLMPlus, KvpopMLP, KvpopMLPPool, Kvpop, KvpopPool, Dms, TrimKV, TrimKVJoint, DBTrimKV,
+        OracleTarget, OracleSources,
     )
 }
 
@@ -53,13 +55,15 @@ def policy_class(name: str) -> type[Policy]:
 def make_policy(
     name: str, *, num_layers: int = 0, num_kv_heads: int = 0, head_dim: int = 0, scorer_hidden: int = 64, scorer_dk: int = 16,
     scorer_dv: int = 16, scorer_forget_gate: str = "sigmoid", scorer_recency: float = 0.0, scorer_recency_space: str = "log",
+    scorer_delay: int | None = None,
 ) -> Policy:
-    """A fresh policy by name; learned ones start from an untrained scorer for a model of this shape."""
+    """A fresh policy by name; learned ones start from an untrained scorer for a model of this shape
+    (``scorer_delay``: ``kvpop_pool``'s read-out delay, None: half the window it runs at)."""
     cls = policy_class(name)
     if cls.learned and min(num_layers, num_kv_heads, head_dim) < 1:
         raise ValueError(f"policy {name!r} is learned: make_policy needs num_layers, num_kv_heads and head_dim")
     spec = ScorerSpec(num_layers, num_kv_heads, head_dim, hidden=scorer_hidden, d_k=scorer_dk, d_v=scorer_dv, forget_gate=scorer_forget_gate,
-                      recency=scorer_recency, recency_space=scorer_recency_space)
+                      recency=scorer_recency, recency_space=scorer_recency_space, delay=scorer_delay)
     return cls.build(spec)
 
 
@@ -75,7 +79,7 @@ def resolve_policy(name: str, exported: Policy | None = None) -> Policy:
 
 
 __all__ = [
-    "REGISTRY", "DBTrimKV", "Dense", "Dms", "FusedScorer", "H2O", "Kvpop", "KvpopMLP", "KvpopMLPPool", "OnePool", "OracleSources", "OracleTarget",
+    "REGISTRY", "DBTrimKV", "Dense", "Dms", "FusedScorer", "H2O", "Kvpop", "KvpopMLP", "KvpopMLPPool", "KvpopPool", "OnePool", "OracleSources", "OracleTarget",
     "Policy", "Scores", "ScorerSpec", "StreamingLLM", "StreamingLLMPlus", "TOVA", "TrimKV", "TrimKVJoint",
     "make_policy", "names", "policy_class", "resolve_policy",
 ]

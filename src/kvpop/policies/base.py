@@ -29,8 +29,9 @@ capability                    meaning
                               instead of ``k`` per head: the pattern is a simulation over all layers at once
                               (:func:`kvpop.selection.global_decaying_eviction_times`), a teacher-forced
                               forward its fixed point, decoding :class:`kvpop.decode.one_pool.OnePoolCache`
-                              (:mod:`kvpop.decode.one_pool`); ``dbtrimkv`` (trained in it), or any policy
-                              with static priorities wrapped in :class:`kvpop.policies.OnePool`
+                              (:mod:`kvpop.decode.one_pool`); ``dbtrimkv``, ``kvpop_mlp_pool``, ``kvpop_pool``
+                              (trained in it), or any policy with static priorities wrapped in
+                              :class:`kvpop.policies.OnePool`
 ============================  ==========================================================================
 
 Hooks:
@@ -42,6 +43,8 @@ Hooks:
 * :meth:`slot_scores` -- an attention rule, after every decode step;
 * :meth:`init_state`, :meth:`step`, :meth:`exit_scores`, :meth:`prefill`, :meth:`prefill_chunk`
   -- a delayed rule;
+* :meth:`read_delay`, :meth:`score_stream` -- a static priority that reads ``d < window`` tokens past its
+  own (``kvpop_pool``: ready before the token leaves the window; decoded with the recurrent hooks above);
 * :meth:`relax`, :meth:`gate_loss` -- ``gated``: the differentiable relaxation of the gate in
   training, and its budget loss;
 * :meth:`long_range_slots` -- ``k`` at a nominal budget (a stateful rule spends slots on its state).
@@ -92,6 +95,7 @@ class ScorerSpec:
     forget_gate: str = "sigmoid"  # kvpop: "sigmoid" or "exp"
     recency: float = 0.0  # kvpop_mlp, kvpop: fixed extra age decay per token (kvpop.scorer)
     recency_space: str = "log"  # what it is subtracted from: "log" (r_hat) or "share" (exp(r_hat); kvpop.scorer)
+    delay: int | None = None  # kvpop_pool: tokens after j that j's score reads (None: window // 2)
 
 
 class Policy(nn.Module):
@@ -181,6 +185,22 @@ class Policy(nn.Module):
             return layer_view(self, modules={"scorer": one_layer(layer)})
         return self if self.layer_independent else None
 
+    def read_delay(self, window: int) -> int | None:
+        """How many tokens after token ``j`` its static priority reads, at this ``window``: None (every
+        rule but one) when it is fixed from the token's own key and value as it enters; ``d`` for
+        ``kvpop_pool``'s delayed mLSTM, which reads the keys and values up to ``j + d`` (``0 <= d < window``),
+        so that the score is ready at step ``j + d``, before the token leaves the window. The chunked pool
+        forward then runs chunks of ``window - d`` (:mod:`kvpop.pool`), decoding reads token ``p - d``
+        out of the recurrent state (:meth:`init_state`, :meth:`step`, :meth:`exit_scores` at step
+        ``j + d``, :meth:`prefill`; :class:`kvpop.decode.OnePoolCache`)."""
+        return None
+
+    def score_stream(self, layer: int, doc_ids: Tensor, pos: Tensor, *, window: int):
+        """``read_delay`` not None: layer ``layer``'s scores in a chunked forward over rows doc_ids, pos (B, S),
+        an object whose ``feed(keys, values)`` takes the next chunk (B, Hk, C, D) and returns (priority
+        (B, Hk, R) float64 of tokens ``r0 .. r0 + R - 1``, r0, read (B, R) bool: those scored now)."""
+        raise NotImplementedError(f"policy {self.name!r} has no delayed static priority")
+
     def token_scores(self, layer: int, keys: Tensor, values: Tensor, pos: Tensor) -> Tensor:
         """A static rule: entering tokens keys, values (B, Hk, S, D) at absolute positions pos (B, S)
         -> priority (B, Hk, S), fixed from then on."""
@@ -206,7 +226,8 @@ class Policy(nn.Module):
 
     def exit_scores(self, layer: int, state: tuple, k_t: Tensor, v_t: Tensor, pos: int | Tensor) -> Tensor:
         """``scores_on_exit``: priority (B, Hk) float64 of token ``pos`` (k_t, v_t (B, Hk, D)) as it
-        leaves the window; ``state`` has read tokens ``0 .. pos + window``."""
+        leaves the window; ``state`` has read tokens ``0 .. pos + window`` (a policy with a ``read_delay``
+        ``d``: called at step ``pos + d``, the state having read ``0 .. pos + d``)."""
         raise NotImplementedError(f"policy {self.name!r} keeps no recurrent state")
 
     def prefill(self, layer: int, keys: Tensor, values: Tensor, pos: Tensor, *, window: int) -> tuple[Tensor, tuple]:

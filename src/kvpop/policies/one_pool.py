@@ -24,9 +24,10 @@ an oracle, teacher-forced only. Training stays per head (the wrapped policy's pa
 pool's pattern of a training forward would need the fixed point at every step.
 
 Only priorities fixed when a token enters (or, for an oracle, fixed per trace) can be ranked so:
-the delayed mLSTM (``kvpop``) scores a token from the keys of its whole window, so the fixed
-point's argument would need its own proof and test; it is refused until then, as are rules that
-decay, gate or read attention (:meth:`OnePool.accepts`).
+the delayed mLSTM (``kvpop``) scores a token from the keys of its whole window, which the pool's
+chunked forward cannot know in time; it is refused, as are rules that decay, gate or read attention
+(:meth:`OnePool.accepts`). Its pool form is ``kvpop_pool`` (:mod:`kvpop.policies.kvpop_pool`): the
+mLSTM read out ``d < window`` tokens after the token, trained in the pool.
 """
 
 from __future__ import annotations
