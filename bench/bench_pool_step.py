@@ -75,6 +75,7 @@ def run_variant(teacher, name: str, delay: int | None, rows: PackedDataset, args
     timer = StepTimer(dev)
     training.fit(callbacks=[timer], enable_progress_bar=False, default_root_dir=args.tmp_dir)
     ids = rows.t["input_ids"][:1].to(dev)
+    student, policy = student.to(dev), policy.to(dev)  # Lightning's fit hands the module back on the CPU
     layout = training.module.s.layout
     chunked = []
     for _ in range(args.warmup + args.steps):

@@ -137,6 +137,9 @@ def test_greedy_generation_is_the_chunked_forwards_argmax(llama):
 
     policy = mlstm_pool(seed=15)
     prompt = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(16))
+    from kvpop.decode import engine_refusal
+
+    assert "recurrent state" in engine_refusal(llama, policy)  # the pooled engine has no mLSTM read-out at j + d
     new, stats = generate(llama, Tok(), policy, prompt, layout=NOMINAL, max_new_tokens=16)
     assert stats.path == "reference" and new.shape == (1, 16)
     full = torch.cat([prompt, new], 1)

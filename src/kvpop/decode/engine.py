@@ -200,6 +200,8 @@ def engine_refusal(model, policy: Policy | None) -> str | None:
         return f"policy {policy.name!r} is an oracle (it reads the trace's future): teacher-forced evaluation only"
     if policy is not None and policy.needs_attention:
         return f"policy {policy.name!r} needs attention weights: decode it with kvpop.decode.BoundedCache"
+    if policy is not None and policy.one_pool and type(policy).read_delay is not Policy.read_delay:  # kvpop_pool: read out at j + d
+        return f"policy {policy.name!r} ranks with one pool and reads a token's score out of a recurrent state: decode it with kvpop.decode.OnePoolCache"
     if policy is not None and policy.one_pool and policy.scores_on_exit:
         return f"policy {policy.name!r} ranks with one pool and scores a token when it leaves: decode it with kvpop.decode.OnePoolCache"
     if policy is not None and policy.one_pool:
