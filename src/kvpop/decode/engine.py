@@ -308,6 +308,9 @@ class DecodeEngine:
             self.store = PoolStore(batch=B, layers=L, kv_heads=Hk, head_dim=self.D, layout=self.layout, dtype=self.dtype, device=dev,
                                    page=page, decays=self.policy.decays, max_len=max_len, flex=bool(compile))
             self._layer_index = [torch.tensor(i, dtype=torch.int64, device=dev) for i in range(L)]
+        # a static rule's prefill chunk: its competitions in closed form (PoolStore.compete_static); False:
+        # replayed query by query (PoolStore.update), the twin, and the path of decaying ranks
+        self.pool_closed_form = True
         if compile and dev.type != "cuda":
             raise ValueError("compile=True needs a CUDA device (the step is replayed as a CUDA graph)")
         if compile_mode not in COMPILE_MODES:
@@ -683,10 +686,13 @@ class DecodeEngine:
         q0 = max(c0, self.sinks + self.window)  # the first query whose leaver competes
         orig = e = None
         if q0 < c1:
-            orig = torch.arange(st.NS, device=dev).expand(B, -1).clone()  # (B, NS) the chunk-start slot of each slot's entry
-            e = torch.full((B, st.NS), NEVER, dtype=torch.int64, device=dev)  # (B, NS) eviction time by chunk-start slot
             prio = self._leaver_prio(torch.arange(q0 - self.window, c1 - self.window, device=dev))  # (B, F, c1 - q0)
-            self._pool_competitions(q0, prio, orig, e)
+            if not st.decays and self.pool_closed_form:  # static priorities: the chunk's competitions in one pass
+                orig, e = st.compete_static(q0, prio)
+            else:
+                orig = torch.arange(st.NS, device=dev).expand(B, -1).clone()  # (B, NS) the chunk-start slot of each slot's entry
+                e = torch.full((B, st.NS), NEVER, dtype=torch.int64, device=dev)  # (B, NS) eviction time by chunk-start slot
+                self._pool_competitions(q0, prio, orig, e)
         pos = torch.arange(c0, c1, device=dev)
         x = self.model.model.embed_tokens(ids)
         cos, sin = self.model.model.rotary_emb(x, pos.expand(B, C))

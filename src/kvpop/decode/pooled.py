@@ -58,6 +58,7 @@ import torch
 from torch import Tensor
 
 from kvpop.geometry import CacheLayout
+from kvpop.order import prefix_kth_smallest
 from kvpop.selection import NEVER
 
 I64_MAX = torch.iinfo(torch.int64).max
@@ -302,6 +303,81 @@ class PoolStore:
         self.pos[:, self.dump] = -1
         self.count.copy_(n2)
         self._sync_block_masks()
+
+    def compete_static(self, q0: int, prio: Tensor) -> tuple[Tensor, Tensor]:
+        """The competitions at queries ``q0 .. q0 + n - 1`` (``n <= window``, every leaver ``j = q - window``
+        a non-sink) of a *static* rule in closed form: prio (B, F, n) float64, the leavers' priorities (column
+        ``t``: token ``q0 + t - window``) -> ``(orig, e)`` (B, NS) int64 each, as :meth:`update` with
+        ``move_kv=False`` and ``track`` records them over the same queries: ``orig`` the chunk-start slot of
+        each slot's entry, ``e`` the eviction time by chunk-start slot (``NEVER``: it stays).
+
+        With static priorities and one total order (priority, then the tie key ``pos * F + (F - 1 - f)``:
+        newer, then the lower pair, wins), the pool after query ``q`` is the top-``P`` of the pool at the
+        start and the leavers up to ``q`` (a set that only grows; an entry once dropped has ``P`` entries above
+        it that never leave before it). The tie key is also the arrival order: the pool's entries left their
+        windows before ``q0 - window``, the leavers arrive by token. So an entry goes when the ``P``-th of its
+        outrankers, by arrival, has arrived (and a leaver at its own arrival at the earliest): the formula of
+        :func:`kvpop.selection.eviction_times` over the candidates, one ``prefix_kth_smallest`` over the
+        candidates ordered by (priority, key) descending. The survivors are then laid out afresh: each
+        layer's list dense from logical 0 (its old entries first), the layers' pages consecutive from pool
+        page 0. The layout differs from the replay's, the decisions do not (tests/test_pooled.py)."""
+        B, F, Hk, L, NP, PS0, pg, P, dev = self.B, self.F, self.Hk, self.L, self.NP, self.PS0, self.page, self.P, self.device
+        n = prio.shape[2]
+        rows = torch.arange(B, device=dev)[:, None]
+        j = torch.arange(q0 - self.window, q0 - self.window + n, device=dev)  # (n,) the leavers
+        # candidates: the pool's slots (empty ones invalid), then the leavers (f, t) -> f * n + t
+        ptag = self.tag[:, PS0 : PS0 + NP]  # (B, NP)
+        lkey = (j[None, :] * F + (F - 1 - self.pair)[:, None]).reshape(1, F * n)  # (1, F n)
+        key = torch.cat([torch.where(ptag >= 0, self.pos[:, PS0 : PS0 + NP] * F + (F - 1 - ptag), -1), lkey.expand(B, -1)], 1)  # (B, N)
+        score = torch.cat([self.prio[:, PS0 : PS0 + NP], prio.reshape(B, F * n).to(torch.float64)], 1)
+        src = torch.cat([PS0 + torch.arange(NP, device=dev), (self.ring_base[:, None] + self.home_slot(j)[None, :]).reshape(F * n)])  # (N,)
+        tag = torch.cat([ptag, self.pair.repeat_interleave(n).expand(B, -1)], 1)
+        valid = key >= 0
+        N = key.shape[1]
+        # (score, key) descending, the invalid ones last: three stable sorts, the last key first
+        order = key.sort(dim=1, descending=True, stable=True).indices
+        order = order.gather(1, score.gather(1, order).sort(dim=1, descending=True, stable=True).indices)
+        order = order.gather(1, (~valid).gather(1, order).to(torch.uint8).sort(dim=1, stable=True).indices)  # (B, N)
+        ks = key.gather(1, order).clamp(min=0)  # (B, N) arrival keys in rank order
+        r = torch.arange(N, device=dev).expand(B, N)  # outrankers of the candidate at rank r
+        if P:
+            kth = prefix_kth_smallest(ks, r, torch.full_like(r, P), bits=max(1, (q0 + n) * F).bit_length())  # (B, N), -1: fewer than P
+            ekey = torch.where(r >= P, torch.maximum(ks, kth), -1)
+        else:
+            ekey = ks  # no pool: every leaver goes at once
+        e_sorted = torch.where(valid.gather(1, order) & (ekey >= 0), ekey // F + self.window, NEVER)
+        ec = torch.empty_like(e_sorted).scatter_(1, order, e_sorted)  # (B, N) by candidate
+        e = torch.full((B, self.NS), NEVER, dtype=torch.int64, device=dev).scatter_(1, src.expand(B, N), ec)
+        # the survivors, laid out afresh: layer by layer, each list dense, the pages consecutive
+        layer = torch.where(valid & (ec == NEVER), tag // Hk, L)  # (B, N); L: not kept
+        cnt = torch.zeros(B, L + 1, dtype=torch.int64, device=dev).scatter_add_(1, layer, torch.ones_like(layer))[:, :L]  # (B, L)
+        by = (layer * N + torch.arange(N, device=dev)).sort(1).indices  # (B, N) survivors by layer, old entries first
+        sl = layer.gather(1, by)
+        kept = sl < L
+        slc = sl.clamp(max=L - 1)
+        lidx = torch.arange(N, device=dev) - (cnt.cumsum(1) - cnt).gather(1, slc)  # (B, N) logical index in the layer's list
+        npg = (cnt + pg - 1) // pg  # (B, L)
+        pbase = npg.cumsum(1) - npg
+        dst = torch.where(kept, PS0 + (pbase.gather(1, slc) + lidx // pg) * pg + lidx % pg, self.dump)  # (B, N) store slots
+        vals = {"pos": torch.cat([self.pos[:, PS0 : PS0 + NP], j.repeat(F).expand(B, -1)], 1), "tag": tag, "prio": score}
+        vals = {name: v.gather(1, by) for name, v in vals.items()}
+        for name in ("tag", "pos"):
+            getattr(self, name)[:, PS0 : PS0 + NP] = -1
+        for name, v in vals.items():
+            getattr(self, name).index_put_((rows, dst), v)
+        self.lidx.index_put_((rows, dst), lidx)
+        orig = torch.arange(self.NS, device=dev).expand(B, -1).clone()
+        orig.index_put_((rows, dst), src[by])
+        orig[:, self.dump] = self.dump
+        self.tag[:, self.dump] = -1
+        self.pos[:, self.dump] = -1
+        c = torch.arange(self.NPP + 1, device=dev)
+        self.ptab.copy_(torch.where(c < npg[..., None], pbase[..., None] + c, 0))
+        self.used.copy_(c < npg.sum(1, keepdim=True))
+        self.used[:, self.NPP - 1] = True  # the dump page
+        self.count.copy_(cnt)
+        self._sync_block_masks()
+        return orig, e
 
     def _slot(self, layer: Tensor, s: Tensor, ok: Tensor) -> Tensor:
         """Store slot of logical index s in layer's list (broadcast shapes); the dump slot where not ``ok``."""
