@@ -20,7 +20,8 @@ captured once as a CUDA graph that every later step replays) are separate functi
   lowest of pool and leavers go, swap-with-last compaction, static shapes); each layer writes the token
   into its ring and attends to its own pages (FlexAttention's decoding kernel with the layer's ``H`` query
   heads as the queries of one head, a block mask of the layer's pages per row). Prefill of any length in
-  chunks of at most ``window`` tokens, exact (:meth:`DecodeEngine._pool_prefill_chunk`). Same results as
+  chunks of at most ``window`` tokens, exact (:meth:`DecodeEngine._pool_prefill_chunk`; a static rule's
+  chunk of competitions in closed form, :meth:`kvpop.decode.pooled.PoolStore.compete_static`). Same results as
   :class:`kvpop.decode.one_pool.OnePoolCache` (tests/test_pooled.py).
 
 Attention of the step is FlexAttention's decoding kernel on CUDA (split over the KV length,
@@ -675,8 +676,10 @@ class DecodeEngine:
         """A chunk ids (B, C) of at most ``window`` tokens into the pooled cache -> logits (B, V) of its last.
 
         Its queries' competitions read only tokens of earlier chunks (:mod:`kvpop.pool`), so they all run
-        first, on the bookkeeping only (:meth:`PoolStore.update` with ``move_kv=False``), recording when
-        each entry present at the chunk's start goes; every layer's queries then attend, under those
+        first, on the bookkeeping only, recording when each entry present at the chunk's start goes: a static
+        rule's in one pass (:meth:`PoolStore.compete_static`, while :attr:`pool_closed_form`), else replayed
+        query by query (:meth:`PoolStore.update` with ``move_kv=False``; decaying ranks, and the closed
+        form's twin); every layer's queries then attend, under those
         eviction times, to the layer's entries as they were at the start and to the chunk causally; last,
         the pool's keys and values follow the bookkeeping (one gather) and the chunk enters the rings."""
         st, B, (_, C), dev = self.store, self.B, ids.shape, self.device

@@ -48,6 +48,11 @@ lowest by (rank, tie) with two ``topk`` (the twin of :func:`kvpop.selection.pool
 equal). So ``r`` real candidates go, exactly the reference's. Everything after is gathers, cumsums and
 ``index_put_`` over ``O(F + L x F)`` entries: the step's CUDA graph holds it.
 
+A prefill chunk's competitions (at most ``window`` queries, every leaver from an earlier chunk) run on the
+bookkeeping before the chunk attends: with a static rule in one pass, :meth:`PoolStore.compete_static`
+(the top-``P`` of a growing set, in closed form, then the survivors laid out afresh); with decaying ranks
+query by query, :meth:`PoolStore.update` with ``move_kv=False`` (also the closed form's twin in the tests).
+
 Shapes: B batch, L layers, Hk KV heads, F = L x Hk pairs, D head dim, NS store slots, NP pool slots,
 NPP pool pages, R ring slots per head.
 """
