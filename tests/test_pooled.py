@@ -166,14 +166,16 @@ def check_lists(st: PoolStore) -> None:
         assert int(st.used[b, : st.NPP - 1].sum()) == len(pages) and st.used[b, st.NPP - 1]
 
 
-@pytest.mark.parametrize("name", ["one_pool_mlp", "one_pool_ties", "kvpop_mlp_pool"])
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("page", [4, 16])
 def test_closed_form_competitions_equal_the_replay(model, name, page, tie_policy):
-    """A static rule's prefill chunk: :meth:`PoolStore.compete_static` (one pass) against the query-by-query
-    replay (:meth:`PoolStore.update`) from the same store, chunk after chunk of a prompt longer than the budget
-    (two rows; the first chunks' pool not yet full): the same eviction time for every entry present at the
-    chunk's start, the same pool entries after it (each with the same chunk-start slot: the same keys), and
-    lists the later steps can update."""
+    """A prefill chunk's competitions without the per-query store updates: :meth:`PoolStore.compete_static` (a
+    static rule, one pass) or :meth:`PoolStore.compete_decaying` (dbtrimkv, a candidate list) against the
+    query-by-query replay (:meth:`PoolStore.update`) from the same store, chunk after chunk of a prompt longer
+    than the budget (two rows; the first chunks' pool not yet full; chunks of 1 to ``window`` queries, so that
+    the decaying list leaves pool entries out): the same eviction time for every entry present at the chunk's
+    start, the same pool entries after it (each with the same chunk-start slot: the same keys), and lists the
+    later steps can update."""
     import copy
 
     policy = make(name, tie_policy)
@@ -181,9 +183,12 @@ def test_closed_form_competitions_equal_the_replay(model, name, page, tie_policy
     eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, page=page)
     st = eng.store
     eng.prefill(x[:, : SINKS + WINDOW])  # nothing has left the windows yet
-    evicted = 0
-    for c0 in range(SINKS + WINDOW, 110, WINDOW):
-        c1 = min(c0 + WINDOW, 110)
+    evicted, pruned = 0, False
+    c0 = SINKS + WINDOW
+    for size in [1, 2, 5, WINDOW, 3, WINDOW, 1, 2, WINDOW, 4, 7, WINDOW, WINDOW]:
+        c1 = min(c0 + size, 110)
+        if c0 >= c1:
+            break
         prio = eng._leaver_prio(torch.arange(c0 - WINDOW, c1 - WINDOW))  # (B, F, n)
         twin = copy.deepcopy(st)
         orig = torch.arange(st.NS).expand(2, -1).clone()
@@ -191,7 +196,8 @@ def test_closed_form_competitions_equal_the_replay(model, name, page, tie_policy
         for q in range(c0, c1):
             twin.update(torch.tensor(q), prio[:, :, q - c0], move_kv=False, track=(orig, e))
         before = copy.deepcopy(st)
-        got_orig, got_e = st.compete_static(c0, prio)
+        got_orig, got_e = (st.compete_decaying if st.decays else st.compete_static)(c0, prio)
+        pruned |= st.decays and st.listed[0] < int((before.tag[:, st.PS0 :] >= 0).sum(1).min())
         assert torch.equal(got_e[:, : st.dump], e[:, : st.dump]), c0  # the replay writes its no-ops' times to the dump slot
         assert pool_entries(st, got_orig) == pool_entries(twin, orig), c0
         assert torch.equal(st.count.sum(1), twin.count.sum(1))
@@ -201,10 +207,12 @@ def test_closed_form_competitions_equal_the_replay(model, name, page, tie_policy
         eng.pool_closed_form = c0 % 2 == 0  # either path leaves a state the other continues from
         eng.prefill(x[:, c0:c1])
         check_lists(st)
-    assert evicted > 0
+        c0 = c1
+    assert evicted > 0 and c0 == 110
+    assert pruned or not st.decays
 
 
-@pytest.mark.parametrize("name", ["one_pool_ties", "kvpop_mlp_pool"])
+@pytest.mark.parametrize("name", ["dbtrimkv", "one_pool_ties", "kvpop_mlp_pool"])
 def test_closed_form_prefill_equals_the_replayed_prefill(model, name, tie_policy):
     """The whole prefill, closed form against replay (the twin), then decode steps: the same logits and the same
     entries in every layer and head."""

@@ -690,8 +690,8 @@ class DecodeEngine:
         orig = e = None
         if q0 < c1:
             prio = self._leaver_prio(torch.arange(q0 - self.window, c1 - self.window, device=dev))  # (B, F, c1 - q0)
-            if not st.decays and self.pool_closed_form:  # static priorities: the chunk's competitions in one pass
-                orig, e = st.compete_static(q0, prio)
+            if self.pool_closed_form:  # static priorities: the chunk's competitions in one pass; decaying: on a candidate list
+                orig, e = st.compete_decaying(q0, prio) if st.decays else st.compete_static(q0, prio)
             else:
                 orig = torch.arange(st.NS, device=dev).expand(B, -1).clone()  # (B, NS) the chunk-start slot of each slot's entry
                 e = torch.full((B, st.NS), NEVER, dtype=torch.int64, device=dev)  # (B, NS) eviction time by chunk-start slot
