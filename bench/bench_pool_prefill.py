@@ -1,14 +1,16 @@
-"""Prefill of the pooled engine (issue 33): a static rule's chunks in closed form against the per-query replay.
+"""Prefill of the pooled engine (issue 33): a chunk's competitions in one pass against the per-query replay.
 
-The pooled :class:`kvpop.decode.DecodeEngine` (``OnePool(kvpop_mlp)``, random scorer weights; ``dbtrimkv``
-with ``--dbtrimkv``, replay only: its ranks decay) prefills one prompt of ``--context`` tokens from an empty
-cache, batch 1, twice in the same run: with :meth:`kvpop.decode.pooled.PoolStore.compete_static` (one pass per
-chunk of ``window`` tokens) and with the per-query replay (:meth:`PoolStore.update`, CUDA-graphed when
-compiled). Prints the seconds of each, their ratio and the largest logit difference between the two
-(the same decisions: float noise only). The bounded engine's prefill of the same prompt is the goal's
-reference (``bench_decode.py --parts pooled``: ``prefill_ratio``).
+The pooled :class:`kvpop.decode.DecodeEngine` (``--policies``: ``OnePool(kvpop_mlp)`` with random scorer
+weights, ``dbtrimkv`` with a random gate) prefills one prompt of ``--context`` tokens from an empty cache,
+batch 1, twice in the same run: with the chunk's competitions in one pass
+(:meth:`kvpop.decode.pooled.PoolStore.compete_static` for the static rule, ``compete_decaying``'s candidate
+list for dbtrimkv) and with the per-query replay (:meth:`PoolStore.update`, one CUDA graph per query when
+compiled), then times one chunk's competitions alone both ways. Prints the seconds, their ratios and the
+largest logit difference between the two paths (the same decisions: float noise only). The bounded
+engine's prefill of the same prompt is the goal's reference (``bench_decode.py --parts pooled``:
+``prefill_ratio``).
 
-    PYTHONPATH=src python bench/bench_pool_prefill.py                            # CUDA: Qwen3-4B arch, 32K tokens, budget 2,048
+    PYTHONPATH=src python bench/bench_pool_prefill.py --replay-context 8192      # CUDA: Qwen3-4B arch, 32K tokens, budget 2,048
     PYTHONPATH=src python bench/bench_pool_prefill.py --small --context 2048     # CPU: the 4-layer Qwen3, budget 384
 
 ``--out`` defaults to ``results/bench_pool_prefill/<device>[_small].json``.
@@ -67,7 +69,7 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="the 4-layer Qwen3 of width 256 (also on the CPU)")
     ap.add_argument("--replay-context", type=int, default=None, help="the replay's prompt, if shorter (it is slow): a prefix; "
                     "both paths then time that prefix, and the closed form the whole prompt too")
-    ap.add_argument("--dbtrimkv", action="store_true", help="also time dbtrimkv's prefill (the replay: decaying ranks)")
+    ap.add_argument("--policies", default="kvpop_mlp,dbtrimkv", help="one-pool policies (kvpop_mlp: OnePool(kvpop_mlp))")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -81,33 +83,30 @@ def main() -> None:
         torch.nn.init.normal_(layer.w2, std=0.5)
     mlp.to(dev)
     layout = CacheLayout(budget, 4, 256)
-    eng = DecodeEngine(model, pooled_policy("kvpop_mlp", model, mlp, dev), layout=layout, batch_size=1)
     ids = random_ids(1, args.context, cfg.vocab_size, 0, dev)
     short = ids[:, : args.replay_context or args.context]
-    for closed in (True, False):  # warm-up: compiled pieces, the replay's CUDA graph
-        timed_prefill(eng, short[:, : 2 * layout.sinks + 4 * layout.window], closed)
-    t_closed, l_closed = timed_prefill(eng, short, True)
-    t_replay, l_replay = timed_prefill(eng, short, False)
-    diff = (l_closed - l_replay).abs().max().item()
     out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "model": "qwen3-small" if args.small else "Qwen3-4B arch",
-           "budget": budget, "window": layout.window, "tokens": short.shape[1], "closed_form_s": round(t_closed, 3),
-           "replay_s": round(t_replay, 3), "replay_over_closed": round(t_replay / t_closed, 2), "max_logit_diff": diff}
-    print(f"OnePool(kvpop_mlp), {short.shape[1]} tokens, budget {budget}: closed form {t_closed:.2f} s, replay {t_replay:.2f} s "
-          f"({t_replay / t_closed:.1f}x); logits differ by {diff:.1e}", flush=True)
-    c_closed, c_replay = time_competitions(eng)
-    out.update(chunk_competitions_closed_s=round(c_closed, 4), chunk_competitions_replay_s=round(c_replay, 4),
-               competitions_replay_over_closed=round(c_replay / c_closed, 1))
-    print(f"one chunk's {layout.window} competitions alone: closed form {c_closed * 1e3:.1f} ms, replay {c_replay * 1e3:.1f} ms "
-          f"({c_replay / c_closed:.1f}x)", flush=True)
-    if short.shape[1] < ids.shape[1]:
-        t_full, _ = timed_prefill(eng, ids, True)
-        out["closed_form_full_s"], out["full_tokens"] = round(t_full, 3), ids.shape[1]
-        print(f"closed form, the whole {ids.shape[1]} tokens: {t_full:.2f} s", flush=True)
-    if args.dbtrimkv:
-        db = DecodeEngine(model, pooled_policy("dbtrimkv", model, mlp, dev), layout=layout, batch_size=1)
-        timed_prefill(db, short[:, : 2 * layout.sinks + 4 * layout.window], False)
-        out["dbtrimkv_replay_s"] = round(timed_prefill(db, short, False)[0], 3)
-        print(f"dbtrimkv (replay), {short.shape[1]} tokens: {out['dbtrimkv_replay_s']:.2f} s", flush=True)
+           "budget": budget, "window": layout.window, "tokens": short.shape[1], "rows": []}
+    for name in args.policies.split(","):
+        eng = DecodeEngine(model, pooled_policy(name, model, mlp, dev), layout=layout, batch_size=1)
+        for closed in (True, False):  # warm-up: compiled pieces, the replay's CUDA graph
+            timed_prefill(eng, short[:, : 2 * layout.sinks + 4 * layout.window], closed)
+        t_closed, l_closed = timed_prefill(eng, short, True)
+        t_replay, l_replay = timed_prefill(eng, short, False)
+        diff = (l_closed - l_replay).abs().max().item()
+        c_closed, c_replay = time_competitions(eng)
+        row = {"policy": name, "closed_form_s": round(t_closed, 3), "replay_s": round(t_replay, 3), "replay_over_closed": round(t_replay / t_closed, 2),
+               "max_logit_diff": diff, "chunk_competitions_closed_s": round(c_closed, 4), "chunk_competitions_replay_s": round(c_replay, 4),
+               "competitions_replay_over_closed": round(c_replay / c_closed, 1)}
+        print(f"{name}, {short.shape[1]} tokens, budget {budget}: prefill closed form {t_closed:.2f} s, replay {t_replay:.2f} s "
+              f"({t_replay / t_closed:.1f}x; logits differ by {diff:.1e}); one chunk's {layout.window} competitions alone "
+              f"{c_closed * 1e3:.1f} ms vs {c_replay * 1e3:.1f} ms ({c_replay / c_closed:.1f}x)", flush=True)
+        if short.shape[1] < ids.shape[1]:
+            t_full, _ = timed_prefill(eng, ids, True)
+            row["closed_form_full_s"], row["full_tokens"] = round(t_full, 3), ids.shape[1]
+            print(f"{name}, closed form, the whole {ids.shape[1]} tokens: {t_full:.2f} s", flush=True)
+        out["rows"].append(row)
+        del eng
     write_result(args.out or default_out(__file__, small=args.small), out)
 
 
