@@ -21,7 +21,7 @@ captured once as a CUDA graph that every later step replays) are separate functi
   into its ring and attends to its own pages (FlexAttention's decoding kernel with the layer's ``H`` query
   heads as the queries of one head, a block mask of the layer's pages per row). Prefill of any length in
   chunks of at most ``window`` tokens, exact (:meth:`DecodeEngine._pool_prefill_chunk`; a static rule's
-  chunk of competitions in closed form, :meth:`kvpop.decode.pooled.PoolStore.compete_static`). Same results as
+  chunk of competitions in closed form, a decaying rule's on a candidate list: :mod:`kvpop.decode.pooled`). Same results as
   :class:`kvpop.decode.one_pool.OnePoolCache` (tests/test_pooled.py).
 
 Attention of the step is FlexAttention's decoding kernel on CUDA (split over the KV length,
@@ -309,8 +309,8 @@ class DecodeEngine:
             self.store = PoolStore(batch=B, layers=L, kv_heads=Hk, head_dim=self.D, layout=self.layout, dtype=self.dtype, device=dev,
                                    page=page, decays=self.policy.decays, max_len=max_len, flex=bool(compile))
             self._layer_index = [torch.tensor(i, dtype=torch.int64, device=dev) for i in range(L)]
-        # a static rule's prefill chunk: its competitions in closed form (PoolStore.compete_static); False:
-        # replayed query by query (PoolStore.update), the twin, and the path of decaying ranks
+        # a prefill chunk's competitions without per-query store updates (PoolStore.compete_static: a static
+        # rule in closed form; compete_decaying: a candidate list); False: replayed on the store (PoolStore.update), the twin
         self.pool_closed_form = True
         if compile and dev.type != "cuda":
             raise ValueError("compile=True needs a CUDA device (the step is replayed as a CUDA graph)")
@@ -676,10 +676,10 @@ class DecodeEngine:
         """A chunk ids (B, C) of at most ``window`` tokens into the pooled cache -> logits (B, V) of its last.
 
         Its queries' competitions read only tokens of earlier chunks (:mod:`kvpop.pool`), so they all run
-        first, on the bookkeeping only, recording when each entry present at the chunk's start goes: a static
-        rule's in one pass (:meth:`PoolStore.compete_static`, while :attr:`pool_closed_form`), else replayed
-        query by query (:meth:`PoolStore.update` with ``move_kv=False``; decaying ranks, and the closed
-        form's twin); every layer's queries then attend, under those
+        first, on the bookkeeping only, recording when each entry present at the chunk's start goes: while
+        :attr:`pool_closed_form`, a static rule's in one pass (:meth:`PoolStore.compete_static`), decaying
+        ranks' on a candidate list (:meth:`PoolStore.compete_decaying`); else (their twin) replayed query by
+        query on the store (:meth:`PoolStore.update` with ``move_kv=False``); every layer's queries then attend, under those
         eviction times, to the layer's entries as they were at the start and to the chunk causally; last,
         the pool's keys and values follow the bookkeeping (one gather) and the chunk enters the rings."""
         st, B, (_, C), dev = self.store, self.B, ids.shape, self.device

@@ -50,8 +50,10 @@ equal). So ``r`` real candidates go, exactly the reference's. Everything after i
 
 A prefill chunk's competitions (at most ``window`` queries, every leaver from an earlier chunk) run on the
 bookkeeping before the chunk attends: with a static rule in one pass, :meth:`PoolStore.compete_static`
-(the top-``P`` of a growing set, in closed form, then the survivors laid out afresh); with decaying ranks
-query by query, :meth:`PoolStore.update` with ``move_kv=False`` (also the closed form's twin in the tests).
+(the top-``P`` of a growing set, in closed form); with decaying ranks query by query on a candidate list,
+:meth:`PoolStore.compete_decaying` (the pool entries that can go within the chunk, by rank bounds); both
+then lay the survivors out afresh. Their twin: query by query on the store, :meth:`PoolStore.update` with
+``move_kv=False`` (tests/test_pooled.py).
 
 Shapes: B batch, L layers, Hk KV heads, F = L x Hk pairs, D head dim, NS store slots, NP pool slots,
 NPP pool pages, R ring slots per head.
