@@ -92,15 +92,17 @@ def main() -> None:
         for closed in (True, False):  # warm-up: compiled pieces, the replay's CUDA graph
             timed_prefill(eng, short[:, : 2 * layout.sinks + 4 * layout.window], closed)
         t_closed, l_closed = timed_prefill(eng, short, True)
+        listed = getattr(eng.store, "listed", None)  # dbtrimkv: the last chunk's candidate list of pool entries, of the pool's slots
         t_replay, l_replay = timed_prefill(eng, short, False)
         diff = (l_closed - l_replay).abs().max().item()
         c_closed, c_replay = time_competitions(eng)
         row = {"policy": name, "closed_form_s": round(t_closed, 3), "replay_s": round(t_replay, 3), "replay_over_closed": round(t_replay / t_closed, 2),
                "max_logit_diff": diff, "chunk_competitions_closed_s": round(c_closed, 4), "chunk_competitions_replay_s": round(c_replay, 4),
-               "competitions_replay_over_closed": round(c_replay / c_closed, 1)}
+               "competitions_replay_over_closed": round(c_replay / c_closed, 1), "listed_of_pool_slots": listed}
         print(f"{name}, {short.shape[1]} tokens, budget {budget}: prefill closed form {t_closed:.2f} s, replay {t_replay:.2f} s "
               f"({t_replay / t_closed:.1f}x; logits differ by {diff:.1e}); one chunk's {layout.window} competitions alone "
-              f"{c_closed * 1e3:.1f} ms vs {c_replay * 1e3:.1f} ms ({c_replay / c_closed:.1f}x)", flush=True)
+              f"{c_closed * 1e3:.1f} ms vs {c_replay * 1e3:.1f} ms ({c_replay / c_closed:.1f}x)"
+              + (f"; the last chunk listed {listed[0]} of {listed[1]} pool slots" if listed else ""), flush=True)
         if short.shape[1] < ids.shape[1]:
             t_full, _ = timed_prefill(eng, ids, True)
             row["closed_form_full_s"], row["full_tokens"] = round(t_full, 3), ids.shape[1]
