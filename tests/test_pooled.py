@@ -3,7 +3,9 @@
 Twins: :class:`kvpop.decode.OnePoolCache` decoding token by token (logits, tokens and the entries each
 layer and head holds) against the engine's chunked prefill and static step, for ``dbtrimkv`` (decaying
 retention; a tie-heavy gate too), ``OnePool(kvpop_mlp)``, ``OnePool`` of a tie-heavy rule and
-``kvpop_mlp_pool``; :func:`kvpop.decode.pooled.select_lowest` against :func:`kvpop.selection.pool_leavers`.
+``kvpop_mlp_pool``; :func:`kvpop.decode.pooled.select_lowest` against :func:`kvpop.selection.pool_leavers`;
+a prefill chunk's competitions in one pass (:meth:`PoolStore.compete_static`, :meth:`PoolStore.compete_decaying`)
+against their per-query replay on the store (:meth:`PoolStore.update`), chunk by chunk and over a whole prefill.
 The compiled (FlexAttention, CUDA-graphed) step against the eager one: tests/test_gpu.py.
 """
 
