@@ -456,8 +456,8 @@ def test_compiled_engine_equals_bounded_cache(policy_name, tiny_model):
 @pytest.mark.parametrize("policy_name", ["dbtrimkv", "kvpop_mlp, one pool"])
 def test_compiled_pooled_engine_equals_one_pool_cache(policy_name, tiny_model):
     """The pooled engine (kvpop.decode.pooled) on CUDA: the compiled step (FlexAttention's decoding kernel over
-    each layer's pages, the pool's competition inside the CUDA graph) and the compiled prefill competitions
-    (one graph replayed per query) equal the eager engine and token-by-token OnePoolCache; two rows, a prompt
+    each layer's pages, the pool's competition inside the CUDA graph) and the prefill's competitions (in one pass
+    per chunk, and their twin: one graph replayed per query) equal the eager engine and token-by-token OnePoolCache; two rows, a prompt
     longer than the budget, then steps; both hold the same entries."""
     from kvpop.decode import enable, teacher_forced_logits
     from kvpop.decode.engine import DecodeEngine
@@ -481,20 +481,28 @@ def test_compiled_pooled_engine_equals_one_pool_cache(policy_name, tiny_model):
     ids = torch.randint(0, 96, (2, S), generator=torch.Generator().manual_seed(1)).cuda()
     ref = teacher_forced_logits(model, policy, ids, layout=layout, prefill=1)
     got, held = {}, {}
-    for compiled in (False, True):
+    # (compiled, one pass): the prefill chunks' competitions in one pass (PoolStore.compete_static, a static rule;
+    # compete_decaying, dbtrimkv's candidate list) and their twin, the graphed per-query replay
+    modes = [(False, True), (True, True), (True, False)]
+    for compiled, closed in modes:
         eng = DecodeEngine(model, policy, layout=layout, batch_size=2, compile=compiled)
+        eng.pool_closed_form = closed
         assert eng.kind == "pooled" and eng.store.page == 128
         logits = [eng.prefill(ids[:, :pre]).clone()]
         for t in range(pre, S):
             eng.tok.copy_(ids[:, t : t + 1])
             logits.append(eng.step().clone())
-        got[compiled] = torch.stack(logits, 1)
+        got[compiled, closed] = torch.stack(logits, 1)
         st = eng.store
-        held[compiled] = sorted(zip(st.tag.flatten().tolist(), st.pos.flatten().tolist(), [b for b in range(2) for _ in range(st.NS)]))
-    d_ref, d_comp = _maxdiff(got[False], ref[:, pre - 1 :]), _maxdiff(got[True], got[False])
-    print(f"pooled engine {policy_name}: eager vs OnePoolCache {d_ref:.2e}; compiled vs eager {d_comp:.2e}")
-    assert d_ref < 1e-4 and d_comp < 1e-4
-    assert [h for h in held[True] if h[0] >= 0] == [h for h in held[False] if h[0] >= 0]
+        held[compiled, closed] = sorted(h for h in zip(st.tag.flatten().tolist(), st.pos.flatten().tolist(),
+                                                       [b for b in range(2) for _ in range(st.NS)]) if h[0] >= 0)
+    eager = got[False, True]
+    d_ref = _maxdiff(eager, ref[:, pre - 1 :])
+    d_comp = {m: _maxdiff(x, eager) for m, x in got.items() if m != (False, True)}
+    print(f"pooled engine {policy_name}: eager vs OnePoolCache {d_ref:.2e}; vs eager: "
+          + ", ".join(f"compiled{' one pass' if c else ' replay'} {d:.2e}" for (_, c), d in d_comp.items()))
+    assert d_ref < 1e-4 and max(d_comp.values()) < 1e-4
+    assert all(h == held[False, True] for h in held.values())
 
 
 # --- dms: the gate's training forward (compiled flex + score_mod) against the SDPA float mask ----------

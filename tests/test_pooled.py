@@ -3,7 +3,9 @@
 Twins: :class:`kvpop.decode.OnePoolCache` decoding token by token (logits, tokens and the entries each
 layer and head holds) against the engine's chunked prefill and static step, for ``dbtrimkv`` (decaying
 retention; a tie-heavy gate too), ``OnePool(kvpop_mlp)``, ``OnePool`` of a tie-heavy rule and
-``kvpop_mlp_pool``; :func:`kvpop.decode.pooled.select_lowest` against :func:`kvpop.selection.pool_leavers`.
+``kvpop_mlp_pool``; :func:`kvpop.decode.pooled.select_lowest` against :func:`kvpop.selection.pool_leavers`;
+a prefill chunk's competitions in one pass (:meth:`PoolStore.compete_static`, :meth:`PoolStore.compete_decaying`)
+against their per-query replay on the store (:meth:`PoolStore.update`), chunk by chunk and over a whole prefill.
 The compiled (FlexAttention, CUDA-graphed) step against the eager one: tests/test_gpu.py.
 """
 
@@ -14,7 +16,7 @@ from kvpop.decode import DecodeEngine, OnePoolCache, choose_path, enable, engine
 from kvpop.decode.pooled import PoolStore, select_lowest
 from kvpop.geometry import CacheLayout
 from kvpop.policies import OnePool, make_policy
-from kvpop.selection import pool_leavers
+from kvpop.selection import NEVER, pool_leavers
 from test_engine import engine_logits
 from test_engine import ids as random_ids
 
@@ -140,6 +142,95 @@ def test_the_engine_holds_the_reference_entries(model, name, tie_policy):
             slots = st.PS0 + st.ptab[b, layer, s // st.page] * st.page + s % st.page
             assert (st.tag[b, slots] // 2 == layer).all() and torch.equal(st.lidx[b, slots], s)
             assert n == (st.tag[b, st.PS0 :] // 2 == layer).sum()
+
+
+def pool_entries(st: PoolStore, orig: torch.Tensor) -> list[list[tuple]]:
+    """The pool's entries of each row, layout aside: sorted (position, pair, priority, chunk-start slot)."""
+    out = []
+    for b in range(st.B):
+        s = torch.nonzero(st.tag[b, st.PS0 :] >= 0).flatten() + st.PS0
+        out.append(sorted(zip(st.pos[b, s].tolist(), st.tag[b, s].tolist(), st.prio[b, s].tolist(), orig[b, s].tolist(), strict=True)))
+    return out
+
+
+def check_lists(st: PoolStore) -> None:
+    """The store's invariants: each layer's list dense at logical [0, n_l) on its own pages, pages in use marked."""
+    for b in range(st.B):
+        pages = []
+        for layer in range(st.L):
+            n = int(st.count[b, layer])
+            s = torch.arange(n)
+            slots = st.PS0 + st.ptab[b, layer, s // st.page] * st.page + s % st.page
+            assert (st.tag[b, slots] // st.Hk == layer).all() and torch.equal(st.lidx[b, slots], s)
+            assert n == (st.tag[b, st.PS0 :] // st.Hk == layer).sum()
+            pages += st.ptab[b, layer, : -(-n // st.page)].tolist()
+        assert len(set(pages)) == len(pages) and all(st.used[b, pages])
+        assert int(st.used[b, : st.NPP - 1].sum()) == len(pages) and st.used[b, st.NPP - 1]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("page", [4, 16])
+def test_closed_form_competitions_equal_the_replay(model, name, page, tie_policy):
+    """A prefill chunk's competitions without the per-query store updates: :meth:`PoolStore.compete_static` (a
+    static rule, one pass) or :meth:`PoolStore.compete_decaying` (dbtrimkv, a candidate list) against the
+    query-by-query replay (:meth:`PoolStore.update`) from the same store, chunk after chunk of a prompt longer
+    than the budget (two rows; the first chunks' pool not yet full; chunks of 1 to ``window`` queries, so that
+    the decaying list leaves pool entries out): the same eviction time for every entry present at the chunk's
+    start, the same pool entries after it (each with the same chunk-start slot: the same keys), and lists the
+    later steps can update."""
+    import copy
+
+    policy = make(name, tie_policy)
+    x = ids(n=110, seed=8)
+    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, page=page)
+    st = eng.store
+    eng.prefill(x[:, : SINKS + WINDOW])  # nothing has left the windows yet
+    evicted, pruned = 0, False
+    c0 = SINKS + WINDOW
+    for size in [1, 2, 5, WINDOW, 3, WINDOW, 1, 2, WINDOW, 4, 7, WINDOW, WINDOW]:
+        c1 = min(c0 + size, 110)
+        if c0 >= c1:
+            break
+        prio = eng._leaver_prio(torch.arange(c0 - WINDOW, c1 - WINDOW))  # (B, F, n)
+        twin = copy.deepcopy(st)
+        orig = torch.arange(st.NS).expand(2, -1).clone()
+        e = torch.full((2, st.NS), NEVER, dtype=torch.int64)
+        for q in range(c0, c1):
+            twin.update(torch.tensor(q), prio[:, :, q - c0], move_kv=False, track=(orig, e))
+        before = copy.deepcopy(st)
+        got_orig, got_e = (st.compete_decaying if st.decays else st.compete_static)(c0, prio)
+        pruned |= st.decays and st.listed[0] < int((before.tag[:, st.PS0 :] >= 0).sum(1).min())
+        assert torch.equal(got_e[:, : st.dump], e[:, : st.dump]), c0  # the replay writes its no-ops' times to the dump slot
+        assert pool_entries(st, got_orig) == pool_entries(twin, orig), c0
+        assert torch.equal(st.count.sum(1), twin.count.sum(1))
+        check_lists(st)
+        evicted += int((e < NEVER).sum())
+        st.__dict__.update(before.__dict__)  # the engine's own prefill moves on (the keys follow the bookkeeping)
+        eng.pool_closed_form = c0 % 2 == 0  # either path leaves a state the other continues from
+        eng.prefill(x[:, c0:c1])
+        check_lists(st)
+        c0 = c1
+    assert evicted > 0 and c0 == 110
+    assert pruned or not st.decays
+
+
+@pytest.mark.parametrize("name", ["dbtrimkv", "one_pool_ties", "kvpop_mlp_pool"])
+def test_closed_form_prefill_equals_the_replayed_prefill(model, name, tie_policy):
+    """The whole prefill, closed form against replay (the twin), then decode steps: the same logits and the same
+    entries in every layer and head."""
+    policy = make(name, tie_policy)
+    x = ids(n=130, seed=2)
+    out = []
+    for closed in (True, False):
+        eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, page=4)
+        eng.pool_closed_form = closed
+        logits = [eng.prefill(x[:, :100])]
+        for t in range(100, 130):
+            eng.tok.copy_(x[:, t : t + 1])
+            logits.append(eng.step().clone())
+        out.append((torch.stack(logits, 1), held(eng)))
+    assert (out[0][0] - out[1][0]).abs().max() < 1e-5
+    assert out[0][1] == out[1][1]
 
 
 @pytest.mark.parametrize("name", ["dbtrimkv", "one_pool_mlp"])

@@ -20,7 +20,8 @@ captured once as a CUDA graph that every later step replays) are separate functi
   lowest of pool and leavers go, swap-with-last compaction, static shapes); each layer writes the token
   into its ring and attends to its own pages (FlexAttention's decoding kernel with the layer's ``H`` query
   heads as the queries of one head, a block mask of the layer's pages per row). Prefill of any length in
-  chunks of at most ``window`` tokens, exact (:meth:`DecodeEngine._pool_prefill_chunk`). Same results as
+  chunks of at most ``window`` tokens, exact (:meth:`DecodeEngine._pool_prefill_chunk`; a static rule's
+  chunk of competitions in closed form, a decaying rule's on a candidate list: :mod:`kvpop.decode.pooled`). Same results as
   :class:`kvpop.decode.one_pool.OnePoolCache` (tests/test_pooled.py).
 
 Attention of the step is FlexAttention's decoding kernel on CUDA (split over the KV length,
@@ -310,6 +311,9 @@ class DecodeEngine:
             self.store = PoolStore(batch=B, layers=L, kv_heads=Hk, head_dim=self.D, layout=self.layout, dtype=self.dtype, device=dev,
                                    page=page, decays=self.policy.decays, max_len=max_len, flex=bool(compile))
             self._layer_index = [torch.tensor(i, dtype=torch.int64, device=dev) for i in range(L)]
+        # a prefill chunk's competitions without per-query store updates (PoolStore.compete_static: a static
+        # rule in closed form; compete_decaying: a candidate list); False: replayed on the store (PoolStore.update), the twin
+        self.pool_closed_form = True
         if compile and dev.type != "cuda":
             raise ValueError("compile=True needs a CUDA device (the step is replayed as a CUDA graph)")
         if compile_mode not in COMPILE_MODES:
@@ -674,8 +678,10 @@ class DecodeEngine:
         """A chunk ids (B, C) of at most ``window`` tokens into the pooled cache -> logits (B, V) of its last.
 
         Its queries' competitions read only tokens of earlier chunks (:mod:`kvpop.pool`), so they all run
-        first, on the bookkeeping only (:meth:`PoolStore.update` with ``move_kv=False``), recording when
-        each entry present at the chunk's start goes; every layer's queries then attend, under those
+        first, on the bookkeeping only, recording when each entry present at the chunk's start goes: while
+        :attr:`pool_closed_form`, a static rule's in one pass (:meth:`PoolStore.compete_static`), decaying
+        ranks' on a candidate list (:meth:`PoolStore.compete_decaying`); else (their twin) replayed query by
+        query on the store (:meth:`PoolStore.update` with ``move_kv=False``); every layer's queries then attend, under those
         eviction times, to the layer's entries as they were at the start and to the chunk causally; last,
         the pool's keys and values follow the bookkeeping (one gather) and the chunk enters the rings."""
         st, B, (_, C), dev = self.store, self.B, ids.shape, self.device
@@ -685,10 +691,13 @@ class DecodeEngine:
         q0 = max(c0, self.sinks + self.window)  # the first query whose leaver competes
         orig = e = None
         if q0 < c1:
-            orig = torch.arange(st.NS, device=dev).expand(B, -1).clone()  # (B, NS) the chunk-start slot of each slot's entry
-            e = torch.full((B, st.NS), NEVER, dtype=torch.int64, device=dev)  # (B, NS) eviction time by chunk-start slot
             prio = self._leaver_prio(torch.arange(q0 - self.window, c1 - self.window, device=dev))  # (B, F, c1 - q0)
-            self._pool_competitions(q0, prio, orig, e)
+            if self.pool_closed_form:  # static priorities: the chunk's competitions in one pass; decaying: on a candidate list
+                orig, e = st.compete_decaying(q0, prio) if st.decays else st.compete_static(q0, prio)
+            else:
+                orig = torch.arange(st.NS, device=dev).expand(B, -1).clone()  # (B, NS) the chunk-start slot of each slot's entry
+                e = torch.full((B, st.NS), NEVER, dtype=torch.int64, device=dev)  # (B, NS) eviction time by chunk-start slot
+                self._pool_competitions(q0, prio, orig, e)
         pos = torch.arange(c0, c1, device=dev)
         x = self.model.model.embed_tokens(ids)
         cos, sin = self.model.model.rotary_emb(x, pos.expand(B, C))

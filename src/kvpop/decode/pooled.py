@@ -48,6 +48,13 @@ lowest by (rank, tie) with two ``topk`` (the twin of :func:`kvpop.selection.pool
 equal). So ``r`` real candidates go, exactly the reference's. Everything after is gathers, cumsums and
 ``index_put_`` over ``O(F + L x F)`` entries: the step's CUDA graph holds it.
 
+A prefill chunk's competitions (at most ``window`` queries, every leaver from an earlier chunk) run on the
+bookkeeping before the chunk attends: with a static rule in one pass, :meth:`PoolStore.compete_static`
+(the top-``P`` of a growing set, in closed form); with decaying ranks query by query on a candidate list,
+:meth:`PoolStore.compete_decaying` (the pool entries that can go within the chunk, by rank bounds); both
+then lay the survivors out afresh. Their twin: query by query on the store, :meth:`PoolStore.update` with
+``move_kv=False`` (tests/test_pooled.py).
+
 Shapes: B batch, L layers, Hk KV heads, F = L x Hk pairs, D head dim, NS store slots, NP pool slots,
 NPP pool pages, R ring slots per head.
 """
@@ -58,6 +65,7 @@ import torch
 from torch import Tensor
 
 from kvpop.geometry import CacheLayout
+from kvpop.order import prefix_kth_smallest
 from kvpop.selection import NEVER
 
 I64_MAX = torch.iinfo(torch.int64).max
@@ -302,6 +310,149 @@ class PoolStore:
         self.pos[:, self.dump] = -1
         self.count.copy_(n2)
         self._sync_block_masks()
+
+    def compete_static(self, q0: int, prio: Tensor) -> tuple[Tensor, Tensor]:
+        """The competitions at queries ``q0 .. q0 + n - 1`` (``n <= window``, every leaver ``j = q - window``
+        a non-sink) of a *static* rule in closed form: prio (B, F, n) float64, the leavers' priorities (column
+        ``t``: token ``q0 + t - window``) -> ``(orig, e)`` (B, NS) int64 each, as :meth:`update` with
+        ``move_kv=False`` and ``track`` records them over the same queries: ``orig`` the chunk-start slot of
+        each slot's entry, ``e`` the eviction time by chunk-start slot (``NEVER``: it stays).
+
+        With static priorities and one total order (priority, then the tie key ``pos * F + (F - 1 - f)``:
+        newer, then the lower pair, wins), the pool after query ``q`` is the top-``P`` of the pool at the
+        start and the leavers up to ``q`` (a set that only grows; an entry once dropped has ``P`` entries above
+        it that never leave before it). The tie key is also the arrival order: the pool's entries left their
+        windows before ``q0 - window``, the leavers arrive by token. So an entry goes when the ``P``-th of its
+        outrankers, by arrival, has arrived (and a leaver at its own arrival at the earliest): the formula of
+        :func:`kvpop.selection.eviction_times` over the candidates, one ``prefix_kth_smallest`` over the
+        candidates ordered by (priority, key) descending. The survivors are then laid out afresh: each
+        layer's list dense from logical 0 (its old entries first), the layers' pages consecutive from pool
+        page 0. The layout differs from the replay's, the decisions do not (tests/test_pooled.py)."""
+        F, P, dev = self.F, self.P, self.device
+        c = self._candidates(q0, prio)
+        key, score, valid = c["key"], c["score"], c["valid"]
+        B, N = key.shape
+        # (score, key) descending, the invalid ones last: three stable sorts, the last key first
+        order = key.sort(dim=1, descending=True, stable=True).indices
+        order = order.gather(1, score.gather(1, order).sort(dim=1, descending=True, stable=True).indices)
+        order = order.gather(1, (~valid).gather(1, order).to(torch.uint8).sort(dim=1, stable=True).indices)  # (B, N)
+        ks = key.gather(1, order).clamp(min=0)  # (B, N) arrival keys in rank order
+        r = torch.arange(N, device=dev).expand(B, N)  # outrankers of the candidate at rank r
+        if P:
+            kth = prefix_kth_smallest(ks, r, torch.full_like(r, P), bits=max(1, (q0 + prio.shape[2]) * F).bit_length())  # (B, N), -1: fewer than P
+            ekey = torch.where(r >= P, torch.maximum(ks, kth), -1)
+        else:
+            ekey = ks  # no pool: every leaver goes at once
+        e_sorted = torch.where(valid.gather(1, order) & (ekey >= 0), ekey // F + self.window, NEVER)
+        return self._relayout(c, torch.empty_like(e_sorted).scatter_(1, order, e_sorted))
+
+    def compete_decaying(self, q0: int, prio: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`compete_static`'s contract for decaying ranks ``(q - i) * log beta`` (dbtrimkv): the chunk's
+        competitions query by query, on a candidate list instead of the store (no compaction, no pages),
+        then the survivors laid out afresh as there. prio (B, F, n): the leavers' ``log beta``.
+
+        The list is the chunk's ``F x n`` leavers and the pool entries that can go within the chunk: a rank is
+        linear in ``q``, so over the chunk's queries entry ``y``'s lies between its ranks at the first and last
+        query, ``lo_y <= rank_y(q) <= hi_y`` (float64 rounding is monotone: the bounds hold as computed). At most
+        ``M = F x n`` entries go in the chunk and at most ``F`` at a query; if ``F + M`` pool entries have
+        ``hi_y < lo_x``, at every query at least ``F`` of them are still there and rank strictly below ``x``,
+        so ``x`` stays. The list keeps the pool entries with ``lo_x <= tau``, ``tau`` the ``(F + M)``-th
+        smallest ``hi``; each query's selection over it (:func:`select_lowest`, the ranks and ties of
+        :meth:`update`) then takes what the whole pool's would (tests/test_pooled.py: the replay's times)."""
+        F, P, NP, dev = self.F, self.P, self.NP, self.device
+        n = prio.shape[2]
+        c = self._candidates(q0, prio)
+        key, lb, valid, pos = c["key"], c["score"], c["valid"], c["pos"]
+        B = key.shape[0]
+        # the pool entries that can go: lo <= tau
+        p_lb, p_pos, p_ok = lb[:, :NP], pos[:, :NP], valid[:, :NP]
+        r0, r1 = (q0 - p_pos).double() * p_lb, (q0 + n - 1 - p_pos).double() * p_lb  # (B, NP) the ranks at the first and last query
+        inf = torch.tensor(float("inf"), dtype=torch.float64, device=dev)
+        hi, lo = torch.where(p_ok, torch.maximum(r0, r1), inf), torch.where(p_ok, torch.minimum(r0, r1), inf)
+        kk = F + F * n
+        tau = hi.topk(kk, dim=1, largest=False).values[:, -1:] if kk <= NP else inf.expand(B, 1)  # (B, 1)
+        can = p_ok & (lo <= tau)
+        m = int(can.sum(1).max())  # one host sync per chunk
+        self.listed = (m, NP)  # the last chunk's list of pool entries, of the pool's slots (a diagnostic)
+        ar = torch.arange(NP, device=dev)
+        first = torch.where(can, ar, NP + ar).sort(dim=1).values[:, :m]  # (B, m) the listed pool candidates, then padding
+        in_list = first < NP
+        pick = torch.cat([first % NP, NP + torch.arange(F * n, device=dev).expand(B, -1)], 1)  # (B, S) candidate indices
+        S = pick.shape[1]
+        s_pos, s_lb, s_key = pos.gather(1, pick), lb.gather(1, pick), key.gather(1, pick)
+        s_arrive = torch.where(pick < NP, q0, s_pos + self.window)  # (B, S) the query it competes from
+        listed = torch.cat([in_list, torch.ones(B, F * n, dtype=torch.bool, device=dev)], 1)  # (B, S) padding: False
+        e_s = torch.full((B, S + 1), NEVER, dtype=torch.int64, device=dev)  # column S: the virtual entries' writes
+        count = self.count.sum(1)  # (B,) the pool's entries before the query
+        vi = torch.arange(F, device=dev)
+        vtie = (-1 - vi).expand(B, F)
+        for q in range(q0, q0 + n):
+            here = listed & (e_s[:, :S] == NEVER) & (s_arrive <= q)  # (B, S) the candidates at q
+            score = torch.where(here, (q - s_pos).double() * s_lb, inf)  # as update: (q - i) * log beta
+            tie = torch.where(here, s_key, I64_MAX)
+            r = (count + F - P).clamp(min=0)  # (B,) real candidates beyond P
+            vscore = torch.where(vi < F - r[:, None], -inf, inf)
+            gone = select_lowest(torch.cat([score, vscore], 1), torch.cat([tie, vtie], 1), F)  # (B, F)
+            e_s.scatter_(1, torch.where(gone < S, gone, S), q)
+            count = count + F - r
+        ec = torch.full_like(key, NEVER).scatter_(1, pick, e_s[:, :S])  # pick is distinct per row; the unlisted stay
+        return self._relayout(c, torch.where(valid, ec, NEVER))
+
+    def _candidates(self, q0: int, prio: Tensor) -> dict[str, Tensor]:
+        """A prefill chunk's candidates: the pool's slots (empty ones invalid), then its leavers ``(f, t) ->
+        f * n + t`` (token ``q0 + t - window``): each (B, N) ``key`` (the tie key ``pos * F + (F - 1 - f)``,
+        -1: invalid), ``score`` (priority or log beta), ``pos``, ``tag``, ``valid`` and ``src`` (N,), the
+        chunk-start slot."""
+        B, F, NP, PS0, dev = self.B, self.F, self.NP, self.PS0, self.device
+        n = prio.shape[2]
+        j = torch.arange(q0 - self.window, q0 - self.window + n, device=dev)  # (n,) the leavers
+        ptag = self.tag[:, PS0 : PS0 + NP]  # (B, NP)
+        lkey = (j[None, :] * F + (F - 1 - self.pair)[:, None]).reshape(1, F * n)  # (1, F n)
+        key = torch.cat([torch.where(ptag >= 0, self.pos[:, PS0 : PS0 + NP] * F + (F - 1 - ptag), -1), lkey.expand(B, -1)], 1)  # (B, N)
+        return {
+            "key": key, "valid": key >= 0,
+            "score": torch.cat([self.prio[:, PS0 : PS0 + NP], prio.reshape(B, F * n).to(torch.float64)], 1),
+            "pos": torch.cat([self.pos[:, PS0 : PS0 + NP], j.repeat(F).expand(B, -1)], 1),
+            "tag": torch.cat([ptag, self.pair.repeat_interleave(n).expand(B, -1)], 1),
+            "src": torch.cat([PS0 + torch.arange(NP, device=dev), (self.ring_base[:, None] + self.home_slot(j)[None, :]).reshape(F * n)]),
+        }
+
+    def _relayout(self, c: dict[str, Tensor], ec: Tensor) -> tuple[Tensor, Tensor]:
+        """The store after a chunk's competitions from its candidates ``c`` (:meth:`_candidates`) and their
+        eviction times ec (B, N) (``NEVER``: stays) -> ``(orig, e)`` (:meth:`compete_static`). The survivors
+        are laid out afresh: layer by layer, each list dense (its old entries first), the pages consecutive."""
+        B, Hk, L, NP, PS0, pg, dev = self.B, self.Hk, self.L, self.NP, self.PS0, self.page, self.device
+        rows = torch.arange(B, device=dev)[:, None]
+        src, N = c["src"], ec.shape[1]
+        e = torch.full((B, self.NS), NEVER, dtype=torch.int64, device=dev).scatter_(1, src.expand(B, N), ec)
+        layer = torch.where(c["valid"] & (ec == NEVER), c["tag"] // Hk, L)  # (B, N); L: not kept
+        cnt = torch.zeros(B, L + 1, dtype=torch.int64, device=dev).scatter_add_(1, layer, torch.ones_like(layer))[:, :L]  # (B, L)
+        by = (layer * N + torch.arange(N, device=dev)).sort(1).indices  # (B, N) survivors by layer, old entries first
+        sl = layer.gather(1, by)
+        kept = sl < L
+        slc = sl.clamp(max=L - 1)
+        lidx = torch.arange(N, device=dev) - (cnt.cumsum(1) - cnt).gather(1, slc)  # (B, N) logical index in the layer's list
+        npg = (cnt + pg - 1) // pg  # (B, L)
+        pbase = npg.cumsum(1) - npg
+        dst = torch.where(kept, PS0 + (pbase.gather(1, slc) + lidx // pg) * pg + lidx % pg, self.dump)  # (B, N) store slots
+        vals = {name: c[name].gather(1, by) for name in ("pos", "tag", "score")}
+        for name in ("tag", "pos"):
+            getattr(self, name)[:, PS0 : PS0 + NP] = -1
+        for name, buf in (("pos", self.pos), ("tag", self.tag), ("score", self.prio)):
+            buf.index_put_((rows, dst), vals[name])
+        self.lidx.index_put_((rows, dst), lidx)
+        orig = torch.arange(self.NS, device=dev).expand(B, -1).clone()
+        orig.index_put_((rows, dst), src[by])
+        orig[:, self.dump] = self.dump
+        self.tag[:, self.dump] = -1
+        self.pos[:, self.dump] = -1
+        col = torch.arange(self.NPP + 1, device=dev)
+        self.ptab.copy_(torch.where(col < npg[..., None], pbase[..., None] + col, 0))
+        self.used.copy_(col < npg.sum(1, keepdim=True))
+        self.used[:, self.NPP - 1] = True  # the dump page
+        self.count.copy_(cnt)
+        self._sync_block_masks()
+        return orig, e
 
     def _slot(self, layer: Tensor, s: Tensor, ok: Tensor) -> Tensor:
         """Store slot of logical index s in layer's list (broadcast shapes); the dump slot where not ``ok``."""
