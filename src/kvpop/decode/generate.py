@@ -37,6 +37,7 @@ from kvpop.decode.cache import BoundedCache, cache_bytes, enable
 from kvpop.decode.engine import DecodeEngine, engine_refusal
 from kvpop.decode.one_pool import OnePoolCache
 from kvpop.geometry import CacheLayout
+from kvpop.modeling import head_dim_of
 from kvpop.policies import Dense, Policy
 
 Path = Literal["auto", "engine", "reference"]
@@ -104,8 +105,7 @@ def never_evicts(model, policy: Policy, layout: CacheLayout, tokens: int) -> boo
     it with dense's cache, so a generation shorter than the budget costs what dense costs."""
     if not policy.evicts or policy.gated:
         return False
-    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
-    return tokens <= layout.for_policy(policy, head_dim=head_dim).slots
+    return tokens <= layout.for_policy(policy, head_dim=head_dim_of(model.config)).slots
 
 
 def choose_path(model, policy: Policy, path: Path = "auto") -> Literal["engine", "reference"]:
