@@ -483,26 +483,30 @@ def test_compiled_pooled_engine_equals_one_pool_cache(policy_name, tiny_model):
     got, held = {}, {}
     # (compiled, one pass): the prefill chunks' competitions in one pass (PoolStore.compete_static, a static rule;
     # compete_decaying, dbtrimkv's candidate list) and their twin, the graphed per-query replay
-    modes = [(False, True), (True, True), (True, False)]
-    for compiled, closed in modes:
-        eng = DecodeEngine(model, policy, layout=layout, batch_size=2, compile=compiled)
+    # compete_decaying, dbtrimkv's candidate list) and their twin, the graphed per-query replay; the step over its
+    # candidate list (every 8 steps, PoolStore.refresh_list) and over the whole pool (list_steps=0)
+    modes = [(False, True, 8), (True, True, 8), (True, False, 8), (True, True, 0)]
+    for compiled, closed, list_steps in modes:
+        eng = DecodeEngine(model, policy, layout=layout, batch_size=2, compile=compiled, list_steps=list_steps)
         eng.pool_closed_form = closed
-        assert eng.kind == "pooled" and eng.store.page == 128
+        assert eng.kind == "pooled" and eng.store.page == 128 and eng.store.list_steps == list_steps
         logits = [eng.prefill(ids[:, :pre]).clone()]
         for t in range(pre, S):
             eng.tok.copy_(ids[:, t : t + 1])
             logits.append(eng.step().clone())
-        got[compiled, closed] = torch.stack(logits, 1)
+        if compiled:
+            assert (True in eng._graphs) == bool(list_steps)  # the graph over the list ran
+        got[compiled, closed, list_steps] = torch.stack(logits, 1)
         st = eng.store
-        held[compiled, closed] = sorted(h for h in zip(st.tag.flatten().tolist(), st.pos.flatten().tolist(),
+        held[compiled, closed, list_steps] = sorted(h for h in zip(st.tag.flatten().tolist(), st.pos.flatten().tolist(),
                                                        [b for b in range(2) for _ in range(st.NS)]) if h[0] >= 0)
-    eager = got[False, True]
+    eager = got[modes[0]]
     d_ref = _maxdiff(eager, ref[:, pre - 1 :])
-    d_comp = {m: _maxdiff(x, eager) for m, x in got.items() if m != (False, True)}
+    d_comp = {m: _maxdiff(x, eager) for m, x in got.items() if m != modes[0]}
     print(f"pooled engine {policy_name}: eager vs OnePoolCache {d_ref:.2e}; vs eager: "
-          + ", ".join(f"compiled{' one pass' if c else ' replay'} {d:.2e}" for (_, c), d in d_comp.items()))
+          + ", ".join(f"compiled{' one pass' if c else ' replay'}{'' if n else ' whole pool'} {d:.2e}" for (_, c, n), d in d_comp.items()))
     assert d_ref < 1e-4 and max(d_comp.values()) < 1e-4
-    assert all(h == held[False, True] for h in held.values())
+    assert all(h == held[modes[0]] for h in held.values())
 
 
 # --- dms: the gate's training forward (compiled flex + score_mod) against the SDPA float mask ----------

@@ -144,6 +144,59 @@ def test_the_engine_holds_the_reference_entries(model, name, tie_policy):
             assert n == (st.tag[b, st.PS0 :] // 2 == layer).sum()
 
 
+def check_candidate_list(st: PoolStore) -> None:
+    """The candidate list's bookkeeping: each listed slot holds a pool entry and knows its place, and no other
+    slot claims one."""
+    for b in range(st.B):
+        cand, lpos = st.cand[b, : st.C], st.lpos[b]
+        at = torch.nonzero(cand != st.dump).flatten()
+        assert (st.tag[b, cand[at]] >= 0).all() and (cand[at] >= st.PS0).all()
+        assert torch.equal(lpos[cand[at]].long(), at)
+        claim = torch.nonzero(lpos >= 0).flatten()
+        assert torch.equal(cand[lpos[claim].long()], claim)
+        assert int(st.ccount[b]) <= st.C and (cand[int(st.ccount[b]) :] == st.dump).all()
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("list_steps", [1, 3])
+def test_the_step_over_its_candidate_list(model, name, list_steps, tie_policy):
+    """The decode step competes over a candidate list refreshed every ``list_steps`` steps (the pool entries
+    that can go in them, and the leavers that enter): OnePoolCache's logits and entries, as over the whole
+    pool. Where ties put more than the list's room at its bound (the tie-heavy rules), a refresh says so and
+    those steps compete over the whole pool: both kinds of step occur here."""
+    policy = make(name, tie_policy)
+    x = ids(n=150, seed=7)
+    ref = teacher_forced_logits(model, policy, x, layout=LAYOUT, prefill=1)
+    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, page=4, list_steps=list_steps)
+    st = eng.store
+    assert st.list_steps == list_steps and st.C < st.NP
+    modes = []
+    got = [eng.prefill(x[:, :40])]
+    for t in range(40, 150):
+        eng.tok.copy_(x[:, t : t + 1])
+        got.append(eng.step().clone())
+        modes.append(st.listed)
+        check_candidate_list(st)
+    assert (torch.stack(got, 1) - ref[:, 39:]).abs().max() < 1e-4
+    assert held(eng) == reference_held(reference_cache(model, policy, x))
+    assert any(modes), "no step ran over the list"
+    if name in ("dbtrimkv", "one_pool_mlp", "kvpop_mlp_pool"):  # distinct ranks: the list always has room
+        assert all(modes)
+
+
+def test_a_full_candidate_list_falls_back_to_the_whole_pool(model, tie_policy):
+    """A refresh that finds more candidates than the list holds (here: every rank equal) answers False, and
+    the steps it serves compete over the whole pool."""
+    eng = DecodeEngine(model, make("one_pool_ties", tie_policy), layout=LAYOUT, batch_size=2, page=4, list_steps=2)
+    st = eng.store
+    eng.prefill(ids(n=100, seed=8))
+    st.prio[:, st.PS0 :] = 0.0
+    assert not st.refresh_list(eng.p)
+    st.prio[:, st.PS0 :] = torch.arange(st.NS - st.PS0, dtype=torch.float64)
+    assert st.refresh_list(eng.p)
+    assert int(st.ccount.max()) <= st.C0 and (st.ccount == st.F + st.F * st.list_steps).all()
+
+
 def pool_entries(st: PoolStore, orig: torch.Tensor) -> list[list[tuple]]:
     """The pool's entries of each row, layout aside: sorted (position, pair, priority, chunk-start slot)."""
     out = []
@@ -329,9 +382,12 @@ def test_the_compiled_steps_attention_on_the_cpu(model, page, tie_policy):
         eng.compiled = True  # the compiled step's branch, run eagerly
         try:
             flex = eng._layer_step(*args)[0]
+            eng._flex_rows = [(0, 1), (1, 2)]  # a call per row, as a store too large for 32-bit indexing is split
+            split = eng._layer_step(*args)[0]
         finally:
             eng.compiled = False
     assert (flex - eager).abs().max() < 1e-5
+    assert (split - eager).abs().max() < 1e-5
 
 
 def test_a_competition_without_a_leaver_changes_nothing(model, tie_policy):

@@ -114,6 +114,7 @@ I64_MAX = torch.iinfo(torch.int64).max
 #: across layers, but traces and compiles every layer: minutes on a fresh machine)
 CompileMode = Literal["layer", "step"]
 COMPILE_MODES: tuple[str, ...] = ("layer", "step")
+POOL_LIST_STEPS = 8  # the pooled step's candidate list serves this many steps per refresh (kvpop.decode.pooled)
 
 #: the environment variable naming the folder of compiled decode steps (default: COMPILE_CACHE_DEFAULT)
 COMPILE_CACHE_ENV = "KVPOP_COMPILE_CACHE"
@@ -221,7 +222,8 @@ class DecodeEngine:
     ``min(slots, max_len)``, see the module docstring); ``DecodeEngine(model, None, max_len=L,
     batch_size=1)`` (or a policy that never evicts) -- the dense static cache; a ``one_pool`` policy
     -- the pooled store (:mod:`kvpop.decode.pooled`; ``page``: its page, 128 on CUDA (the compiled step
-    needs FlexAttention's block), 16 on the CPU; its prefill chunks are at most ``window``). ``chunk``:
+    needs FlexAttention's block), 16 on the CPU; its prefill chunks are at most ``window``; ``list_steps``:
+    its step competes over a candidate list refreshed every that many steps, 0: over the whole pool). ``chunk``:
     prefill chunk (a multiple of 128; None: 2048 on CUDA, about the cache's size on the CPU).
 
     ``fused``: a static rule's token arrival (the leaver's score, the victim, the two-slot write)
@@ -240,6 +242,7 @@ class DecodeEngine:
         self, model, policy: Policy | None = None, *, layout: CacheLayout | None = None,
         max_len: int | None = None, batch_size: int = 1, chunk: int | None = None, compile: bool | None = None,
         compile_mode: CompileMode = "layer", fused: bool | None = None, page: int | None = None,
+        list_steps: int = POOL_LIST_STEPS,
     ):
         cfg = model.config.get_text_config(decoder=True)
         if (refusal := engine_refusal(model, policy)) is not None:
@@ -309,8 +312,12 @@ class DecodeEngine:
             if compile and page != BLOCK:
                 raise ValueError(f"the compiled pooled step reads pages of FlexAttention's block ({BLOCK}), not {page}")
             self.store = PoolStore(batch=B, layers=L, kv_heads=Hk, head_dim=self.D, layout=self.layout, dtype=self.dtype, device=dev,
-                                   page=page, decays=self.policy.decays, max_len=max_len, flex=bool(compile))
+                                   page=page, decays=self.policy.decays, max_len=max_len, flex=bool(compile), list_steps=list_steps)
             self._layer_index = [torch.tensor(i, dtype=torch.int64, device=dev) for i in range(L)]
+            # the compiled step's FlexAttention calls, each over rows whose keys hold < 2**31 elements: past that Inductor
+            # indexes in 64 bits, which its decoding template (torch 2.11) does not compile (int64 against int32 bounds)
+            per = max(1, (2**31 - 1) // (self.store.NS * self.D))
+            self._flex_rows = [(r0, min(B, r0 + per)) for r0 in range(0, B, per)]
         # a prefill chunk's competitions without per-query store updates (PoolStore.compete_static: a static
         # rule in closed form; compete_decaying: a candidate list); False: replayed on the store (PoolStore.update), the twin
         self.pool_closed_form = True
@@ -356,9 +363,8 @@ class DecodeEngine:
                 self._compiled_step = self._eager_step
             else:
                 self._compiled_step = torch.compile(self._eager_step, fullgraph=True, dynamic=False)
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._graph_out: Tensor | None = None
-        self._warm = False
+        self._graphs: dict[bool | None, tuple[torch.cuda.CUDAGraph, Tensor]] = {}  # the step's CUDA graph and its output, by mode
+        self._warm: set[bool | None] = set()  # modes whose first (compiling) call has run
         self._chunk_shared: dict[str, Tensor] | None = None
         self._compete_graph: torch.cuda.CUDAGraph | None = None  # pooled, compiled: a prefill chunk's competition
 
@@ -445,25 +451,29 @@ class DecodeEngine:
         if self.max_len is not None and self.seen >= self.max_len:
             raise ValueError(f"the engine holds {self.max_len} tokens (max_len); one more would overflow it")
         self.seen += 1
+        if self.store is not None:  # the pooled kind: its candidate list, refreshed every few steps (PoolStore.before_step)
+            self.store.before_step(self.p)
         if not self.compiled:
             return self._eager_step(self)
-        if self._graph is not None:
-            self._graph.replay()
-            return self._graph_out
-        if not self._warm:
+        mode = self.store.listed if self.store is not None else None  # a graph for each: over the list, over the whole pool
+        if mode in self._graphs:
+            graph, out = self._graphs[mode]
+            graph.replay()
+            return out
+        if mode not in self._warm:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 out = self._compiled_step(self)
             torch.cuda.current_stream(self.device).wait_stream(side)
-            self._warm = True
+            self._warm.add(mode)
             return out
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # records, does not run
-            self._graph_out = self._compiled_step(self)
-        self._graph = graph
+            out = self._compiled_step(self)
+        self._graphs[mode] = (graph, out)
         graph.replay()
-        return self._graph_out
+        return out
 
     @torch.no_grad()
     def _decode_step(self) -> Tensor:
@@ -657,13 +667,17 @@ class DecodeEngine:
             from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
             tag, first = st.tag, li * Hk
+            outs = []
+            for r0, r1 in self._flex_rows:  # rows whose store fits 32-bit indexing (below)
+                def mask_mod(b, hh, q_idx, kv_idx, r0=r0):  # the query heads are the queries of one head: pair of query q_idx
+                    return tag[r0 + b, kv_idx] == first + q_idx // G
 
-            def mask_mod(b, hh, q_idx, kv_idx):  # the query heads are the queries of one head: pair of query q_idx
-                return tag[b, kv_idx] == first + q_idx // G
-
-            bm = BlockMask.from_kv_blocks(bm_num, bm_idx, BLOCK_SIZE=st.page, mask_mod=mask_mod, seq_lengths=(H, st.NS), compute_q_blocks=False)
-            out = flex_attention(q.transpose(1, 2), st.keys.view(B, 1, st.NS, -1), st.values.view(B, 1, st.NS, -1), block_mask=bm, scale=self.scale)
-            out = out.transpose(1, 2)  # (B, 1, H, D) -> (B, H, 1, D)
+                bm = BlockMask.from_kv_blocks(bm_num[r0:r1], bm_idx[r0:r1], BLOCK_SIZE=st.page, mask_mod=mask_mod, seq_lengths=(H, st.NS),
+                                              compute_q_blocks=False)
+                n = r1 - r0
+                outs.append(flex_attention(q[r0:r1].transpose(1, 2), st.keys[r0:r1].view(n, 1, st.NS, -1), st.values[r0:r1].view(n, 1, st.NS, -1),
+                                           block_mask=bm, scale=self.scale))
+            out = (outs[0] if len(outs) == 1 else torch.cat(outs, 0)).transpose(1, 2)  # (B, 1, H, D) -> (B, H, 1, D)
         else:
             i = int(li)
             slots, mine = st.layer_slots(i)  # (B, N)
@@ -685,6 +699,7 @@ class DecodeEngine:
         eviction times, to the layer's entries as they were at the start and to the chunk causally; last,
         the pool's keys and values follow the bookkeeping (one gather) and the chunk enters the rings."""
         st, B, (_, C), dev = self.store, self.B, ids.shape, self.device
+        st.forget_list()  # the chunk moves entries outside the step: the next step lists afresh
         c0 = self.seen
         c1 = c0 + C
         snap = (st.tag.clone(), st.pos.clone(), st.ptab.clone(), st.count.clone())

@@ -94,7 +94,7 @@ class PoolStore:
     which changes no decision."""
 
     def __init__(self, *, batch: int, layers: int, kv_heads: int, head_dim: int, layout: CacheLayout, dtype, device,
-                 page: int, decays: bool, max_len: int | None = None, flex: bool = False):
+                 page: int, decays: bool, max_len: int | None = None, flex: bool = False, list_steps: int = 0):
         if kv_heads > page:
             raise ValueError(f"pooled engine: a page ({page} slots) must hold one entry per KV head ({kv_heads})")
         B, L, Hk, D = batch, layers, kv_heads, head_dim
@@ -114,12 +114,24 @@ class PoolStore:
         self.NS = self.PS0 + self.NPP * page
         self.dump = self.NS - 1
         self.device, self.flex = device, flex
+        # the candidate list of the decode step (module docstring): T steps per refresh, C0 entries at a refresh, C in all
+        T = max(0, int(list_steps))
+        self.C0 = 2 * (self.F + self.F * T)
+        self.C = self.C0 + self.F * T
+        self.list_steps = T if T and self.C < self.NP else 0  # a list as long as the pool saves nothing
+        self.list_left = 0  # steps the list still serves (host); 0: refresh before the next step
+        self.listed = False  # the next step's candidates: the list (True) or the whole pool
+        nc = self.C if self.list_steps else 0
+        self.cand = torch.zeros(B, nc + 1, dtype=torch.int64, device=device)  # store slots of the listed entries; column C: junk
+        self.ccount = torch.zeros(B, dtype=torch.int64, device=device)  # the list's length
         self.keys = torch.zeros(B, self.NS, D, dtype=dtype, device=device)
         self.values = torch.zeros(B, self.NS, D, dtype=dtype, device=device)
         self.pos = torch.full((B, self.NS), -1, dtype=torch.int64, device=device)  # -1: empty
         self.tag = torch.full((B, self.NS), -1, dtype=torch.int64, device=device)  # pair layer * Hk + head, -1: empty
         self.prio = torch.zeros(B, self.NS, dtype=torch.float64, device=device)  # a pool entry's priority (log beta, dbtrimkv)
         self.lidx = torch.zeros(B, self.NS, dtype=torch.int64, device=device)  # a pool entry's index in its layer's list
+        # a listed entry's place in cand, -1: none (int32: 4 bytes a slot, only where the step lists)
+        self.lpos = torch.full((B, self.NS if self.list_steps else 0), -1, dtype=torch.int32, device=device)
         self.count = torch.zeros(B, L, dtype=torch.int64, device=device)  # n_l: entries of each layer's pool list
         self.ptab = torch.zeros(B, L, self.NPP + 1, dtype=torch.int64, device=device)  # logical page -> pool page; column NPP: junk
         self.used = torch.zeros(B, self.NPP + 1, dtype=torch.bool, device=device)  # pool page in use (the dump page always); NPP: junk
@@ -142,6 +154,10 @@ class PoolStore:
         self.tag.fill_(-1)
         self.prio.zero_()
         self.lidx.zero_()
+        self.lpos.fill_(-1)
+        self.cand.fill_(self.dump)
+        self.ccount.zero_()
+        self.forget_list()
         self.count.zero_()
         self.ptab.zero_()
         self.used.zero_()
@@ -149,7 +165,8 @@ class PoolStore:
         self._sync_block_masks()
 
     def nbytes(self) -> int:
-        bufs = (self.keys, self.values, self.pos, self.tag, self.prio, self.lidx, self.count, self.ptab, self.used, self.bm_idx, self._bm_num)
+        bufs = (self.keys, self.values, self.pos, self.tag, self.prio, self.lidx, self.lpos, self.cand, self.ccount, self.count, self.ptab,
+                self.used, self.bm_idx, self._bm_num)
         return sum(t.numel() * t.element_size() for t in bufs)
 
     def home_slot(self, pos: Tensor | int) -> Tensor | int:
@@ -214,8 +231,14 @@ class PoolStore:
         j = q - self.window
         leaves = j >= self.sinks  # 0-d
         src_ring = self.leaver_slots(j)  # (F,)
-        # candidates: the pool's slots, the F leavers, F virtual empty entries (the F - r lowest of all)
-        ppos, pprio, ptag = self.pos[:, PS0 : PS0 + NP], self.prio[:, PS0 : PS0 + NP], self.tag[:, PS0 : PS0 + NP]  # (B, NP)
+        # candidates: the pool's slots (or the listed ones: refresh_list), the F leavers, F virtual empty entries (the F - r lowest of all)
+        if self.listed:
+            cs = self.cand[:, : self.C]  # (B, NC) store slots, the dump slot where empty
+            ppos, pprio, ptag = self.pos.gather(1, cs), self.prio.gather(1, cs), self.tag.gather(1, cs)  # (B, NC)
+        else:
+            cs = None
+            ppos, pprio, ptag = self.pos[:, PS0 : PS0 + NP], self.prio[:, PS0 : PS0 + NP], self.tag[:, PS0 : PS0 + NP]  # (B, NP)
+        NC = ppos.shape[1]
         valid = ptag >= 0
         inf = torch.tensor(float("inf"), dtype=torch.float64, device=dev)
         rank = (q - ppos).double() * pprio if self.decays else pprio
@@ -230,10 +253,10 @@ class PoolStore:
         vtie = (-1 - vi).expand(B, F)
         gone = select_lowest(torch.cat([score, lscore, vscore], 1), torch.cat([tie, ltie, vtie], 1), F)  # (B, F)
         # removed pool entries (holes) and leavers that do not stay
-        is_hole = gone < NP
-        hole = torch.where(is_hole, PS0 + gone, self.dump)  # (B, F) store slots
-        is_lv = (gone >= NP) & (gone < NP + F)
-        lv_gone = torch.zeros(B, F + 1, dtype=torch.bool, device=dev).scatter_(1, torch.where(is_lv, gone - NP, F), True)[:, :F]
+        is_hole = gone < NC
+        hole = torch.where(is_hole, PS0 + gone if cs is None else cs.gather(1, gone.clamp(max=NC - 1)), self.dump)  # (B, F) store slots
+        is_lv = (gone >= NC) & (gone < NC + F)
+        lv_gone = torch.zeros(B, F + 1, dtype=torch.bool, device=dev).scatter_(1, torch.where(is_lv, gone - NC, F), True)[:, :F]
         stays = leaves & ~lv_gone  # (B, F)
         h_layer = torch.where(is_hole, self.tag.gather(1, hole) // Hk, L)  # (B, F); L: not a hole
         h_lidx = torch.where(is_hole, self.lidx.gather(1, hole), 0)
@@ -287,6 +310,12 @@ class PoolStore:
             "prio": torch.cat([prio.to(torch.float64), self.prio.gather(1, mv_src)], 1),
             "lidx": torch.cat([new_lidx, mv_lidx], 1),
         }
+        if self.list_steps:  # the list follows its entries: holes leave it, movers keep their place, entering leavers join at its end
+            lp_hole = self.lpos.gather(1, hole).long()  # (B, F)
+            app = self.ccount[:, None] + stays.long().cumsum(1) - 1  # (B, F)
+            lp_new = torch.cat([torch.where(stays & (app < self.C), app, -1), self.lpos.gather(1, mv_src).long()], 1)  # (B, F + L F)
+            moved["lpos"] = lp_new.to(torch.int32)
+            self.ccount.add_(stays.sum(1))
         if move_kv:
             kv = [buf[rows, src] for buf in (self.keys, self.values)]  # (B, F + L F, D)
         if track is not None:
@@ -298,6 +327,10 @@ class PoolStore:
         cleared = torch.cat([hole, torch.where(in_tail, tail, self.dump).view(B, -1)], 1)
         self.tag.scatter_(1, cleared, -1)
         self.pos.scatter_(1, cleared, -1)
+        if self.list_steps:
+            self.lpos.scatter_(1, cleared, -1)
+            self.cand.scatter_(1, torch.where(lp_hole >= 0, lp_hole, self.C), self.dump)
+            self.cand.scatter_(1, torch.where((lp_new >= 0) & (dst != self.dump), lp_new, self.C), dst)
         for name, val in moved.items():
             getattr(self, name).index_put_((rows, dst), val)
         if move_kv:
@@ -308,8 +341,62 @@ class PoolStore:
         # the dump slot stays empty
         self.tag[:, self.dump] = -1
         self.pos[:, self.dump] = -1
+        if self.list_steps:
+            self.lpos[:, self.dump] = -1
+            self.cand[:, self.C] = self.dump
         self.count.copy_(n2)
         self._sync_block_masks()
+
+    def refresh_list(self, q0: Tensor) -> bool:
+        """The candidate list for the decode steps at queries ``q0 .. q0 + T - 1`` (``T = list_steps``; q0 0-d
+        int64) -> whether it holds every pool entry that can go in them (one host synchronization; False:
+        the steps compete over the whole pool, :attr:`listed` False).
+
+        :meth:`compete_decaying`'s bound: over those queries entry ``y``'s rank lies in ``[lo_y, hi_y]`` (its
+        ranks at the first and the last query; a static priority: both the priority). At most ``F`` entries
+        go at a query, ``M = F x T`` in all; with ``tau`` the ``(F + M)``-th smallest ``hi``, an entry with
+        ``lo > tau`` has, at every one of those queries, at least ``F`` entries still in the pool that rank
+        strictly below it, so it stays. The list holds the others (at most ``C0``; more: False), and every
+        leaver that enters the pool in those steps joins it (:meth:`update`), so each step's selection over
+        the list, the leavers and the virtual entries is the whole pool's (tests/test_pooled.py)."""
+        B, F, NP, PS0, T, dev = self.B, self.F, self.NP, self.PS0, self.list_steps, self.device
+        ptag, pprio = self.tag[:, PS0 : PS0 + NP], self.prio[:, PS0 : PS0 + NP]  # (B, NP)
+        valid = ptag >= 0
+        inf = torch.tensor(float("inf"), dtype=torch.float64, device=dev)
+        if self.decays:
+            age = (q0 - self.pos[:, PS0 : PS0 + NP]).double()
+            r0, r1 = age * pprio, (age + (T - 1)) * pprio  # (B, NP) the ranks at the first and the last query
+            lo, hi = torch.minimum(r0, r1), torch.maximum(r0, r1)
+        else:
+            lo = hi = pprio
+        lo, hi = torch.where(valid, lo, inf), torch.where(valid, hi, inf)
+        k = F + F * T
+        tau = hi.topk(k, dim=1, largest=False).values[:, -1:] if k <= NP else inf.expand(B, 1)  # (B, 1)
+        can = valid & (lo <= tau)
+        rank = can.cumsum(1) - 1  # (B, NP)
+        n = can.sum(1)  # (B,)
+        self.cand.fill_(self.dump)
+        self.cand.scatter_(1, torch.where(can & (rank < self.C0), rank, self.C), (PS0 + torch.arange(NP, device=dev)).expand(B, -1))
+        self.cand[:, self.C] = self.dump
+        self.ccount.copy_(n.clamp(max=self.C0))
+        self.lpos.fill_(-1)
+        self.lpos.scatter_(1, self.cand[:, : self.C], torch.arange(self.C, dtype=torch.int32, device=dev).expand(B, -1))
+        self.lpos[:, self.dump] = -1
+        return bool((n <= self.C0).all())
+
+    def before_step(self, q: Tensor) -> None:
+        """Before the decode step at query ``q`` (0-d int64): a fresh candidate list every ``list_steps`` steps
+        (:meth:`refresh_list`), which sets :attr:`listed` for the steps it serves."""
+        if not self.list_steps:
+            return
+        if self.list_left == 0:
+            self.listed = self.refresh_list(q)
+            self.list_left = self.list_steps
+        self.list_left -= 1
+
+    def forget_list(self) -> None:
+        """The store changed outside the decode step (a prefill, a relayout): the next step refreshes the list."""
+        self.list_left, self.listed = 0, False
 
     def compete_static(self, q0: int, prio: Tensor) -> tuple[Tensor, Tensor]:
         """The competitions at queries ``q0 .. q0 + n - 1`` (``n <= window``, every leaver ``j = q - window``
@@ -451,6 +538,7 @@ class PoolStore:
         self.used.copy_(col < npg.sum(1, keepdim=True))
         self.used[:, self.NPP - 1] = True  # the dump page
         self.count.copy_(cnt)
+        self.forget_list()
         self._sync_block_masks()
         return orig, e
 
@@ -493,6 +581,7 @@ class PoolStore:
             self.lidx[:, slot] = s
             self.prio[:, slot] = -torch.rand(B, n, generator=generator, device=dev, dtype=torch.float64) * 1e-3
             self.count[:, l] = n
+        self.forget_list()
         live = self.tag >= 0
         for buf in (self.keys, self.values):
             for b in range(B):  # a row at a time: no float32 copy of the whole store
