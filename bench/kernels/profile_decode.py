@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--policy", default="kvpop_mlp", help="kvpop_mlp (the bounded engine), or a one-pool policy on the pooled engine "
                     "(bench_decode.py's: dbtrimkv with a random gate, kvpop_mlp_one_pool for OnePool(kvpop_mlp))")
+    ap.add_argument("--list-steps", type=int, default=None, help="the pooled engine's candidate list: steps per refresh (0: the whole "
+                    "pool at every step; default: the engine's)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode.py profiles the CUDA kernels of a decode step: it needs a CUDA device")
@@ -57,7 +59,8 @@ def main() -> None:
     if args.policy != "kvpop_mlp":
         policy = pooled_policy("kvpop_mlp" if args.policy == "kvpop_mlp_one_pool" else args.policy, model, policy, dev)
     fused = {"auto": None, "off": False, "on": True}[args.fused]
-    eng = DecodeEngine(model, policy, layout=CacheLayout(2048, 4, 256), batch_size=args.batch, fused=fused)
+    extra = {} if args.list_steps is None else {"list_steps": args.list_steps}
+    eng = DecodeEngine(model, policy, layout=CacheLayout(2048, 4, 256), batch_size=args.batch, fused=fused, **extra)
     if args.batch == 1:
         eng.prefill(random_ids(1, args.context, cfg.vocab_size, 0, dev))
     else:
@@ -72,6 +75,8 @@ def main() -> None:
     ms = (time.perf_counter() - t0) / 200 * 1e3
     mode = ("max-autotune" if args.max_autotune else "default") + (", fused insert" if eng.fused else ", tensor insert")
     head = f"{mode} compile: {ms:.3f} ms per step (batch {args.batch}, context {args.context}, budget 2048)\n"
+    lists = f", the pool's candidate list every {eng.store.list_steps} steps" if eng.store is not None else ""
+    head = head.rstrip("\n") + lists + "\n"
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             eng.step()
@@ -79,7 +84,7 @@ def main() -> None:
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
     print(head + table)
     write_result(out, {"model": "qwen3-small" if args.small else "Qwen3-4B architecture (random weights)", "compile": mode, "policy": args.policy,
-                       "engine": eng.kind,
+                       "engine": eng.kind, "list_steps": eng.store.list_steps if eng.store is not None else None,
                        "batch": args.batch, "context": args.context, "budget": 2048, "ms_per_step": round(ms, 3),
                        "steps_timed": 200, "steps_profiled": 10, "summary": head.strip(), "table": table})
 
