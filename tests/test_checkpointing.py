@@ -15,7 +15,7 @@ import torch
 from kvpop.attention import ScorerTraining, SparseContext, register
 from kvpop.geometry import CacheLayout
 from kvpop.policies import Dense, make_policy
-from kvpop.train import prediction_mask, topk_kl
+from kvpop.train import prediction_mask, teacher_topk, topk_kl
 
 from conftest import packed_toy
 
@@ -73,7 +73,7 @@ def train_step(teacher, student, policy, ids, doc, pos, *, checkpointing: bool):
     mask = prediction_mask((doc >= 0).long(), doc)
     with torch.no_grad():
         t_ctx = SparseContext.for_rows(Dense(), doc, pos, layout=LAYOUT, executor=executor)
-        top_vals, top_idx = teacher(input_ids=ids, position_ids=pos, kvpop_ctx=t_ctx).logits.topk(16, dim=-1)
+        top_vals, top_idx = teacher_topk(teacher(input_ids=ids, position_ids=pos, kvpop_ctx=t_ctx).logits, 16)
     gen = torch.Generator().manual_seed(7)
     st = ScorerTraining(query_samples=3, generator=gen) if policy.learned else None
     ctx = CountingContext.for_rows(policy, doc, pos, layout=LAYOUT, scorer_training=st, executor=executor)

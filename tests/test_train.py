@@ -10,7 +10,7 @@ from kvpop.geometry import CacheLayout
 from kvpop.modeling import tiny_config
 from kvpop.policies import make_policy
 from kvpop.target import TargetSpec
-from kvpop.train import DistillModule, PackedDataset, TrainSettings, make_loader, prediction_mask, topk_kl
+from kvpop.train import DistillModule, PackedDataset, TrainSettings, make_loader, prediction_mask, teacher_topk, topk_kl
 
 from conftest import packed_toy
 
@@ -28,11 +28,36 @@ def tiny_pair():
 def test_topk_kl_equals_full_kl_when_k_is_vocab():
     g = torch.Generator().manual_seed(0)
     t, s = torch.randn(2, 5, 11, generator=g), torch.randn(2, 5, 11, generator=g)
-    vals, idx = t.topk(11, -1)
+    vals, idx = teacher_topk(t, 11)
     mask = torch.ones(2, 5)
     full = torch.nn.functional.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="none").sum(-1).mean()
     assert torch.allclose(topk_kl(s, vals, idx, mask), full, atol=1e-6)
     assert topk_kl(t, vals, idx, mask).abs() < 1e-6
+
+
+@pytest.mark.parametrize("k", [1, 4, 16])
+def test_topk_kl_is_the_kl_over_the_top_k_and_the_rest(k):
+    """K < V: zero for a student equal to the teacher (distillation of a model toward itself moves nothing), and
+    otherwise the KL of both distributions coarsened to the K tokens plus one outcome for the rest, computed
+    here from the full softmaxes."""
+    g = torch.Generator().manual_seed(k)
+    t, s = 3 * torch.randn(2, 6, 40, generator=g), 3 * torch.randn(2, 6, 40, generator=g)
+    logp, idx = teacher_topk(t, k)
+    mask = torch.ones(2, 6)
+    assert topk_kl(t, logp, idx, mask).abs() < 1e-5
+    assert topk_kl(t + 5.0, logp, idx, mask).abs() < 1e-5  # logits are shift-invariant
+    pt, ps = t.double().softmax(-1), s.double().softmax(-1)
+    ct = torch.cat([pt.gather(-1, idx), 1 - pt.gather(-1, idx).sum(-1, keepdim=True)], -1)  # (B, S, K + 1)
+    cs = torch.cat([ps.gather(-1, idx), 1 - ps.gather(-1, idx).sum(-1, keepdim=True)], -1)
+    want = (ct * (ct.log() - cs.log())).sum(-1).mean()
+    assert torch.allclose(topk_kl(s, logp, idx, mask).double(), want, rtol=1e-4, atol=1e-6)
+
+
+def test_topk_kl_refuses_logits_in_place_of_log_probabilities():
+    t = torch.randn(1, 3, 20) + 4.0
+    vals, idx = t.topk(5, -1)
+    with pytest.raises(ValueError, match="log-probabilities"):
+        topk_kl(torch.randn(1, 3, 20), vals, idx, torch.ones(1, 3))
 
 
 def test_prediction_mask_stops_at_document_ends():
@@ -57,7 +82,7 @@ def test_gradients_are_isolated():
     policy.zero_grad(set_to_none=True)
     with torch.no_grad():
         ctx = SparseContext.for_rows(make_policy("dense"), doc, pos, layout=CacheLayout(13, 2, 6))
-        vals, idx = teacher(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits.topk(16, -1)
+        vals, idx = teacher_topk(teacher(input_ids=ids, position_ids=pos, kvpop_ctx=ctx).logits, 16)
     topk_kl(logits, vals, idx, torch.ones(2, 64)).backward()
     assert all(p.grad is None for p in policy.parameters())
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in student.parameters())
@@ -92,7 +117,7 @@ def test_chunked_topk_kl_equals_the_whole_computation():
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(2, 37, 50, generator=g, requires_grad=True)
     t = torch.randn(2, 37, 50, generator=g)
-    vals, idx = t.topk(8, dim=-1)
+    vals, idx = teacher_topk(t, 8)
     mask = torch.rand(2, 37, generator=g) > 0.3
     whole = topk_kl(logits, vals, idx, mask, chunk=10**6)
     (g_whole,) = torch.autograd.grad(whole, logits)

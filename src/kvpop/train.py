@@ -4,6 +4,7 @@ The student starts as a copy of the teacher and runs under a policy's sparse pat
 teacher runs densely (causal within each packed document). The loss is
 
     KL(teacher || student) on the teacher's top-``top_logits`` tokens   -> student model only
+      and the rest of the vocabulary as one outcome (zero when the two agree)
   + boundary loss of the learned scorer (if any), mean over layers       -> scorer and decay only
 
 The two never mix: the pattern is built from detached priorities, and the scorer reads detached
@@ -60,18 +61,39 @@ if TYPE_CHECKING:  # kvpop.config needs pydantic; this module does not
     from kvpop.config import TrainConfig
 
 
+def teacher_topk(teacher_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The teacher's ``k`` most likely next tokens: logits (B, S, V) -> their log-probabilities under the
+    whole vocabulary's softmax (B, S, k) float32 and their ids (B, S, k)."""
+    t = teacher_logits.float()
+    vals, idx = t.topk(k, dim=-1)
+    return vals - t.logsumexp(-1, keepdim=True), idx
+
+
+def _log1mexp(x: Tensor) -> Tensor:
+    """log(1 - exp(x)) for x <= 0, accurate at both ends."""
+    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
 def _kl_rows(student_logits: Tensor, t_logp: Tensor, top_idx: Tensor) -> Tensor:
-    """(N, V) student logits, (N, K) teacher log-probs and ids -> (N,) KL(p_T || p_S) on the K."""
+    """(N, V) student logits, (N, K) teacher log-probs (whole-vocabulary softmax) and ids -> (N,) the KL
+    over the K tokens and the rest of the vocabulary as one more outcome."""
     s_logp = torch.log_softmax(student_logits.float(), dim=-1).gather(-1, top_idx)  # (N, K)
-    return (t_logp.exp() * (t_logp - s_logp)).sum(-1)
+    p = t_logp.exp()
+    p_rest = (1.0 - p.sum(-1)).clamp(min=0.0)  # (N,)
+    s_rest = _log1mexp(torch.logsumexp(s_logp, -1).clamp(max=-1e-7))  # log of the student's mass off the K
+    return (p * (t_logp - s_logp)).sum(-1) + torch.special.xlogy(p_rest, p_rest) - p_rest * s_rest
 
 
-def topk_kl(student_logits: Tensor, top_vals: Tensor, top_idx: Tensor, mask: Tensor, denom: Tensor | None = None, chunk: int = 2048) -> Tensor:
-    """Mean over masked tokens of KL(p_T || p_S) on the teacher's top-K support.
+def topk_kl(student_logits: Tensor, top_logp: Tensor, top_idx: Tensor, mask: Tensor, denom: Tensor | None = None, chunk: int = 2048) -> Tensor:
+    """Mean over masked tokens of KL(p_T || p_S) over the teacher's top-K tokens and one outcome more, the
+    rest of the vocabulary (the KL of both distributions coarsened to those K + 1 outcomes).
 
-    student_logits (B, S, V); top_vals, top_idx (B, S, K) teacher logits and their token ids,
-    renormalized over the K; mask (B, S) 1 where the token's next-token prediction is distilled.
-    ``denom`` replaces the local token count (data parallel: the global count / world size).
+    student_logits (B, S, V); top_logp, top_idx (B, S, K) the teacher's log-probabilities (the whole
+    vocabulary's softmax: :func:`teacher_topk`) and token ids; mask (B, S) 1 where the token's next-token
+    prediction is distilled. ``denom`` replaces the local token count (data parallel: the global count /
+    world size). Zero when the student's distribution is the teacher's; with K = V, the full KL. (The
+    teacher renormalized over its K against the student's full softmax, as before, is not zero there: it
+    is ``-log`` of the teacher's top-K mass, and its gradient moves the student's tail mass onto the K.)
 
     The student's log-softmax over the vocabulary is computed ``chunk`` tokens at a time and
     recomputed in backward (activation checkpointing), so no float32 (B, S, V) tensor is kept: at
@@ -81,7 +103,10 @@ def topk_kl(student_logits: Tensor, top_vals: Tensor, top_idx: Tensor, mask: Ten
     from torch.utils.checkpoint import checkpoint
 
     B, S, V = student_logits.shape
-    t_logp = torch.log_softmax(top_vals.float(), dim=-1).flatten(0, 1)  # (B * S, K)
+    t_logp = top_logp.float().flatten(0, 1)  # (B * S, K)
+    if bool((t_logp.exp().sum(-1) > 1.0 + 1e-3).any()):
+        raise ValueError("topk_kl takes the teacher's log-probabilities of its top-K tokens (kvpop.train.teacher_topk), "
+                         "not its logits: their probabilities sum to more than 1")
     logits, idx = student_logits.flatten(0, 1), top_idx.flatten(0, 1)  # (B * S, V), (B * S, K)
     parts = []
     for s in range(0, B * S, chunk):
@@ -209,7 +234,7 @@ class DistillModule(L.LightningModule):
         distributed = self.trainer.world_size > 1
         with torch.no_grad():  # on this rank's rows: the (B, S, V) logits never leave the device
             t_logits = self.teacher(input_ids=ids, position_ids=pos, kvpop_ctx=self._ctx(self._dense, batch), use_cache=False).logits
-            top_vals, top_idx = t_logits.float().topk(self.s.top_logits, dim=-1)  # (B, S, K)
+            top_logp, top_idx = teacher_topk(t_logits, self.s.top_logits)  # (B, S, K)
             del t_logits
             # global distilled-token count / world size: averaged gradients = the global-batch gradient
             denom = self.trainer.strategy.reduce(mask.sum().float(), reduce_op="mean") if distributed else None
@@ -221,7 +246,7 @@ class DistillModule(L.LightningModule):
                 ctx.global_evict, _ = pool_chunked(self.student, self.policy, ids, layout=self.s.layout, doc_ids=batch["doc_ids"], pos=pos)
         s_logits = self.student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx, use_cache=False).logits
         ctx.finish_scorer_losses()
-        kl = topk_kl(s_logits, top_vals, top_idx, mask, denom)
+        kl = topk_kl(s_logits, top_logp, top_idx, mask, denom)
         loss = kl
         logs = {"train/kl": kl.detach()}
         if gated:
