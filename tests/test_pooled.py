@@ -382,12 +382,9 @@ def test_the_compiled_steps_attention_on_the_cpu(model, page, tie_policy):
         eng.compiled = True  # the compiled step's branch, run eagerly
         try:
             flex = eng._layer_step(*args)[0]
-            eng._flex_rows = [(0, 1), (1, 2)]  # a call per row, as a store too large for 32-bit indexing is split
-            split = eng._layer_step(*args)[0]
         finally:
             eng.compiled = False
     assert (flex - eager).abs().max() < 1e-5
-    assert (split - eager).abs().max() < 1e-5
 
 
 def test_a_competition_without_a_leaver_changes_nothing(model, tie_policy):

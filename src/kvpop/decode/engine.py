@@ -314,10 +314,6 @@ class DecodeEngine:
             self.store = PoolStore(batch=B, layers=L, kv_heads=Hk, head_dim=self.D, layout=self.layout, dtype=self.dtype, device=dev,
                                    page=page, decays=self.policy.decays, max_len=max_len, flex=bool(compile), list_steps=list_steps)
             self._layer_index = [torch.tensor(i, dtype=torch.int64, device=dev) for i in range(L)]
-            # the compiled step's FlexAttention calls, each over rows whose keys hold < 2**31 elements: past that Inductor
-            # indexes in 64 bits, which its decoding template (torch 2.11) does not compile (int64 against int32 bounds)
-            per = max(1, (2**31 - 1) // (self.store.NS * self.D))
-            self._flex_rows = [(r0, min(B, r0 + per)) for r0 in range(0, B, per)]
         # a prefill chunk's competitions without per-query store updates (PoolStore.compete_static: a static
         # rule in closed form; compete_decaying: a candidate list); False: replayed on the store (PoolStore.update), the twin
         self.pool_closed_form = True
@@ -667,17 +663,13 @@ class DecodeEngine:
             from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
             tag, first = st.tag, li * Hk
-            outs = []
-            for r0, r1 in self._flex_rows:  # rows whose store fits 32-bit indexing (below)
-                def mask_mod(b, hh, q_idx, kv_idx, r0=r0):  # the query heads are the queries of one head: pair of query q_idx
-                    return tag[r0 + b, kv_idx] == first + q_idx // G
 
-                bm = BlockMask.from_kv_blocks(bm_num[r0:r1], bm_idx[r0:r1], BLOCK_SIZE=st.page, mask_mod=mask_mod, seq_lengths=(H, st.NS),
-                                              compute_q_blocks=False)
-                n = r1 - r0
-                outs.append(flex_attention(q[r0:r1].transpose(1, 2), st.keys[r0:r1].view(n, 1, st.NS, -1), st.values[r0:r1].view(n, 1, st.NS, -1),
-                                           block_mask=bm, scale=self.scale))
-            out = (outs[0] if len(outs) == 1 else torch.cat(outs, 0)).transpose(1, 2)  # (B, 1, H, D) -> (B, H, 1, D)
+            def mask_mod(b, hh, q_idx, kv_idx):  # the query heads are the queries of one head: pair of query q_idx
+                return tag[b, kv_idx] == first + q_idx // G
+
+            bm = BlockMask.from_kv_blocks(bm_num, bm_idx, BLOCK_SIZE=st.page, mask_mod=mask_mod, seq_lengths=(H, st.NS), compute_q_blocks=False)
+            out = flex_attention(q.transpose(1, 2), st.keys.view(B, 1, st.NS, -1), st.values.view(B, 1, st.NS, -1), block_mask=bm, scale=self.scale)
+            out = out.transpose(1, 2)  # (B, 1, H, D) -> (B, H, 1, D)
         else:
             i = int(li)
             slots, mine = st.layer_slots(i)  # (B, N)
