@@ -29,7 +29,8 @@ entry it is, so one page may hold entries of every head of *one* layer::
   pages, and one dump page where the writes that change nothing go. The memory is fixed at
   construction (flat in the context) and exceeds a per-head cache of the same budget by a page or two
   per layer (Qwen3-4B at budget 2,048: 598,400 slots per row against 589,824, 1.5%; and 32 bytes of
-  bookkeeping per slot, position, priority, tag and list index, against the per-head cache's 16).
+  bookkeeping per slot, position, priority, tag and list index, against the per-head cache's 16; 4 more with
+  the candidate list below).
 
 Attention of layer ``l`` then reads only its own pages: its ring pages and ``ptab[l][:ceil(n_l / page)]``.
 On CUDA the compiled step runs FlexAttention's decoding kernel with the layer's ``H`` query heads as
@@ -46,7 +47,11 @@ The candidates are the pool's slots, the ``F`` leavers and ``F`` virtual empty e
 ``F - r`` rank lowest (``r``: the candidates beyond ``P``); :func:`select_lowest` takes the ``F``
 lowest by (rank, tie) with two ``topk`` (the twin of :func:`kvpop.selection.pool_leavers`, tested
 equal). So ``r`` real candidates go, exactly the reference's. Everything after is gathers, cumsums and
-``index_put_`` over ``O(F + L x F)`` entries: the step's CUDA graph holds it.
+``index_put_`` over ``O(F + L x F)`` entries: the step's CUDA graph holds it. With ``list_steps = T``
+the pool's part of the candidates is a list (:meth:`PoolStore.refresh_list`, every ``T`` steps: the entries
+whose rank can be among the lowest in those steps, at most ``C0 = 2 (F + F T)``, plus the leavers that enter
+meanwhile: ``C = C0 + F T`` places, each entry's place in ``lpos``) instead of the pool's ``NP`` slots; the
+engine captures a graph for each kind of step and runs the whole pool's where a refresh overflows.
 
 A prefill chunk's competitions (at most ``window`` queries, every leaver from an earlier chunk) run on the
 bookkeeping before the chunk attends: with a static rule in one pass, :meth:`PoolStore.compete_static`
