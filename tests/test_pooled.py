@@ -252,7 +252,7 @@ def test_closed_form_competitions_equal_the_replay(model, name, page, tie_policy
             twin.update(torch.tensor(q), prio[:, :, q - c0], move_kv=False, track=(orig, e))
         before = copy.deepcopy(st)
         got_orig, got_e = (st.compete_decaying if st.decays else st.compete_static)(c0, prio)
-        pruned |= st.decays and st.listed[0] < int((before.tag[:, st.PS0 :] >= 0).sum(1).min())
+        pruned |= st.decays and st.chunk_listed[0] < int((before.tag[:, st.PS0 :] >= 0).sum(1).min())
         assert torch.equal(got_e[:, : st.dump], e[:, : st.dump]), c0  # the replay writes its no-ops' times to the dump slot
         assert pool_entries(st, got_orig) == pool_entries(twin, orig), c0
         assert torch.equal(st.count.sum(1), twin.count.sum(1))

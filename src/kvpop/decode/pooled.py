@@ -465,7 +465,7 @@ class PoolStore:
         tau = hi.topk(kk, dim=1, largest=False).values[:, -1:] if kk <= NP else inf.expand(B, 1)  # (B, 1)
         can = p_ok & (lo <= tau)
         m = int(can.sum(1).max())  # one host sync per chunk
-        self.listed = (m, NP)  # the last chunk's list of pool entries, of the pool's slots (a diagnostic)
+        self.chunk_listed = (m, NP)  # the last chunk's candidate list: pool entries listed, of the pool's slots (a diagnostic)
         ar = torch.arange(NP, device=dev)
         first = torch.where(can, ar, NP + ar).sort(dim=1).values[:, :m]  # (B, m) the listed pool candidates, then padding
         in_list = first < NP
