@@ -149,6 +149,7 @@ SLOW = [  # each 15-25 s on two shared cores
     ("bench/kernels/bench_selection.py", ["--small"], {"config", "sizes"}),
     ("bench/bench_decode.py", ["--small", "--parts", "b1"], {"info", "rows"}),
     ("bench/bench_ttft.py", ["--small", "--modes", "eager"], {"info", "modes"}),
+    ("bench/kernels/profile_pool_prefill.py", ["--small"], {"s_per_chunk", "table_host", "table_device"}),
 ]
 
 
