@@ -56,7 +56,9 @@ def test_ddp_equals_one_device_on_the_same_global_batch(tmp_path, base, db):  # 
         runs[name] = cwd
     m1, m2 = (json.loads((runs[n] / METRICS).read_text()) for n in ("one", "ddp"))
     assert m1["devices"] == 1 and m2["devices"] == 2 and m1["steps"] == m2["steps"] == 4
-    assert m2["kl"] == pytest.approx(m1["kl"], rel=1e-5)
+    # the KL (~5e-5 here: the student barely leaves the teacher) is a float32 sum of terms of the size of each
+    # probability, so its summation-order error is absolute (~1e-9 seen), not relative to the small result
+    assert m2["kl"] == pytest.approx(m1["kl"], rel=1e-5, abs=1e-8)
     assert m2["decisions"] == m1["decisions"]  # summed over ranks: the same decisions
     a, b = (torch.load(runs[n] / OUT / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"] for n in ("one", "ddp"))
     assert a.keys() == b.keys()
