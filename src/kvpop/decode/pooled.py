@@ -357,27 +357,11 @@ class PoolStore:
         int64) -> whether it holds every pool entry that can go in them (one host synchronization; False:
         the steps compete over the whole pool, :attr:`listed` False).
 
-        :meth:`compete_decaying`'s bound: over those queries entry ``y``'s rank lies in ``[lo_y, hi_y]`` (its
-        ranks at the first and the last query; a static priority: both the priority). At most ``F`` entries
-        go at a query, ``M = F x T`` in all; with ``tau`` the ``(F + M)``-th smallest ``hi``, an entry with
-        ``lo > tau`` has, at every one of those queries, at least ``F`` entries still in the pool that rank
-        strictly below it, so it stays. The list holds the others (at most ``C0``; more: False), and every
+        The list holds the entries that can go in those steps (:meth:`can_go`; at most ``C0``, more: False), and every
         leaver that enters the pool in those steps joins it (:meth:`update`), so each step's selection over
         the list, the leavers and the virtual entries is the whole pool's (tests/test_pooled.py)."""
-        B, F, NP, PS0, T, dev = self.B, self.F, self.NP, self.PS0, self.list_steps, self.device
-        ptag, pprio = self.tag[:, PS0 : PS0 + NP], self.prio[:, PS0 : PS0 + NP]  # (B, NP)
-        valid = ptag >= 0
-        inf = torch.tensor(float("inf"), dtype=torch.float64, device=dev)
-        if self.decays:
-            age = (q0 - self.pos[:, PS0 : PS0 + NP]).double()
-            r0, r1 = age * pprio, (age + (T - 1)) * pprio  # (B, NP) the ranks at the first and the last query
-            lo, hi = torch.minimum(r0, r1), torch.maximum(r0, r1)
-        else:
-            lo = hi = pprio
-        lo, hi = torch.where(valid, lo, inf), torch.where(valid, hi, inf)
-        k = F + F * T
-        tau = hi.topk(k, dim=1, largest=False).values[:, -1:] if k <= NP else inf.expand(B, 1)  # (B, 1)
-        can = valid & (lo <= tau)
+        B, NP, PS0, dev = self.B, self.NP, self.PS0, self.device
+        can = self.can_go(q0, self.list_steps)  # (B, NP)
         rank = can.cumsum(1) - 1  # (B, NP)
         n = can.sum(1)  # (B,)
         self.cand.fill_(self.dump)
@@ -388,6 +372,31 @@ class PoolStore:
         self.lpos.scatter_(1, self.cand[:, : self.C], torch.arange(self.C, dtype=torch.int32, device=dev).expand(B, -1))
         self.lpos[:, self.dump] = -1
         return bool((n <= self.C0).all())
+
+    def can_go(self, q0: Tensor | int, n: int) -> Tensor:
+        """The pool's entries that can be among the lowest-ranked at some query of ``q0 .. q0 + n - 1`` -> (B, NP)
+        bool over the pool's slots (the others stay through those queries, whatever enters).
+
+        Over those queries entry ``y``'s rank lies in ``[lo_y, hi_y]``: its ranks at the first and the last
+        query (a rank ``(q - i) * log beta`` is linear in ``q``; float64 rounding is monotone, so the bounds
+        hold as computed), or its static priority. At most ``F`` entries go at a query, ``M = F x n`` in all;
+        with ``tau`` the ``(F + M)``-th smallest ``hi``, an entry with ``lo > tau`` has, at every one of those
+        queries, at least ``F`` entries still in the pool that rank strictly below it, so it stays. Used by the
+        decaying prefill's chunk (:meth:`compete_decaying`) and the decode step's list (:meth:`refresh_list`)."""
+        B, F, NP, PS0, dev = self.B, self.F, self.NP, self.PS0, self.device
+        pprio = self.prio[:, PS0 : PS0 + NP]  # (B, NP)
+        valid = self.tag[:, PS0 : PS0 + NP] >= 0
+        inf = torch.tensor(float("inf"), dtype=torch.float64, device=dev)
+        if self.decays:
+            age = (q0 - self.pos[:, PS0 : PS0 + NP]).double()
+            r0, r1 = age * pprio, (age + (n - 1)) * pprio  # (B, NP) the ranks at the first and the last query
+            lo, hi = torch.minimum(r0, r1), torch.maximum(r0, r1)
+        else:
+            lo = hi = pprio
+        lo, hi = torch.where(valid, lo, inf), torch.where(valid, hi, inf)
+        k = F + F * n
+        tau = hi.topk(k, dim=1, largest=False).values[:, -1:] if k <= NP else inf.expand(B, 1)  # (B, 1)
+        return valid & (lo <= tau)
 
     def before_step(self, q: Tensor) -> None:
         """Before the decode step at query ``q`` (0-d int64): a fresh candidate list every ``list_steps`` steps
@@ -443,27 +452,17 @@ class PoolStore:
         competitions query by query, on a candidate list instead of the store (no compaction, no pages),
         then the survivors laid out afresh as there. prio (B, F, n): the leavers' ``log beta``.
 
-        The list is the chunk's ``F x n`` leavers and the pool entries that can go within the chunk: a rank is
-        linear in ``q``, so over the chunk's queries entry ``y``'s lies between its ranks at the first and last
-        query, ``lo_y <= rank_y(q) <= hi_y`` (float64 rounding is monotone: the bounds hold as computed). At most
-        ``M = F x n`` entries go in the chunk and at most ``F`` at a query; if ``F + M`` pool entries have
-        ``hi_y < lo_x``, at every query at least ``F`` of them are still there and rank strictly below ``x``,
-        so ``x`` stays. The list keeps the pool entries with ``lo_x <= tau``, ``tau`` the ``(F + M)``-th
-        smallest ``hi``; each query's selection over it (:func:`select_lowest`, the ranks and ties of
-        :meth:`update`) then takes what the whole pool's would (tests/test_pooled.py: the replay's times)."""
+        The list is the chunk's ``F x n`` leavers and the pool entries that can go within the chunk
+        (:meth:`can_go`, by rank bounds over its queries); each query's selection over it (:func:`select_lowest`,
+        the ranks and ties of :meth:`update`) then takes what the whole pool's would (tests/test_pooled.py: the
+        replay's times)."""
         F, P, NP, dev = self.F, self.P, self.NP, self.device
         n = prio.shape[2]
+        can = self.can_go(q0, n)  # (B, NP) the pool entries that can go in the chunk (before _candidates: the same pool)
         c = self._candidates(q0, prio)
         key, lb, valid, pos = c["key"], c["score"], c["valid"], c["pos"]
         B = key.shape[0]
-        # the pool entries that can go: lo <= tau
-        p_lb, p_pos, p_ok = lb[:, :NP], pos[:, :NP], valid[:, :NP]
-        r0, r1 = (q0 - p_pos).double() * p_lb, (q0 + n - 1 - p_pos).double() * p_lb  # (B, NP) the ranks at the first and last query
         inf = torch.tensor(float("inf"), dtype=torch.float64, device=dev)
-        hi, lo = torch.where(p_ok, torch.maximum(r0, r1), inf), torch.where(p_ok, torch.minimum(r0, r1), inf)
-        kk = F + F * n
-        tau = hi.topk(kk, dim=1, largest=False).values[:, -1:] if kk <= NP else inf.expand(B, 1)  # (B, 1)
-        can = p_ok & (lo <= tau)
         m = int(can.sum(1).max())  # one host sync per chunk
         self.chunk_listed = (m, NP)  # the last chunk's candidate list: pool entries listed, of the pool's slots (a diagnostic)
         ar = torch.arange(NP, device=dev)
@@ -586,7 +585,6 @@ class PoolStore:
             self.lidx[:, slot] = s
             self.prio[:, slot] = -torch.rand(B, n, generator=generator, device=dev, dtype=torch.float64) * 1e-3
             self.count[:, l] = n
-        self.forget_list()
         live = self.tag >= 0
         for buf in (self.keys, self.values):
             for b in range(B):  # a row at a time: no float32 copy of the whole store
