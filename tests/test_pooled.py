@@ -184,6 +184,11 @@ def test_the_step_over_its_candidate_list(model, name, list_steps, tie_policy):
         assert all(modes)
 
 
+def test_a_negative_list_steps_is_refused(model, tie_policy):
+    with pytest.raises(ValueError, match="list_steps must be >= 0"):
+        DecodeEngine(model, make("dbtrimkv", tie_policy), layout=LAYOUT, batch_size=1, page=4, list_steps=-1)
+
+
 def test_a_full_candidate_list_falls_back_to_the_whole_pool(model, tie_policy):
     """A refresh that finds more candidates than the list holds (here: every rank equal) answers False, and
     the steps it serves compete over the whole pool."""

@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=2, help="chunks of `window` tokens profiled")
     ap.add_argument("--replay", action="store_true", help="the chunk's competitions replayed query by query (the closed form's twin)")
     args = ap.parse_args()
+    if args.chunks < 1 or args.context < 0:
+        ap.error(f"--chunks must be >= 1 and --context >= 0, got {args.chunks} and {args.context}")
     out = args.out or default_out(__file__, small=args.small)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = qwen3_4b_config(args.small)

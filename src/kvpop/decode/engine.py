@@ -251,6 +251,8 @@ class DecodeEngine:
             raise ValueError(f"chunk must be a positive multiple of {BLOCK}, got {chunk}")
         if max_len is not None and max_len < 1:
             raise ValueError(f"max_len must be >= 1 (the most tokens the engine will hold), got {max_len}")
+        if list_steps < 0:
+            raise ValueError(f"list_steps must be >= 0 (steps per refresh of the pooled step's candidate list; 0: none), got {list_steps}")
         self.model = model.eval()
         self.layers = model.model.layers
         p0 = next(model.parameters())

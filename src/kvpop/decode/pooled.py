@@ -120,7 +120,9 @@ class PoolStore:
         self.dump = self.NS - 1
         self.device, self.flex = device, flex
         # the candidate list of the decode step (module docstring): T steps per refresh, C0 entries at a refresh, C in all
-        T = max(0, int(list_steps))
+        if list_steps < 0:
+            raise ValueError(f"list_steps must be >= 0 (steps per refresh of the step's candidate list; 0: none), got {list_steps}")
+        T = int(list_steps)
         self.C0 = 2 * (self.F + self.F * T)
         self.C = self.C0 + self.F * T
         self.list_steps = T if T and self.C < self.NP else 0  # a list as long as the pool saves nothing
