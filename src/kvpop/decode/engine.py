@@ -94,6 +94,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvpop.decode.pooled import PoolStore
@@ -114,6 +115,8 @@ I64_MAX = torch.iinfo(torch.int64).max
 #: across layers, but traces and compiles every layer: minutes on a fresh machine)
 CompileMode = Literal["layer", "step"]
 COMPILE_MODES: tuple[str, ...] = ("layer", "step")
+# the pooled prefill's attention on CUDA: SDPA's backends but cuDNN's, which builds a plan for every new shape
+_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 POOL_LIST_STEPS = 8  # the pooled step's candidate list serves this many steps per refresh (kvpop.decode.pooled)
 
 #: the environment variable naming the folder of compiled decode steps (default: COMPILE_CACHE_DEFAULT)
@@ -696,7 +699,7 @@ class DecodeEngine:
         st.forget_list()  # the chunk moves entries outside the step: the next step lists afresh
         c0 = self.seen
         c1 = c0 + C
-        snap = (st.tag.clone(), st.pos.clone(), st.ptab.clone(), st.count.clone())
+        snap = (st.tag.clone(), st.pos.clone())  # the tags and positions at the chunk's start
         q0 = max(c0, self.sinks + self.window)  # the first query whose leaver competes
         orig = e = None
         if q0 < c1:
@@ -711,9 +714,10 @@ class DecodeEngine:
         x = self.model.model.embed_tokens(ids)
         cos, sin = self.model.model.rotary_emb(x, pos.expand(B, C))
         new = []
+        entries = self._pool_chunk_entries(snap[0])
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, self._wqkv[i], layer.input_layernorm(x), cos, sin)  # (B, H, C, D), (B, Hk, C, D)
-            out = self._pool_chunk_attend(i, q, k, v, pos, snap, e)
+            out = self._pool_chunk_attend(i, q, k, v, pos, snap, e, entries)
             new.append((k, v))
             x = self._finish_layer(layer, self._wgu[i], x, out)
         if orig is not None:  # the pool's entries where the bookkeeping put them
@@ -767,27 +771,41 @@ class DecodeEngine:
         """One competition of a prefill chunk from the static buffers (compiled, CUDA-graphed)."""
         self.store.update(self._cq, self._cprio, move_kv=False, track=(self._corig, self._ce))
 
-    def _pool_chunk_attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, snap: tuple, e: Tensor | None) -> Tensor:
-        """Layer i's chunk q (B, H, C, D), k, v (B, Hk, C, D) at positions pos (C,) over the layer's entries at
-        the chunk's start (``snap``: tag, pos, page tables and counts then) under eviction times e (B, NS)
-        (None: nothing leaves in the chunk), and over the chunk itself causally -> (B, H, C, D).
+    def _pool_chunk_entries(self, tag0: Tensor) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+        """Every pair's entries at a prefill chunk's start, from the store's tags then (tag0 (B, NS); a slot's
+        tag is the only mark of its owner: removals clear it) -> ``(order, start, cnt, width)``: order (B, NS)
+        the store slots sorted by pair (slot order within one, empty slots last), pair ``f``'s entries at
+        ``order[:, start[:, f] : start[:, f] + cnt[:, f]]`` (B, F) each, and per layer the entries its
+        fullest head holds, rounded up to whole pages (few distinct shapes for the attention).
+        One sort and one host synchronization per chunk, for every layer."""
+        st, B = self.store, self.B
+        key = torch.where(tag0 >= 0, tag0, st.F)  # (B, NS); F: empty
+        order = key.argsort(dim=1, stable=True)
+        cnt = torch.zeros(B, st.F + 1, dtype=torch.int64, device=self.device).scatter_add_(1, key, torch.ones_like(key))[:, : st.F]
+        start = cnt.cumsum(1) - cnt
+        width = (-(-cnt.view(B, st.L, st.Hk).amax(dim=(0, 2)) // st.page) * st.page).tolist()  # (L,) the one host sync
+        return order, start, cnt, width
 
-        Each KV head's entries are gathered apart, (B, Hk, N, D) padded to the longest head, so that a query
-        head reads only its own KV head's entries (GQA), as in the per-head cache."""
+    def _pool_chunk_attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, snap: tuple, e: Tensor | None,
+                           entries: tuple[Tensor, Tensor, Tensor, list[int]]) -> Tensor:
+        """Layer i's chunk q (B, H, C, D), k, v (B, Hk, C, D) at positions pos (C,) over the layer's entries at
+        the chunk's start (``snap``: their positions then, ``entries``: :meth:`_pool_chunk_entries`) under
+        eviction times e (B, NS) (None: nothing leaves in the chunk), and over the chunk itself causally
+        -> (B, H, C, D).
+
+        Each KV head's entries are gathered apart, (B, Hk, n, D) padded to the layer's fullest head (whole
+        pages), so that a query head reads only its own KV head's entries (GQA), as in the per-head cache.
+        SDPA under the boolean mask, each KV head's G query heads as one head of G x C queries; on CUDA not
+        cuDNN's kernel, which plans anew for every new shape (62 ms a call on the H200, 2026-12-04)."""
         st, B, Hk, G, D, dev = self.store, self.B, self.Hk, self.G, self.D, self.device
-        tag0, pos0, ptab0, count0 = snap
-        slots, mine = st.layer_slots(i, count0, ptab0)  # (B, N0)
-        N0 = slots.shape[1]
-        ctag = torch.where(mine, tag0.gather(1, slots), -1)
-        ours = ctag[:, None, :] == (i * Hk + torch.arange(Hk, device=dev))[None, :, None]  # (B, Hk, N0)
-        cnt = ours.sum(-1)  # (B, Hk)
-        n = int(cnt.max())
-        ar = torch.arange(N0, device=dev)
-        sel = torch.where(ours, ar, N0 + ar).argsort(-1)[..., :n]  # (B, Hk, n) each head's candidates first, in slot order
-        hs = slots.gather(1, sel.flatten(1))  # (B, Hk n) store slots
-        valid = torch.arange(n, device=dev) < cnt[..., None]  # (B, Hk, n)
+        order, start, cnt, width = entries
+        pos0 = snap[1]
+        n, C = width[i], k.shape[2]
+        f = slice(i * Hk, (i + 1) * Hk)
+        ar = torch.arange(n, device=dev)
+        valid = ar < cnt[:, f, None]  # (B, Hk, n)
+        hs = order.gather(1, (start[:, f, None] + ar).clamp(max=st.NS - 1).flatten(1))  # (B, Hk n) store slots
         ks, vs = (torch.cat([buf.gather(1, hs[..., None].expand(-1, -1, D)).view(B, Hk, n, D), new], 2) for buf, new in ((st.keys, k), (st.values, v)))
-        C = k.shape[2]
         cpos = torch.cat([pos0.gather(1, hs).view(B, Hk, n), pos.expand(B, Hk, C)], 2)  # (B, Hk, N)
         ce = e.gather(1, hs).view(B, Hk, n) if e is not None else torch.full((B, Hk, n), NEVER, dtype=torch.int64, device=dev)
         ce = torch.cat([ce, torch.full((B, Hk, C), NEVER, dtype=torch.int64, device=dev)], 2)
@@ -795,7 +813,12 @@ class DecodeEngine:
         qp = pos[None, None, :, None]  # (1, 1, C, 1)
         cpos, ce = cpos[:, :, None], ce[:, :, None]
         ok = valid & (cpos <= qp) & ((cpos < self.sinks) | (qp < ce))  # (B, Hk, C, N)
-        return F.scaled_dot_product_attention(q, ks, vs, attn_mask=ok.repeat_interleave(G, 1), scale=self.scale, enable_gqa=True)
+        N = ok.shape[-1]
+        qg = q.reshape(B, Hk, G * C, D)  # query head h = kv * G + g: each KV head's queries, (g, t) major to minor
+        mask = ok[:, :, None].expand(B, Hk, G, C, N).reshape(B, Hk, G * C, N)
+        with sdpa_kernel(_NO_CUDNN) if q.is_cuda else nullcontext():
+            out = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=mask, scale=self.scale)  # (B, Hk, G C, D)
+        return out.reshape(B, Hk * G, C, D)
 
     # --- prefill ----------------------------------------------------------------------------
     @torch.no_grad()

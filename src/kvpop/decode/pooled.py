@@ -127,6 +127,7 @@ class PoolStore:
         self.C = self.C0 + self.F * T
         self.list_steps = T if T and self.C < self.NP else 0  # a list as long as the pool saves nothing
         self.list_left = 0  # steps the list still serves (host); 0: refresh before the next step
+        self._query_graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, dict[str, Tensor]]] = {}  # compete_decaying's loops
         self.listed = False  # the next step's candidates: the list (True) or the whole pool
         nc = self.C if self.list_steps else 0
         self.cand = torch.zeros(B, nc + 1, dtype=torch.int64, device=device)  # store slots of the listed entries; column C: junk
@@ -458,15 +459,16 @@ class PoolStore:
         (:meth:`can_go`, by rank bounds over its queries); each query's selection over it (:func:`select_lowest`,
         the ranks and ties of :meth:`update`) then takes what the whole pool's would (tests/test_pooled.py: the
         replay's times)."""
-        F, P, NP, dev = self.F, self.P, self.NP, self.device
+        F, NP, dev = self.F, self.NP, self.device
         n = prio.shape[2]
         can = self.can_go(q0, n)  # (B, NP) the pool entries that can go in the chunk (before _candidates: the same pool)
         c = self._candidates(q0, prio)
         key, lb, valid, pos = c["key"], c["score"], c["valid"], c["pos"]
         B = key.shape[0]
-        inf = torch.tensor(float("inf"), dtype=torch.float64, device=dev)
         m = int(can.sum(1).max())  # one host sync per chunk
         self.chunk_listed = (m, NP)  # the last chunk's candidate list: pool entries listed, of the pool's slots (a diagnostic)
+        if dev.type == "cuda":  # the list padded to a power of two: few shapes, each query loop a CUDA graph (_decaying_queries)
+            m = min(NP, max(1024, 1 << max(0, m - 1).bit_length()))
         ar = torch.arange(NP, device=dev)
         first = torch.where(can, ar, NP + ar).sort(dim=1).values[:, :m]  # (B, m) the listed pool candidates, then padding
         in_list = first < NP
@@ -475,21 +477,69 @@ class PoolStore:
         s_pos, s_lb, s_key = pos.gather(1, pick), lb.gather(1, pick), key.gather(1, pick)
         s_arrive = torch.where(pick < NP, q0, s_pos + self.window)  # (B, S) the query it competes from
         listed = torch.cat([in_list, torch.ones(B, F * n, dtype=torch.bool, device=dev)], 1)  # (B, S) padding: False
-        e_s = torch.full((B, S + 1), NEVER, dtype=torch.int64, device=dev)  # column S: the virtual entries' writes
-        count = self.count.sum(1)  # (B,) the pool's entries before the query
-        vi = torch.arange(F, device=dev)
-        vtie = (-1 - vi).expand(B, F)
-        for q in range(q0, q0 + n):
-            here = listed & (e_s[:, :S] == NEVER) & (s_arrive <= q)  # (B, S) the candidates at q
-            score = torch.where(here, (q - s_pos).double() * s_lb, inf)  # as update: (q - i) * log beta
-            tie = torch.where(here, s_key, I64_MAX)
-            r = (count + F - P).clamp(min=0)  # (B,) real candidates beyond P
-            vscore = torch.where(vi < F - r[:, None], -inf, inf)
-            gone = select_lowest(torch.cat([score, vscore], 1), torch.cat([tie, vtie], 1), F)  # (B, F)
-            e_s.scatter_(1, torch.where(gone < S, gone, S), q)
-            count = count + F - r
+        count = self.count.sum(1)  # (B,) the pool's entries before the chunk's first query
+        e_s = self._decaying_queries(q0, n, {"pos": s_pos, "lb": s_lb, "key": s_key, "arrive": s_arrive, "listed": listed}, count)  # (B, S)
         ec = torch.full_like(key, NEVER).scatter_(1, pick, e_s[:, :S])  # pick is distinct per row; the unlisted stay
         return self._relayout(c, torch.where(valid, ec, NEVER))
+
+    def _decaying_queries(self, q0: int, n: int, cand: dict[str, Tensor], count: Tensor) -> Tensor:
+        """:meth:`compete_decaying`'s queries ``q0 .. q0 + n - 1`` over its list ``cand`` (``pos``, ``lb``, ``key``,
+        ``arrive`` (B, S), ``listed`` (B, S) bool: padding False) with ``count`` (B,) pool entries before the
+        first -> each candidate's eviction time (B, S) (``NEVER``: it stays).
+
+        On CUDA the ``n`` queries run as one CUDA graph per list shape ``(S, n)``, captured once per store and
+        replayed (the loop launches some 60 kernels a query); eager elsewhere, the same loop body."""
+        B, S, dev = count.shape[0], cand["pos"].shape[1], self.device
+        consts = {"inf": torch.tensor(float("inf"), dtype=torch.float64, device=dev), "vi": torch.arange(self.F, device=dev)}
+        if dev.type != "cuda":
+            bufs = {**cand, **consts, "count": count.clone(), "q": torch.tensor(q0, device=dev),
+                    "e": torch.full((B, S + 1), NEVER, dtype=torch.int64, device=dev)}
+            for _ in range(n):
+                self._decaying_query(bufs)
+            return bufs["e"][:, :S]
+        key = (B, S, n)
+        if key not in self._query_graphs:
+            bufs = {name: torch.empty_like(t) for name, t in cand.items()}
+            bufs.update(consts, count=torch.empty_like(count), q=torch.zeros((), dtype=torch.int64, device=dev),
+                        e=torch.empty(B, S + 1, dtype=torch.int64, device=dev))
+            bufs["listed"].fill_(False)  # the warm-up changes nothing
+            bufs["count"].zero_()
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                self._decaying_query(bufs)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(n):
+                    self._decaying_query(bufs)
+            self._query_graphs[key] = (graph, bufs)
+        graph, bufs = self._query_graphs[key]
+        for name, t in cand.items():
+            bufs[name].copy_(t)
+        bufs["count"].copy_(count)
+        bufs["q"].fill_(q0)
+        bufs["e"].fill_(NEVER)
+        graph.replay()
+        return bufs["e"][:, :S].clone()
+
+    def _decaying_query(self, b: dict[str, Tensor]) -> None:
+        """One query ``b["q"]`` (0-d, then advanced by one) of :meth:`_decaying_queries`, on its buffers: the
+        candidates present at it (listed, not yet gone, arrived) compete with ranks ``(q - i) * log beta`` and
+        :meth:`update`'s ties against ``F`` virtual entries, of which ``F - r`` rank lowest; the gone get
+        ``e = q``; the pool's count follows."""
+        F, P = self.F, self.P
+        e, q, count, inf, vi = b["e"], b["q"], b["count"], b["inf"], b["vi"]  # vi (F,): the virtual entries
+        B, S = b["pos"].shape
+        here = b["listed"] & (e[:, :S] == NEVER) & (b["arrive"] <= q)  # (B, S) the candidates at q
+        score = torch.where(here, (q - b["pos"]).double() * b["lb"], inf)  # as update: (q - i) * log beta
+        tie = torch.where(here, b["key"], I64_MAX)
+        r = (count + F - P).clamp(min=0)  # (B,) real candidates beyond P
+        vscore = torch.where(vi < F - r[:, None], -inf, inf)
+        gone = select_lowest(torch.cat([score, vscore], 1), torch.cat([tie, (-1 - vi).expand(B, F)], 1), F)  # (B, F)
+        e.scatter_(1, torch.where(gone < S, gone, S), q.expand(B, F))
+        count.add_(F - r)
+        q.add_(1)
 
     def _candidates(self, q0: int, prio: Tensor) -> dict[str, Tensor]:
         """A prefill chunk's candidates: the pool's slots (empty ones invalid), then its leavers ``(f, t) ->
