@@ -356,10 +356,16 @@ class DecodeEngine:
         elif fused and dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("fused=True needs a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1)")
         self.fused = fused
+        # a pooled prefill chunk of `window` tokens (every chunk but a prompt's last): its leavers' scores, each layer's
+        # projections and MLP compiled (the chunk's attention and bookkeeping stay eager: their shapes change)
+        self._chunk_fns: dict[str, object] = {}
         if compile:
             use_compile_cache()
+            comp = lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)  # noqa: E731
+            if self.kind == "pooled":
+                self._chunk_fns = {"prio": torch.compile(self._leaver_prio, dynamic=False), "qkv": comp(self._chunk_qkv),
+                                   "finish": comp(self._finish_layer)}
             if compile_mode == "layer":  # the step runs in Python over three compiled pieces, captured as one graph
-                comp = lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)  # noqa: E731
                 self._step_head, self._layer_step, self._step_tail = (comp(fn) for fn in (self._step_head, self._layer_step, self._step_tail))
                 self._compiled_step = self._eager_step
             else:
@@ -410,6 +416,10 @@ class DecodeEngine:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # the Llama-family rotary, shared by all SUPPORTED
         return q, k, v
+
+    def _chunk_qkv(self, layer, wqkv: tuple[Tensor, Tensor | None], x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The layer's input norm, then :meth:`_qkv`: x (B, S, hidden) -> q (B, H, S, D), k, v (B, Hk, S, D)."""
+        return self._qkv(layer, wqkv, layer.input_layernorm(x), cos, sin)
 
     def _finish_layer(self, layer, wgu: tuple[Tensor, Tensor | None], x: Tensor, out: Tensor) -> Tensor:
         """x (B, S, hidden), attention out (B, H, S, D) -> the layer's output (the MLP's gate and up in
@@ -702,8 +712,10 @@ class DecodeEngine:
         snap = (st.tag.clone(), st.pos.clone())  # the tags and positions at the chunk's start
         q0 = max(c0, self.sinks + self.window)  # the first query whose leaver competes
         orig = e = None
+        fns = self._chunk_fns if C == self.window else {}
         if q0 < c1:
-            prio = self._leaver_prio(torch.arange(q0 - self.window, c1 - self.window, device=dev))  # (B, F, c1 - q0)
+            leaver_prio = fns["prio"] if c1 - q0 == self.window and fns else self._leaver_prio
+            prio = leaver_prio(torch.arange(q0 - self.window, c1 - self.window, device=dev))  # (B, F, c1 - q0)
             if self.pool_closed_form:  # static priorities: the chunk's competitions in one pass; decaying: on a candidate list
                 orig, e = st.compete_decaying(q0, prio) if st.decays else st.compete_static(q0, prio)
             else:
@@ -715,11 +727,12 @@ class DecodeEngine:
         cos, sin = self.model.model.rotary_emb(x, pos.expand(B, C))
         new = []
         entries = self._pool_chunk_entries(snap[0])
+        qkv, finish = fns.get("qkv", self._chunk_qkv), fns.get("finish", self._finish_layer)
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, self._wqkv[i], layer.input_layernorm(x), cos, sin)  # (B, H, C, D), (B, Hk, C, D)
+            q, k, v = qkv(layer, self._wqkv[i], x, cos, sin)  # (B, H, C, D), (B, Hk, C, D)
             out = self._pool_chunk_attend(i, q, k, v, pos, snap, e, entries)
             new.append((k, v))
-            x = self._finish_layer(layer, self._wgu[i], x, out)
+            x = finish(layer, self._wgu[i], x, out)
         if orig is not None:  # the pool's entries where the bookkeeping put them
             idx = orig[..., None].expand(-1, -1, self.D)
             st.keys.copy_(st.keys.gather(1, idx))
