@@ -21,8 +21,10 @@ captured once as a CUDA graph that every later step replays) are separate functi
   into its ring and attends to its own pages (FlexAttention's decoding kernel with the layer's ``H`` query
   heads as the queries of one head, a block mask of the layer's pages per row). Prefill of any length in
   chunks of at most ``window`` tokens, exact (:meth:`DecodeEngine._pool_prefill_chunk`; a static rule's
-  chunk of competitions in closed form, a decaying rule's on a candidate list: :mod:`kvpop.decode.pooled`). Same results as
-  :class:`kvpop.decode.one_pool.OnePoolCache` (tests/test_pooled.py).
+  chunk of competitions in closed form, a decaying rule's on a candidate list, its queries one CUDA graph:
+  :mod:`kvpop.decode.pooled`); each layer's chunk attends with SDPA to its heads' entries gathered apart
+  (every pair's entries grouped once per chunk), its projections, MLP and the leavers' scores compiled on
+  CUDA. Same results as :class:`kvpop.decode.one_pool.OnePoolCache` (tests/test_pooled.py).
 
 Attention of the step is FlexAttention's decoding kernel on CUDA (split over the KV length,
 fp32 accumulation, GQA), and SDPA with the same mask evaluated densely on CPU; one
