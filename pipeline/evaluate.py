@@ -127,7 +127,7 @@ def ruler_benchmark(p, base: str, tok, teacher, cands, say, device: str) -> dict
         fail(f"evaluate.benchmarks.ruler: {err}")
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     with Progress("RULER", len(rc.tasks) + sum(not c.policy.oracle for c in cands)) as bar:
-        res = ruler.evaluate_ruler(samples, tok, teacher, cands, layout=p.layout, device=device, reference_samples=rc.reference_samples,
+        res = ruler.evaluate_ruler(samples, tok, teacher, cands, layout=p.layout, device=device, reference_samples=rc.reference_samples, batch=rc.batch,
                                    pad_to=seq_len if device == "cuda" else None, pad_id=pad_id, compile=device == "cuda",
                                    progress=lambda stage, i, n: bar.update(i if stage == "teacher-forced" else len(rc.tasks) + i, step=stage))
     for name, m in res.items():

@@ -453,6 +453,41 @@ def test_compiled_engine_equals_bounded_cache(policy_name, tiny_model):
     assert d_ref < 1e-4 and max(diffs.values()) < 1e-4
 
 
+@pytest.mark.parametrize("policy_name", ["kvpop_mlp", "dense"])
+def test_compiled_engine_prefills_prompts_of_any_length_without_recompiling(policy_name, tiny_model):
+    """A prompt's last prefill chunk has a new length for almost every prompt (RULER's samples, ``kvpop generate``):
+    FlexAttention compiled with symbolic lengths serves them all. Before, each new length compiled anew and, past
+    torch's recompile limit (8), ran eagerly. Here 11 lengths under the default limit, no recompilation after the
+    first two prompts, and every prompt's last logits equal the reference cache's."""
+    from kvpop.decode import enable, teacher_forced_logits
+    from kvpop.decode.engine import DecodeEngine
+    from kvpop.policies import make_policy
+
+    model = enable(tiny_model("qwen3").cuda())
+    sinks, window, budget = 4, 32, 4 + 32 + 48
+    layout = CacheLayout(budget, sinks, window)
+    policy = None
+    if policy_name != "dense":
+        policy = make_policy(policy_name, num_layers=2, num_kv_heads=2, head_dim=16)
+        for p in policy.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+        policy.cuda()
+    lengths = [300, 333, 371, 402, 419, 450, 477, 499, 513, 530, 261]  # last chunks of 44 ... 274 % 128 tokens
+    eng = DecodeEngine(model, policy, layout=layout, max_len=None if policy else 600, batch_size=1, chunk=128, compile=True)
+    gen = torch.Generator().manual_seed(3)
+    worst = 0.0
+    for j, S in enumerate(lengths):
+        ids = torch.randint(0, 96, (1, S), generator=gen).cuda()
+        with torch.no_grad():
+            ref = (model(input_ids=ids).logits if policy is None else teacher_forced_logits(model, policy, ids, layout=layout, prefill=S))[:, -1]
+        eng.reset()
+        with torch._dynamo.config.patch(error_on_recompile=j >= 2):
+            got = eng.prefill(ids)
+        worst = max(worst, _maxdiff(got, ref))
+    print(f"engine {policy_name}: {len(lengths)} prompt lengths, max |logits - reference| {worst:.2e}")
+    assert worst < 1e-4
+
+
 @pytest.mark.parametrize("policy_name", ["dbtrimkv", "kvpop_mlp, one pool"])
 def test_compiled_pooled_engine_equals_one_pool_cache(policy_name, tiny_model):
     """The pooled engine (kvpop.decode.pooled) on CUDA: the compiled step (FlexAttention's decoding kernel over

@@ -109,6 +109,12 @@ def test_samples_are_deterministic_by_seed(generated, rtok):
     assert other["vt"][0].outputs != generated["vt"][0].outputs
 
 
+def test_fwe_alone_leaves_room_for_its_answer(lce):
+    """RULER's fwe generator sizes its prompt alone to max_seq_length (the others size prompt plus answer): its
+    answer's tokens come off (with SmolLM2's tokenizer at 4,096 a prompt of 4,083 tokens left no room for 50)."""
+    assert {t: ruler.reserved_by_us(t) for t in ruler.TASKS} == {t: 50 if t == "fwe" else 0 for t in ruler.TASKS}
+
+
 def test_a_tokenizer_too_dense_for_vt_is_refused(lce, tiny_llama_dir, tiny_tokenizer):
     """conftest's tokenizer would make RULER's vt generator loop forever: refused before it runs."""
     assert ruler.vt_example_tokens(tiny_tokenizer) > ruler.VT_EXAMPLE_TOKENS

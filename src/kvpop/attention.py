@@ -74,9 +74,25 @@ def sdpa_execute(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float,
 
 @functools.cache
 def _compiled_flex():
+    """FlexAttention compiled for static shapes: each new shape compiles anew (after torch's recompile limit,
+    8, it runs eagerly), right for shapes that repeat (training rows, the engine's full prefill chunks)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_gqa(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float) -> Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
+@functools.cache
+def _compiled_flex_any_length():
+    """``flex(q, k, v, block_mask, scale)`` (GQA) compiled once with symbolic lengths: for shapes that do not
+    repeat (a prompt's last prefill chunk), which would otherwise compile once each, then fall back to eager
+    FlexAttention. Its own function, so that its compiled code and guards are apart from :func:`_compiled_flex`'s."""
+    return torch.compile(_flex_gqa, dynamic=True)
 
 
 def flex_execute(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float, need_lse: bool, score_mod=None) -> tuple[Tensor, Tensor | None]:

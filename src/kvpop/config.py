@@ -321,6 +321,10 @@ class RulerConfig(_Section):
         "per-head decaying rules; 0: none, so teacher-forced only); TOVA and H2O are teacher-forced on as many, token by token too",
     )
     seed: int = Field(RULER_SEED, description="RULER's random_seed of the generators (its default: 42)")
+    batch: int = Field(
+        8, ge=1, description="on the engine, a task's samples prefilled this many at a time (their common length; each then "
+        "finishes its prompt and decodes alone: kvpop.decode.generate.engine_generate_ragged); memory: this many prompts' caches",
+    )
 
     @property
     def enabled(self) -> bool:

@@ -29,7 +29,8 @@ The tasks, their generators, their data and their metric are NVIDIA's own, from 
   a chat template, the task text becomes the user turn and the answer prefix starts the assistant's
   turn (RULER puts it right after its model template's assistant marker in the same way); the
   generators are given the context length minus the template's tokens, so that prompt plus the task's
-  tokens to generate fit in ``seq_len`` as in RULER;
+  tokens to generate fit in ``seq_len`` as in RULER (minus the answer's tokens too for ``fwe``, whose
+  generator sizes its prompt alone: :func:`reserved_by_us`);
 * **scoring** (:func:`score`): RULER's metric of the task (``string_match_all``: the share of the
   references found in the prediction; ``string_match_part``, qa: whether any is), case-insensitive,
   on the prediction cleaned as RULER's ``postprocess_pred`` does (:func:`postprocess`), as a fraction
@@ -365,9 +366,19 @@ def generate_samples(tokenizer_dir: str | Path, *, tasks: Sequence[str] = TASKS,
         raise ValueError(f"RULER's vt generator would loop forever with this tokenizer: its in-context example must fit in "
                          f"{VT_EXAMPLE_TOKENS} tokens and would take about {need} (a tokenizer of about {need / VT_EXAMPLE_TOKENS:.1f}x "
                          "fewer characters per token than it allows)")
-    raw = generate_raw(tasks, tokenizer_dir, max_seq_length=seq_len - template_tokens(tokenizer), samples=samples, seed=seed,
+    room = seq_len - template_tokens(tokenizer)
+    raw = generate_raw(tasks, tokenizer_dir, max_seq_length={t: room - reserved_by_us(t) for t in tasks}, samples=samples, seed=seed,
                        workers=workers, timeout_s=timeout_s)
     return {task: to_samples(task, rows, tokenizer, seq_len=seq_len) for task, rows in raw.items()}
+
+
+def reserved_by_us(task: str) -> int:
+    """Tokens to take off RULER's ``max_seq_length`` for ``task`` so that its prompt plus its tokens to generate
+    fit: the answer's tokens for ``fwe``, whose generator sizes the prompt alone to ``max_seq_length`` (the
+    others size prompt plus answer); 0 for the others. Seen with SmolLM2's tokenizer at 4,096: an fwe prompt of
+    4,083 tokens, which with its 50 tokens to generate does not fit."""
+    spec = task_spec(task)
+    return spec.tokens_to_generate if spec.kind == "freq_words_extraction" else 0
 
 
 def fingerprint(samples: Mapping[str, Sequence[Sample]]) -> str:
@@ -422,7 +433,7 @@ def _mean(xs: Iterable[float]) -> float:
 
 
 def evaluate_ruler(samples: Mapping[str, Sequence[Sample]], tokenizer, teacher, candidates: Sequence, *, layout, device="cpu",
-                   reference_samples: int | None = None, pad_to: int | None = None, pad_id: int = 0, compile: bool = False,
+                   reference_samples: int | None = None, pad_to: int | None = None, pad_id: int = 0, compile: bool = False, batch: int = 1,
                    progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Every candidate (:class:`kvpop.evaluate.Candidate`) on the same RULER samples at one nominal ``layout``.
 
@@ -437,6 +448,8 @@ def evaluate_ruler(samples: Mapping[str, Sequence[Sample]], tokenizer, teacher, 
     On the engine, one :class:`kvpop.decode.engine.DecodeEngine` per policy, sized for the longest sample
     (prompt + tokens to generate), serves every sample (``compile``: its step compiled and CUDA-graphed once);
     its answers equal :func:`kvpop.decode.generate`'s per sample (an engine's results do not depend on its size).
+    ``batch`` > 1: a task's samples are prefilled ``batch`` at a time on a second engine of that many rows
+    (:func:`kvpop.decode.generate.engine_generate_ragged`: their common length together, then each alone).
     ``progress(stage, done, total)``."""
     from kvpop.decode import choose_path
     from kvpop.evaluate import evaluate_fidelity, pad_records
@@ -463,14 +476,13 @@ def evaluate_ruler(samples: Mapping[str, Sequence[Sample]], tokenizer, teacher, 
         path = choose_path(c.model, c.policy)
         cap = reference_samples if path == "reference" else None
         stop = _stop_ids(c.model, tokenizer)
-        answer = _answerer(c, tokenizer, layout, path, longest, compile)
+        answer = _answerer(c, tokenizer, layout, path, longest, compile, batch)
         for task in tasks:
-            preds, refs = [], []
-            for s in samples[task][:cap]:
-                preds.append(_text_of(answer(s), stop, tokenizer))
-                refs.append(s.outputs)
-            if not preds:
+            todo = samples[task][:cap]
+            if not todo:
                 continue
+            preds = [_text_of(ids, stop, tokenizer) for ids in answer(todo)]
+            refs = [s.outputs for s in todo]
             scores = score(preds, refs, samples[task][0].metric)
             out[c.name]["scores"][task] = scores
             out[c.name]["samples"][task] = len(scores)
@@ -486,27 +498,35 @@ def evaluate_ruler(samples: Mapping[str, Sequence[Sample]], tokenizer, teacher, 
     return {name: m for name, m in out.items() if m["teacher_forced"] or m["accuracy"]}
 
 
-def _answerer(c, tokenizer, layout, path: str, max_len: int, compile: bool) -> Callable[[Sample], list[int]]:
-    """Greedy answer tokens of a sample under candidate ``c``: on the engine, one engine for every sample
-    (reset before each); on the reference path, :func:`kvpop.decode.generate` per sample."""
+def _answerer(c, tokenizer, layout, path: str, max_len: int, compile: bool, batch: int = 1) -> Callable[[Sequence[Sample]], list[list[int]]]:
+    """Greedy answer tokens of samples under candidate ``c``: on the engine, one engine of batch 1 for every sample
+    (reset before each) and, for ``batch`` > 1, one of that many rows that prefills them together
+    (:func:`kvpop.decode.generate.engine_generate_ragged`); on the reference path, :func:`kvpop.decode.generate` per sample."""
     import torch
 
     from kvpop.decode.engine import DecodeEngine
-    from kvpop.decode.generate import _eos_ids, engine_generate, generate, model_device
+    from kvpop.decode.generate import _eos_ids, engine_generate, engine_generate_ragged, generate, model_device
 
     if path != "engine":
-        return lambda s: generate(c.model, tokenizer, c.policy, s.prompt_ids, layout=layout, max_new_tokens=s.max_new_tokens,
-                                  temperature=0.0)[0][0].tolist()
+        return lambda todo: [generate(c.model, tokenizer, c.policy, s.prompt_ids, layout=layout, max_new_tokens=s.max_new_tokens,
+                                      temperature=0.0)[0][0].tolist() for s in todo]
     device = model_device(c.model)
     c.policy.to(device)
-    engine = DecodeEngine(c.model, c.policy, layout=layout, max_len=max_len, batch_size=1, compile=compile)
+    single = DecodeEngine(c.model, c.policy, layout=layout, max_len=max_len, batch_size=1, compile=compile)
+    many = DecodeEngine(c.model, c.policy, layout=layout, max_len=max_len, batch_size=batch, compile=compile) if batch > 1 else None
     eos = _eos_ids(c.model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    def answer(s: Sample) -> list[int]:
-        ids = torch.as_tensor(s.prompt_ids, dtype=torch.long, device=device)[None]  # (1, S)
-        with torch.no_grad():
-            return engine_generate(engine, ids, max_new_tokens=s.max_new_tokens, eos=eos, pad=pad)[0].tolist()
+    def answer(todo: Sequence[Sample]) -> list[list[int]]:
+        if many is not None:
+            return engine_generate_ragged(many, single, [s.prompt_ids for s in todo], max_new_tokens=[s.max_new_tokens for s in todo],
+                                          eos=eos, pad=pad)
+        out = []
+        for s in todo:
+            ids = torch.as_tensor(s.prompt_ids, dtype=torch.long, device=device)[None]  # (1, S)
+            with torch.no_grad():
+                out.append(engine_generate(single, ids, max_new_tokens=s.max_new_tokens, eos=eos, pad=pad)[0].tolist())
+        return out
 
     return answer
 

@@ -400,6 +400,31 @@ class DecodeEngine:
         self.seen = 0
         self.read = [0] * len(self.layers)
 
+    @torch.no_grad()
+    def load_row(self, src: DecodeEngine, r: int) -> None:
+        """Take row ``r`` of ``src``'s cache, recurrent state, position and next token into this engine of batch 1
+        (the same model, policy, layout and ``max_len``): prompts prefilled together in a batch, then each row
+        continued apart (:func:`kvpop.decode.generate.engine_generate_ragged`). Copies into this engine's own
+        buffers, so a CUDA graph captured on them stays valid."""
+        if self.B != 1:
+            raise ValueError(f"load_row fills an engine of batch 1, this one has {self.B} rows")
+        if not 0 <= r < src.B:
+            raise ValueError(f"row {r} is not a row of an engine of batch {src.B}")
+        same = (src.model is self.model, src.policy is self.policy, src.kind == self.kind, src.layout == self.layout,
+                src.max_len == self.max_len, src.T == self.T)
+        if not all(same):
+            raise ValueError("load_row needs an engine of the same model, policy, layout and max_len")
+        for mine, theirs in zip((*self.keys, *self.values, *self.pos, *self.prio), (*src.keys, *src.values, *src.pos, *src.prio), strict=True):
+            mine.copy_(theirs[r : r + 1])
+        for mine, theirs in zip(self.state, src.state, strict=True):
+            for a, b in zip(mine, theirs, strict=True):
+                a.copy_(b[r : r + 1])
+        if self.store is not None:
+            self.store.load_row(src.store, r)
+        self.p.copy_(src.p)
+        self.tok.copy_(src.tok[r : r + 1])
+        self.seen, self.read = src.seen, list(src.read)
+
     # --- shared pieces ----------------------------------------------------------------------------
     def home_slot(self, pos: Tensor) -> Tensor:
         """The slot of a sink or window token at position(s) ``pos`` (int64): :meth:`CacheLayout.home_slot`."""
@@ -443,10 +468,12 @@ class DecodeEngine:
         if q.is_cuda:
             from torch.nn.attention.flex_attention import flex_attention
 
-            from kvpop.attention import _compiled_flex
+            from kvpop.attention import _compiled_flex, _compiled_flex_any_length
 
-            fn = flex_attention if self.compiled and Q == 1 else _compiled_flex()  # the step is compiled as a whole
             bm = block_mask(mask_mod, kv_blocks, Q, N, kv_indices)
+            if Q != 1 and Q != self.chunk:  # a prompt's last chunk: its length differs from prompt to prompt
+                return _compiled_flex_any_length()(q, k, v, bm, self.scale)
+            fn = flex_attention if self.compiled and Q == 1 else _compiled_flex()  # the step is compiled as a whole
             return fn(q, k, v, block_mask=bm, scale=self.scale, enable_gqa=True)
         if allowed is None:
             allowed = dense_mask(mask_mod, B, H, Q, q.device, kv_len=N, group=self.G)  # (B, H, Q, N)

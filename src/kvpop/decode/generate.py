@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -149,14 +150,20 @@ def engine_generate(
 ) -> Tensor:
     """Decode up to ``max_new_tokens`` after ids (B, S) on a fresh engine state -> new tokens (B, N),
     N <= max_new_tokens (all rows stopped at EOS: the loop ends; stopped rows are padded)."""
-    sample = temperature > 0
-    warp = _warpers(temperature, top_p, top_k) if sample else None
     engine.reset()
     logits = engine.prefill(ids)  # (B, V) float32
-    seq = ids
-    unfinished = torch.ones(ids.shape[0], dtype=torch.long, device=ids.device)
     if streamer is not None:
         streamer.put(ids.cpu())
+    return _decode(engine, ids, logits, max_new_tokens=max_new_tokens, eos=eos, pad=pad, temperature=temperature, top_p=top_p, top_k=top_k,
+                   streamer=streamer)
+
+
+def _decode(engine: DecodeEngine, seq: Tensor, logits: Tensor, *, max_new_tokens: int, eos: Tensor, pad: int, temperature: float = 0.0,
+            top_p: float = 1.0, top_k: int = 0, streamer=None) -> Tensor:
+    """The new tokens (B, N) after a prefill that left ``logits`` (B, V) of the prompt seq (B, S)'s last token."""
+    sample = temperature > 0
+    warp = _warpers(temperature, top_p, top_k) if sample else None
+    unfinished = torch.ones(seq.shape[0], dtype=torch.long, device=seq.device)
     new = []
     for i in range(max_new_tokens):
         if sample:
@@ -176,6 +183,44 @@ def engine_generate(
     if streamer is not None:
         streamer.end()
     return torch.stack(new, 1)
+
+
+@torch.no_grad()
+def engine_generate_ragged(batch: DecodeEngine, single: DecodeEngine, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
+                           eos: Tensor, pad: int) -> list[list[int]]:
+    """Greedy answers of prompts of different lengths, ``batch.B`` prompts at a time: the first ``m`` tokens of each
+    (``m``: the shortest prompt's length) prefilled together on ``batch``, then each row's cache loaded into ``single``
+    (batch 1, :meth:`DecodeEngine.load_row`), the row's own remaining prompt tokens prefilled there and its answer
+    decoded. ``max_new_tokens``: one for all, or one per prompt. Groups are formed in order of length (so that each
+    row's own remainder stays short); a group of fewer than ``batch.B`` prompts repeats its last one. Each answer is the one :func:`engine_generate` gives the prompt alone (the rows of a batch are computed
+    apart; only the rounding of batched products may differ): what the batch saves is the prompts' prefill, which
+    for a long prompt and a short answer is most of a generation's time.
+
+    Prompts of equal lengths would decode together too (:func:`engine_generate`); prompts of different lengths
+    share no position after the first ``m`` tokens, and the engine's step advances every row by the same position."""
+    if batch.B < 1 or single.B != 1:
+        raise ValueError(f"engine_generate_ragged takes an engine of any batch and one of batch 1, got {batch.B} and {single.B}")
+    lens = [len(p) for p in prompts]
+    if any(n == 0 for n in lens):
+        raise ValueError("empty prompt")
+    limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(limits) != len(prompts):
+        raise ValueError(f"{len(limits)} max_new_tokens for {len(prompts)} prompts")
+    device = batch.device
+    order = sorted(range(len(prompts)), key=lambda i: lens[i])  # groups of similar lengths: short own remainders
+    out: list[list[int]] = [[] for _ in prompts]
+    for g0 in range(0, len(order), batch.B):
+        idx = order[g0 : g0 + batch.B]
+        group = [torch.as_tensor(prompts[i], dtype=torch.long) for i in idx]
+        m = min(lens[i] for i in idx)
+        rows = group + [group[-1]] * (batch.B - len(group))
+        batch.reset()
+        logits = batch.prefill(torch.stack([p[:m] for p in rows]).to(device))  # (B, V)
+        for r, (i, p) in enumerate(zip(idx, group)):
+            single.load_row(batch, r)
+            row_logits = single.prefill(p[None, m:].to(device)) if len(p) > m else logits[r : r + 1]
+            out[i] = _decode(single, p[None].to(device), row_logits, max_new_tokens=limits[i], eos=eos, pad=pad)[0].tolist()
+    return out
 
 
 @torch.no_grad()

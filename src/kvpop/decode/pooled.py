@@ -172,6 +172,17 @@ class PoolStore:
         self.used[:, self.NPP - 1] = True  # the dump page
         self._sync_block_masks()
 
+    def load_row(self, src: PoolStore, r: int) -> None:
+        """This store of one row takes row ``r`` of ``src`` (the same geometry): every per-row buffer, the step's
+        candidate list and how many steps it still serves (:meth:`kvpop.decode.engine.DecodeEngine.load_row`)."""
+        if self.B != 1 or (self.NS, self.NPP, self.R, self.P, self.C, self.list_steps) != (src.NS, src.NPP, src.R, src.P, src.C, src.list_steps):
+            raise ValueError("PoolStore.load_row: a store of one row and the same geometry as the source")
+        for name in ("keys", "values", "pos", "tag", "prio", "lidx", "lpos", "cand", "ccount", "count", "ptab", "used"):
+            getattr(self, name).copy_(getattr(src, name)[r : r + 1])
+        self.bm_idx.copy_(src.bm_idx[:, r : r + 1])
+        self._bm_num[:, 0].copy_(src._bm_num[:, r])
+        self.list_left, self.listed = src.list_left, src.listed
+
     def nbytes(self) -> int:
         bufs = (self.keys, self.values, self.pos, self.tag, self.prio, self.lidx, self.lpos, self.cand, self.ccount, self.count, self.ptab,
                 self.used, self.bm_idx, self._bm_num)
