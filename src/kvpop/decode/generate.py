@@ -27,8 +27,8 @@ Shapes: B batch, S prompt, N new tokens, V vocabulary.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -192,9 +192,10 @@ def engine_generate_ragged(batch: DecodeEngine, single: DecodeEngine, prompts: S
     (``m``: the shortest prompt's length) prefilled together on ``batch``, then each row's cache loaded into ``single``
     (batch 1, :meth:`DecodeEngine.load_row`), the row's own remaining prompt tokens prefilled there and its answer
     decoded. ``max_new_tokens``: one for all, or one per prompt. Groups are formed in order of length (so that each
-    row's own remainder stays short); a group of fewer than ``batch.B`` prompts repeats its last one. Each answer is the one :func:`engine_generate` gives the prompt alone (the rows of a batch are computed
-    apart; only the rounding of batched products may differ): what the batch saves is the prompts' prefill, which
-    for a long prompt and a short answer is most of a generation's time.
+    row's own remainder stays short); a group of fewer than ``batch.B`` prompts repeats its last one. Each answer is
+    the one :func:`engine_generate` gives the prompt alone (the rows of a batch are computed apart; only the rounding
+    of batched products may differ): what the batch saves is the prompts' prefill, which for a long prompt and a
+    short answer is most of a generation's time.
 
     Prompts of equal lengths would decode together too (:func:`engine_generate`); prompts of different lengths
     share no position after the first ``m`` tokens, and the engine's step advances every row by the same position."""
