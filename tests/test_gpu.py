@@ -544,6 +544,41 @@ def test_compiled_pooled_engine_equals_one_pool_cache(policy_name, tiny_model):
     assert all(h == held[modes[0]] for h in held.values())
 
 
+@pytest.mark.parametrize("policy_name", ["dense", "kvpop_mlp", "kvpop", "dbtrimkv", "kvpop_mlp_pool"])
+def test_ragged_prompts_on_compiled_engines_get_the_answers_they_get_alone(policy_name, tiny_model):
+    """RULER's path on CUDA: prompts of different lengths prefilled together on a compiled engine of batch 4, each row
+    then loaded into a compiled (CUDA-graphed) engine of batch 1 (kvpop.decode.generate.engine_generate_ragged):
+    the answers each prompt gets alone on the compiled engine of batch 1 (tests/test_ragged.py on the CPU)."""
+    from kvpop.decode import enable
+    from kvpop.decode.engine import DecodeEngine
+    from kvpop.decode.generate import engine_generate, engine_generate_ragged
+    from kvpop.policies import make_policy
+
+    model = enable(tiny_model("qwen3").cuda())
+    policy = None
+    if policy_name != "dense":
+        torch.manual_seed(0)
+        policy = make_policy(policy_name, num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.normal_(std=0.5)
+            if policy_name == "dbtrimkv":
+                policy.scorer.b2.fill_(2.0)
+        policy.cuda()
+    layout = CacheLayout(4 + 32 + 48, 4, 32)
+    gen = torch.Generator().manual_seed(4)
+    lengths, new = [300, 261, 333, 261, 290, 371], [9, 4, 12, 6, 3, 8]
+    prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in lengths]
+    kw = dict(layout=layout, max_len=400, compile=True)
+    many, single = DecodeEngine(model, policy, batch_size=4, **kw), DecodeEngine(model, policy, batch_size=1, **kw)
+    none = torch.tensor([], dtype=torch.long, device="cuda")
+    got = engine_generate_ragged(many, single, prompts, max_new_tokens=new, eos=none, pad=0)
+    want = [engine_generate(single, torch.tensor([p], device="cuda"), max_new_tokens=n, eos=none, pad=0)[0].tolist() for p, n in zip(prompts, new)]
+    agree = sum(a == b for a, b in zip(got, want))
+    print(f"ragged {policy_name}: {agree} of {len(prompts)} answers equal")
+    assert got == want
+
+
 # --- dms: the gate's training forward (compiled flex + score_mod) against the SDPA float mask ----------
 @pytest.mark.parametrize("policy_name", ["dms", "trimkv_joint"])
 def test_gated_training_flex_equals_sdpa(tiny_model, policy_name):
