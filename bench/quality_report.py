@@ -1,0 +1,103 @@
+"""A quality configuration's result (results/quality/): an evaluate stage's metrics and its trainings' figures.
+
+The pipeline measures (``metrics/eval.json``: quote accuracy, KL and top-1 agreement of every policy on the
+held-out traces, and ``other_text``: KL and top-1 agreement on held-out code and prose; ``metrics/train/<policy>.json``:
+each training's last figures); this script gathers one run as a configuration of a result file (replacing a
+configuration of the same name), with the quality issue's bars for the best policy whose name starts with ``kvpop``:
+
+    python pipeline/profiles.py 4k --write params.yaml && KVPOP_TRACKING=off python pipeline/run_stages.py --parallel train --skip-done
+    python bench/quality_report.py --config 4k --eval metrics/eval.json --train metrics/train --out results/quality/h200_pipeline.json
+
+The bars (the quality issue): quote accuracy >= 0.95 x dense at 4k (0.90 x at 8k), KL no worse than ``dbtrimkv``'s,
+code and prose KL no worse than ``streaming_llm``'s (the aim: ``dbtrimkv``'s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from kvpop.provenance import write_result
+
+QUOTE_BAR = {"4k": 0.95, "8k": 0.90}
+
+
+def bars(policies: dict, other: dict, quote_bar: float) -> dict:
+    """The quality issue's bars for the ``kvpop*`` policy of highest quote accuracy."""
+    kv = {n: m for n, m in policies.items() if n.startswith("kvpop")}
+    if not kv or "dense" not in policies:
+        return {}
+    best = max(kv, key=lambda n: kv[n]["quote_accuracy"])
+    out = {"policy": best, "quote_accuracy_vs_dense": round(kv[best]["quote_accuracy"] / policies["dense"]["quote_accuracy"], 4),
+           "quote_bar": quote_bar, "kl": kv[best]["kl"]}
+    met = {"quotes": out["quote_accuracy_vs_dense"] >= quote_bar}
+    if "dbtrimkv" in policies:
+        out["kl_bar_dbtrimkv"] = policies["dbtrimkv"]["kl"]
+        met["kl"] = kv[best]["kl"] <= policies["dbtrimkv"]["kl"]
+    for kind in ("code", "prose"):
+        rows = other.get(kind, {})
+        if best in rows and "streaming_llm" in rows:
+            out[f"{kind}_kl"] = rows[best]["kl"]
+            out[f"{kind}_bar_streaming_llm"] = rows["streaming_llm"]["kl"]
+            met[kind] = rows[best]["kl"] <= rows["streaming_llm"]["kl"]
+            if "dbtrimkv" in rows:
+                out[f"{kind}_aim_dbtrimkv"] = rows["dbtrimkv"]["kl"]
+    return {**out, "met": met}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="the configuration's name (a profile: 4k, 8k, ...)")
+    ap.add_argument("--eval", default="metrics/eval.json", help="the evaluate stage's metrics")
+    ap.add_argument("--train", default="metrics/train", help="the folder of the trainings' metrics (<policy>.json)")
+    ap.add_argument("--params", default="params.yaml", help="the params the run used (budget, train.*)")
+    ap.add_argument("--note", help="how the run was made, kept in the configuration (e.g. what did not finish)")
+    ap.add_argument("--provenance", help="a JSON file: the provenance of the run that made the metrics, where it ran on another machine "
+                    "(command, git_commit, device, versions, date); default: this process's")
+    ap.add_argument("--out", required=True, help="the result file; a configuration of the same name in it is replaced")
+    args = ap.parse_args(argv)
+    try:
+        ev = json.loads(Path(args.eval).read_text())
+        params = yaml.safe_load(Path(args.params).read_text())
+        prov = json.loads(Path(args.provenance).read_text()) if args.provenance else None
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if "policies" not in ev:
+        print(f"error: {args.eval} holds no 'policies': not an evaluate stage's metrics", file=sys.stderr)
+        return 2
+    tr = params.get("train", {})
+    train = {}
+    for name in tr.get("policies", []):
+        f = Path(args.train) / f"{name}.json"
+        if f.is_file():
+            m = json.loads(f.read_text())
+            train[name] = {k: m[k] for k in ("kl", "score_loss", "boundary_agreement", "beta_mean", "seconds", "steps", "resumed_from_step") if k in m}
+    policies = {n: {k: m[k] for k in ("quote_accuracy", "kl", "top1_agreement", "occupancy", "traces", "quote_tokens") if k in m}
+                for n, m in sorted(ev["policies"].items())}
+    other = ev.get("other_text", {})
+    config = {"config": args.config, "profile": f"profiles/{args.config}.yaml", "seq_len": tr.get("seq_len"), "budget": params.get("budget"),
+              "sinks": params.get("sinks"), "window": params.get("window"), "steps": tr.get("steps"), "per_policy": tr.get("per_policy", {}),
+              "target": tr.get("target"), **({"note": args.note} if args.note else {}), "policies": policies, "other_text": other,
+              "train": train, "eval": {k: ev[k] for k in ("budget", "eval_tokens", "eval_traces", "mean_trace_tokens") if k in ev},
+              "bars": bars(policies, other, QUOTE_BAR.get(args.config.split("+")[0], 0.95))}
+    out = Path(args.out)
+    old = json.loads(out.read_text()).get("configurations", []) if out.is_file() else []
+    configs = [c for c in old if c.get("config") != args.config] + [config]
+    what = ("the quality configurations of profiles/ run by the pipeline's own stages: every policy trained on the same rows, quote "
+            "accuracy, KL, top-1 agreement, and KL on held-out code and prose: " + ", ".join(c["config"] for c in configs))
+    write_result(out, {"what": what, "configurations": configs}, provenance=prov)
+    b = config["bars"]
+    if b:
+        print(f"{args.config}: best kvpop policy {b['policy']}: quotes {b['quote_accuracy_vs_dense']:.3f} x dense (bar {b['quote_bar']}), "
+              f"KL {b['kl']:.5f}; met: {b['met']}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
