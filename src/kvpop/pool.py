@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 from torch.nn import functional as F
+from torch.profiler import record_function
 
 from kvpop.geometry import CacheLayout
 from kvpop.masks import dense_mask, make_eviction_mask_mod
@@ -83,7 +84,7 @@ class ChunkContext:
         S = self.doc_ids.shape[1]
         if self.prio is None:
             self.prio = torch.zeros(self.num_layers, B, Hk, S, dtype=torch.float64, device=k.device)
-        with torch.autocast(device_type=k.device.type, enabled=False):  # scorers compute in fp32
+        with torch.autocast(device_type=k.device.type, enabled=False), record_function("pool/scores"):  # scorers compute in fp32
             if self.policy.read_delay(self.layout.window) is None:  # fixed from the token itself
                 prio = self.policy.scores(layer, k.float(), v.float(), self.pos[:, c : c + C], doc_ids=self.doc_ids[:, c : c + C],
                                           window=self.layout.window).prio  # (B, Hk, C)
@@ -99,9 +100,11 @@ class ChunkContext:
             v = torch.cat([self.values[layer], v], 2)
         self.keys[layer], self.values[layer] = k, v  # (B, Hk, c + C, D)
         evict = self.evict[layer] if self.evict is not None else torch.full((B, Hk, S), NEVER, dtype=torch.int64, device=k.device)
-        mm = make_eviction_mask_mod(self.doc_ids, self.pos, evict, sinks=self.layout.sinks, group=H // Hk)
-        allowed = dense_mask(lambda b, h, qi, kv: mm(b, h, qi + c, kv), B, H, C, k.device, kv_len=c + C, group=H // Hk)  # (B, H, C, c + C)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
+        with record_function("pool/mask"):
+            mm = make_eviction_mask_mod(self.doc_ids, self.pos, evict, sinks=self.layout.sinks, group=H // Hk)
+            allowed = dense_mask(lambda b, h, qi, kv: mm(b, h, qi + c, kv), B, H, C, k.device, kv_len=c + C, group=H // Hk)  # (B, H, C, c + C)
+        with record_function("pool/attention"):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
         return out.transpose(1, 2).contiguous()
 
 
@@ -137,10 +140,11 @@ def pool_chunked(model, policy: Policy, input_ids: Tensor, *, layout: CacheLayou
 
     def times(until: int | None) -> Tensor:  # static priorities: the closed form; retentions that decay: the simulation, continued
         nonlocal run
-        if not policy.decays:
-            return global_eviction_times(ctx.prio, doc_ids, pos, **geo)
-        e, run = global_decaying_eviction_times(ctx.prio, doc_ids, pos, previous=run, until=until, keep_run=True, decays=True, **geo)
-        return e
+        with record_function("pool/times"):
+            if not policy.decays:
+                return global_eviction_times(ctx.prio, doc_ids, pos, **geo)
+            e, run = global_decaying_eviction_times(ctx.prio, doc_ids, pos, previous=run, until=until, keep_run=True, decays=True, **geo)
+            return e
 
     for c in range(0, S, C):
         if ctx.prio is not None:  # the chunk's queries compete over tokens < c only: their priorities are in

@@ -1,0 +1,85 @@
+"""Where the pool's training pass spends its time: :func:`kvpop.pool.pool_chunked` (SmolLM2-135M architecture, one row).
+
+    PYTHONPATH=src python3 bench/kernels/profile_pool_train.py                           # kvpop_mlp_pool -> results/profile_pool_train/h200.json
+    PYTHONPATH=src python3 bench/kernels/profile_pool_train.py --policy kvpop_pool       # the delayed mLSTM: chunks of window - delay
+    PYTHONPATH=src python3 bench/kernels/profile_pool_train.py --small --out /tmp/p.json  # 2 layers, 512 tokens (smoke test; CPU too)
+
+Every training step of a pool-trained policy (``kvpop_mlp_pool``, ``kvpop_pool``) first runs the student without
+gradients through ``pool_chunked`` (``S / chunk`` model calls, the pool's closed form before each) for its eviction
+times; at 4,096 tokens on an H200 that pass was 1.27 s of ``kvpop_mlp_pool``'s 2.16 s step and 4.43 s of
+``kvpop_pool``'s 5.38 s (``bench/bench_pool_step.py``). One warm-up pass, then one under the profiler with host and
+device activities; ranges split it into the closed form (``pool/times``), each layer's scores (``pool/scores``), its
+mask (``pool/mask``) and attention (``pool/attention``). Prints the seconds of the pass, each range's share and the
+two tables (by host time, which holds every synchronization's wait, and by device time), and writes them through
+:func:`kvpop.provenance.write_result`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from kvpop.attention import register
+from kvpop.benchmarking import default_out, random_ids, sync
+from kvpop.geometry import CacheLayout
+from kvpop.policies import make_policy
+from kvpop.pool import pool_chunked
+from kvpop.provenance import write_result
+
+RANGES = ("pool/times", "pool/scores", "pool/mask", "pool/attention")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None, help="default: results/profile_pool_train/<device>[_small].json")
+    ap.add_argument("--small", action="store_true", help="2 layers and 512 tokens (smoke test; CPU or CUDA)")
+    ap.add_argument("--policy", default="kvpop_mlp_pool", choices=["kvpop_mlp_pool", "kvpop_pool", "dbtrimkv"])
+    ap.add_argument("--tokens", type=int, default=4096)
+    args = ap.parse_args()
+    out = args.out or default_out(__file__, small=args.small, suffix="" if args.policy == "kvpop_mlp_pool" else args.policy)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    layers = 2 if args.small else 30
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
+                      num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with dev:
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=register(),
+                                                 dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32).eval()
+    policy = make_policy(args.policy, num_layers=layers, num_kv_heads=3, head_dim=64).to(dev)
+    tokens = min(args.tokens, 512) if args.small else args.tokens
+    budget, window = (512, 256) if not args.small else (96, 32)
+    layout = CacheLayout(budget, 4, window)
+    ids = random_ids(1, tokens, 1000, 0, dev)
+    pool_chunked(model, policy, ids, layout=layout)  # warm-up: every kernel compiled, the allocator filled
+    sync(dev)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        pool_chunked(model, policy, ids, layout=layout)
+        sync(dev)
+        pass_s = time.perf_counter() - t0
+    avg = prof.key_averages()
+    shares = {}
+    for ev in avg:
+        if ev.key in RANGES:
+            shares[ev.key] = {"host_s": round(ev.cpu_time_total / 1e6, 4), "calls": ev.count}
+    host = avg.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70)
+    device = avg.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70) if dev.type == "cuda" else ""
+    chunk = policy.read_delay(window)
+    C = window - (chunk or 0)
+    head = (f"{args.policy}: pool_chunked over {tokens} tokens in {-(-tokens // C)} chunks of {C}: {pass_s:.3f} s; "
+            + ", ".join(f"{k} {v['host_s']:.3f} s ({v['calls']} calls)" for k, v in shares.items()))
+    print(head + "\n" + host + "\n" + device)
+    write_result(out, {"what": f"the pool's training pass (kvpop.pool.pool_chunked, {args.policy}) under the profiler, host and device",
+                       "model": f"SmolLM2-135M architecture{' (2 layers)' if args.small else ''}, random weights", "policy": args.policy,
+                       "tokens": tokens, "budget": budget, "window": window, "chunk": C, "pass_s": round(pass_s, 4), "ranges": shares,
+                       "summary": head, "table_host": host, "table_device": device})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""bench/quality_report.py: a quality configuration gathered from an evaluate stage's metrics, with the quality
+issue's bars for the best ``kvpop*`` policy, written beside the file's other configurations."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from quality_report import bars  # noqa: E402
+
+
+def row(q, kl):
+    return {"quote_accuracy": q, "kl": kl, "top1_agreement": 0.9}
+
+
+POLICIES = {"dense": row(0.69, 0.0), "dbtrimkv": row(0.69, 0.0097), "kvpop_mlp_pool": row(0.578, 0.0059), "kvpop_mlp": row(0.083, 0.0257),
+            "streaming_llm": row(0.036, 0.064)}
+OTHER = {kind: {"dbtrimkv": {"kl": 0.02}, "kvpop_mlp_pool": {"kl": kl}, "streaming_llm": {"kl": 0.09}} for kind, kl in (("code", 0.05), ("prose", 0.1))}
+
+
+def test_the_bars_of_the_best_kvpop_policy():
+    b = bars(POLICIES, OTHER, 0.95)
+    assert b["policy"] == "kvpop_mlp_pool" and b["quote_accuracy_vs_dense"] == round(0.578 / 0.69, 4)
+    assert b["met"] == {"quotes": False, "kl": True, "code": True, "prose": False}  # prose 0.1 > streaming_llm's 0.09
+    assert b["code_aim_dbtrimkv"] == 0.02
+    assert bars({"dense": row(0.69, 0)}, {}, 0.95) == {}  # no kvpop policy: no bars
+
+
+def test_a_configuration_replaces_its_namesake(tmp_path):
+    ev = tmp_path / "eval.json"
+    ev.write_text(json.dumps({"policies": POLICIES, "other_text": OTHER, "budget": 512}))
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "dbtrimkv.json").write_text(json.dumps({"kl": 0.009, "steps": 300, "seconds": 160.0, "policy": "dbtrimkv"}))
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"budget": 512, "sinks": 4, "window": 256, "train": {"policies": ["dbtrimkv", "kvpop_mlp_pool"], "seq_len": 4096,
+                                                                                          "steps": 300}}))
+    out = tmp_path / "q.json"
+
+    def run(config):
+        args = [sys.executable, "bench/quality_report.py", "--config", config, "--eval", str(ev), "--train", str(tmp_path / "train"),
+                "--params", str(params), "--out", str(out)]
+        proc = subprocess.run(args, cwd=ROOT, env={"PYTHONPATH": str(ROOT / "src"), "PATH": os.environ["PATH"]}, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(out.read_text())
+
+    run("4k")
+    run("8k")
+    doc = run("4k")
+    assert [c["config"] for c in doc["configurations"]] == ["8k", "4k"]
+    c = doc["configurations"][1]
+    assert c["train"] == {"dbtrimkv": {"kl": 0.009, "seconds": 160.0, "steps": 300}} and c["bars"]["quote_bar"] == 0.95
+    assert doc["configurations"][0]["bars"]["quote_bar"] == 0.90 and doc["provenance"]["git_commit"]
+
+
+def test_metrics_without_policies_are_refused(tmp_path):
+    ev = tmp_path / "eval.json"
+    ev.write_text("{}")
+    proc = subprocess.run([sys.executable, "bench/quality_report.py", "--config", "4k", "--eval", str(ev), "--params", "params.yaml",
+                           "--out", str(tmp_path / "q.json")], cwd=ROOT, env={"PYTHONPATH": str(ROOT / "src"), "PATH": os.environ["PATH"]},
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "holds no 'policies'" in proc.stderr and not (tmp_path / "q.json").exists()
