@@ -457,8 +457,9 @@ def test_compiled_engine_equals_bounded_cache(policy_name, tiny_model):
 def test_compiled_engine_prefills_prompts_of_any_length_without_recompiling(policy_name, tiny_model):
     """A prompt's last prefill chunk has a new length for almost every prompt (RULER's samples, ``kvpop generate``):
     FlexAttention compiled with symbolic lengths serves them all. Before, each new length compiled anew and, past
-    torch's recompile limit (8), ran eagerly. Here 11 lengths under the default limit, no recompilation after the
-    first two prompts, and every prompt's last logits equal the reference cache's."""
+    torch's recompile limit (8), ran eagerly. Chunks of 256: the first two prompts compile every shape (a full chunk
+    on an empty and on a filled cache; last chunks of one and of two 128-wide blocks), then 11 more lengths run under
+    ``error_on_recompile``, and every prompt's last logits equal the reference cache's."""
     from kvpop.decode import enable, teacher_forced_logits
     from kvpop.decode.engine import DecodeEngine
     from kvpop.policies import make_policy
@@ -472,8 +473,8 @@ def test_compiled_engine_prefills_prompts_of_any_length_without_recompiling(poli
         for p in policy.parameters():
             torch.nn.init.normal_(p, std=0.3)
         policy.cuda()
-    lengths = [300, 333, 371, 402, 419, 450, 477, 499, 513, 530, 261]  # last chunks of 44 ... 274 % 128 tokens
-    eng = DecodeEngine(model, policy, layout=layout, max_len=None if policy else 600, batch_size=1, chunk=128, compile=True)
+    lengths = [600, 700, 333, 402, 419, 450, 477, 499, 515, 530, 261, 640, 777]  # none 1 more than a multiple of 256
+    eng = DecodeEngine(model, policy, layout=layout, max_len=None if policy else 800, batch_size=1, chunk=256, compile=True)
     gen = torch.Generator().manual_seed(3)
     worst = 0.0
     for j, S in enumerate(lengths):
