@@ -190,14 +190,14 @@ def test_it_refuses_a_chunk_longer_than_window_minus_delay_and_an_impossible_del
         pool_chunked(llama, mlstm_pool(8), ids, layout=LAYOUT)
     with pytest.raises(ValueError, match="delay must be an int >= 0"):
         mlstm_pool(-1)
-    assert mlstm_pool().read_delay(WINDOW) == WINDOW // 2 and mlstm_pool(0).read_delay(WINDOW) == 0
+    assert mlstm_pool().read_delay(WINDOW) == WINDOW // 4 and mlstm_pool(0).read_delay(WINDOW) == 0
 
 
 def test_the_delay_is_a_validated_param():
     from kvpop.config import ParamsError, parse_params
 
     assert parse_params({"window": 8, "budget": 20, "train": {"scorer_delay": 7}}).train.scorer_delay == 7
-    assert parse_params({}).train.scorer_delay is None  # window // 2
+    assert parse_params({}).train.scorer_delay is None  # window // 4
     for bad in (8, 12, -1):
         with pytest.raises(ParamsError, match=rf"train.scorer_delay {bad} is not in \[0, window - 1 = 7\] \(window 8\)"):
             parse_params({"window": 8, "budget": 20, "train": {"scorer_delay": bad}})

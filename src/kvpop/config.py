@@ -180,7 +180,7 @@ class TrainConfig(_Section):
     )
     scorer_delay: int | None = Field(
         None, description="kvpop_pool: tokens after token j that its mLSTM score reads, 0 <= scorer_delay < window (the score is "
-        "ready before the token leaves the window; the chunked pool forward runs chunks of window - scorer_delay); null: window // 2 "
+        "ready before the token leaves the window; the chunked pool forward runs chunks of window - scorer_delay); null: window // 4 "
         "(kvpop.policies.kvpop_pool)",
     )
     scorer_calibration: float = Field(

@@ -58,7 +58,7 @@ def make_policy(
     scorer_delay: int | None = None,
 ) -> Policy:
     """A fresh policy by name; learned ones start from an untrained scorer for a model of this shape
-    (``scorer_delay``: ``kvpop_pool``'s read-out delay, None: half the window it runs at)."""
+    (``scorer_delay``: ``kvpop_pool``'s read-out delay, None: a quarter of the window it runs at)."""
     cls = policy_class(name)
     if cls.learned and min(num_layers, num_kv_heads, head_dim) < 1:
         raise ValueError(f"policy {name!r} is learned: make_policy needs num_layers, num_kv_heads and head_dim")

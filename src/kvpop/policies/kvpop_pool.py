@@ -5,7 +5,7 @@ What it reads
 Per (layer, KV head) the mLSTM of :mod:`kvpop.mlstm` over the detached keys and values of a document;
 token ``j`` is scored against the memory after it has read tokens ``start_j .. j + d`` (clipped at its
 document's last token), with a **delay** ``0 <= d < window`` (``train.scorer_delay``; default
-``window // 2``), not ``kvpop``'s ``d = window``. Its priority (with the learned decay) is static
+``window // 4``, the best of 0, 64 and 128 in a frozen-teacher fit, BENCHMARKS.md), not ``kvpop``'s ``d = window``. Its priority (with the learned decay) is static
 from then on, and ranked as ``kvpop_mlp_pool``'s: one pool of ``L x Hk x k`` long-range entries, the
 ``L x Hk`` leavers of query ``p`` (token ``p - window``) against the pool's entries, the lowest go
 (:mod:`kvpop.decode.one_pool`). Its state costs slots as ``kvpop``'s (:func:`kvpop.mlstm.kvpop_k`).
@@ -67,8 +67,8 @@ def check_delay(delay: int, window: int, *, key: str = "delay") -> int:
 
 
 def resolve_delay(delay: int | None, window: int, *, key: str = "delay") -> int:
-    """The read-out delay at ``window``: ``delay``, or ``window // 2`` for None; checked by :func:`check_delay`."""
-    return check_delay(window // 2 if delay is None else delay, window, key=key)
+    """The read-out delay at ``window``: ``delay``, or ``window // 4`` for None; checked by :func:`check_delay`."""
+    return check_delay(window // 4 if delay is None else delay, window, key=key)
 
 
 class PoolScoreStream:
@@ -88,7 +88,7 @@ class PoolScoreStream:
 
 
 class KvpopPool(Kvpop):
-    """``delay``: tokens after ``j`` that token ``j``'s score reads (None: half the window it runs at)."""
+    """``delay``: tokens after ``j`` that token ``j``'s score reads (None: a quarter of the window it runs at)."""
 
     name = "kvpop_pool"
     one_pool = True
