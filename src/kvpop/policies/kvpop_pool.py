@@ -5,7 +5,8 @@ What it reads
 Per (layer, KV head) the mLSTM of :mod:`kvpop.mlstm` over the detached keys and values of a document;
 token ``j`` is scored against the memory after it has read tokens ``start_j .. j + d`` (clipped at its
 document's last token), with a **delay** ``0 <= d < window`` (``train.scorer_delay``; default
-``window // 4``, the best of 0, 64 and 128 in a frozen-teacher fit, BENCHMARKS.md), not ``kvpop``'s ``d = window``. Its priority (with the learned decay) is static
+``window // 4``, the best of 0, 64 and 128 in a frozen-teacher fit, BENCHMARKS.md), not ``kvpop``'s
+``d = window``. Its priority (with the learned decay) is static
 from then on, and ranked as ``kvpop_mlp_pool``'s: one pool of ``L x Hk x k`` long-range entries, the
 ``L x Hk`` leavers of query ``p`` (token ``p - window``) against the pool's entries, the lowest go
 (:mod:`kvpop.decode.one_pool`). Its state costs slots as ``kvpop``'s (:func:`kvpop.mlstm.kvpop_k`).
