@@ -114,3 +114,5 @@ def test_bad_use_is_refused(model):
         engine_generate_ragged(many, single, [[1, 2], []], max_new_tokens=2, eos=EOS, pad=0)
     with pytest.raises(ValueError, match="2 max_new_tokens for 3 prompts"):
         engine_generate_ragged(many, single, [[1], [2], [3]], max_new_tokens=[2, 2], eos=EOS, pad=0)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1 for every prompt, got 0"):
+        engine_generate_ragged(many, single, [[1], [2]], max_new_tokens=[2, 0], eos=EOS, pad=0)

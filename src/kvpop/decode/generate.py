@@ -207,6 +207,8 @@ def engine_generate_ragged(batch: DecodeEngine, single: DecodeEngine, prompts: S
     limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(limits) != len(prompts):
         raise ValueError(f"{len(limits)} max_new_tokens for {len(prompts)} prompts")
+    if any(n < 1 for n in limits):
+        raise ValueError(f"max_new_tokens must be >= 1 for every prompt, got {min(limits)}")
     device = batch.device
     order = sorted(range(len(prompts)), key=lambda i: lens[i])  # groups of similar lengths: short own remainders
     out: list[list[int]] = [[] for _ in prompts]
