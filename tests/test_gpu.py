@@ -411,6 +411,21 @@ def test_delayed_mlstm_pool_chunked_equals_the_flex_fixed_point_decoding_and_the
     assert torch.equal(again.long(), got_p) and bool((got_p < 160).any())
 
 
+def random_policy(name: str):
+    """``name`` on the tiny models (2 layers, 2 KV heads, head dim 16) with random weights, seeded; dbtrimkv's
+    retentions around logsigmoid(2), so that some tokens decay fast and some slowly."""
+    from kvpop.policies import make_policy
+
+    torch.manual_seed(0)
+    policy = make_policy(name, num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.normal_(std=0.5)
+        if name == "dbtrimkv":
+            policy.scorer.b2.fill_(2.0)
+    return policy
+
+
 # --- the decode engine: compiled (CUDA graph) step == eager step == BoundedCache on CUDA ---------------
 @pytest.mark.parametrize("policy_name", ["streaming_llm", "kvpop_mlp", "kvpop", "dms", "dense"])
 def test_compiled_engine_equals_bounded_cache(policy_name, tiny_model):
@@ -497,20 +512,14 @@ def test_compiled_pooled_engine_equals_one_pool_cache(policy_name, tiny_model):
     longer than the budget, then steps; both hold the same entries."""
     from kvpop.decode import enable, teacher_forced_logits
     from kvpop.decode.engine import DecodeEngine
-    from kvpop.policies import OnePool, make_policy
+    from kvpop.policies import OnePool
 
     for name in ("cache_size_limit", "recompile_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
     model = enable(tiny_model("qwen3").cuda())
-    torch.manual_seed(0)
     base = "dbtrimkv" if policy_name == "dbtrimkv" else "kvpop_mlp"
-    policy = make_policy(base, num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.normal_(std=0.5)
-        if base == "dbtrimkv":
-            policy.scorer.b2.fill_(2.0)
+    policy = random_policy(base)
     policy = (policy if base == "dbtrimkv" else OnePool(policy)).cuda()
     layout = CacheLayout(4 + 32 + 48, 4, 32)
     S, pre = 300, 200
@@ -553,19 +562,9 @@ def test_ragged_prompts_on_compiled_engines_get_the_answers_they_get_alone(polic
     from kvpop.decode import enable
     from kvpop.decode.engine import DecodeEngine
     from kvpop.decode.generate import engine_generate, engine_generate_ragged
-    from kvpop.policies import make_policy
 
     model = enable(tiny_model("qwen3").cuda())
-    policy = None
-    if policy_name != "dense":
-        torch.manual_seed(0)
-        policy = make_policy(policy_name, num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
-        with torch.no_grad():
-            for p in policy.parameters():
-                p.normal_(std=0.5)
-            if policy_name == "dbtrimkv":
-                policy.scorer.b2.fill_(2.0)
-        policy.cuda()
+    policy = None if policy_name == "dense" else random_policy(policy_name).cuda()
     layout = CacheLayout(4 + 32 + 48, 4, 32)
     gen = torch.Generator().manual_seed(4)
     lengths, new = [300, 261, 333, 261, 290, 371], [9, 4, 12, 6, 3, 8]
