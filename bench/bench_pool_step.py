@@ -29,7 +29,7 @@ import lightning as L
 import torch
 
 from kvpop.attention import register
-from kvpop.benchmarking import default_out, sync
+from kvpop.benchmarking import default_out, smollm2_config, sync
 from kvpop.config import TrainConfig
 from kvpop.geometry import CacheLayout
 from kvpop.pool import pool_chunked
@@ -54,10 +54,9 @@ class StepTimer(L.Callback):
 
 def smollm2_model(layers: int, dev: torch.device):
     """The embedded model's architecture with random weights, every attention layer through kvpop's executors."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
-                      num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=100000.0)
+    cfg = smollm2_config(layers)
     cfg._attn_implementation = register()
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg).to(dev).eval().requires_grad_(False)

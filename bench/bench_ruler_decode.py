@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from kvpop.benchmarking import default_out, sync
+from kvpop.benchmarking import default_out, smollm2_config, sync
 from kvpop.decode import DecodeEngine, enable
 from kvpop.decode.generate import engine_generate, engine_generate_ragged
 from kvpop.geometry import CacheLayout
@@ -36,13 +36,6 @@ from kvpop.provenance import write_result
 NIAH_LENGTHS = [3865, 3862, 3859, 3865, 3862, 3868, 3865, 3871, 3862, 3859, 3865, 3862, 3868, 3865, 3862, 3859, 3865, 3862, 3868,
                 3865, 3862, 3871, 3865, 3859, 3862]
 POLICIES = ["dense", "streaming_llm", "kvpop_mlp", "kvpop", "dbtrimkv", "kvpop_mlp_pool"]
-
-
-def smollm2_config(small: bool = False):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=2 if small else 30, num_attention_heads=9,
-                       num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=100000.0)
 
 
 def make(name: str, cfg, dev):
@@ -70,7 +63,7 @@ def main() -> None:
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
-    cfg = smollm2_config(args.small)
+    cfg = smollm2_config(2 if args.small else 30)
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
 

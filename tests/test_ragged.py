@@ -110,6 +110,8 @@ def test_bad_use_is_refused(model):
     other = DecodeEngine(model, policy, layout=LAYOUT, max_len=90, batch_size=2, chunk=128)
     with pytest.raises(ValueError, match="same model, policy, layout and max_len"):
         single.load_row(other, 0)
+    with pytest.raises(ValueError, match="an engine of batch 1, got one of batch 2"):
+        engine_generate_ragged(many, many, [[1, 2]], max_new_tokens=2, eos=EOS, pad=0)
     with pytest.raises(ValueError, match="empty prompt"):
         engine_generate_ragged(many, single, [[1, 2], []], max_new_tokens=2, eos=EOS, pad=0)
     with pytest.raises(ValueError, match="2 max_new_tokens for 3 prompts"):

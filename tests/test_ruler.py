@@ -115,6 +115,21 @@ def test_fwe_alone_leaves_room_for_its_answer(lce):
     assert {t: ruler.reserved_by_us(t) for t in ruler.TASKS} == {t: 50 if t == "fwe" else 0 for t in ruler.TASKS}
 
 
+def test_generate_samples_gives_fwe_the_shorter_length(lce, tiny_llama_dir, tiny_tokenizer, monkeypatch):
+    """generate_samples asks RULER's generators for the context minus the template, and fwe's for its answer's
+    tokens less (the generators' arguments as they reach generate_raw, which runs them)."""
+    asked = {}
+
+    def generators(tasks, tokenizer_dir, *, max_seq_length, **kw):
+        asked.update(max_seq_length)
+        return {t: [] for t in tasks}
+
+    monkeypatch.setattr(ruler, "generate_raw", generators)
+    ruler.generate_samples(tiny_llama_dir, tasks=["fwe", "niah_single_1"], seq_len=SEQ_LEN, samples=1, tokenizer=tiny_tokenizer)
+    room = SEQ_LEN - ruler.template_tokens(tiny_tokenizer)
+    assert asked == {"niah_single_1": room, "fwe": room - 50}
+
+
 def test_a_tokenizer_too_dense_for_vt_is_refused(lce, tiny_llama_dir, tiny_tokenizer):
     """conftest's tokenizer would make RULER's vt generator loop forever: refused before it runs."""
     assert ruler.vt_example_tokens(tiny_tokenizer) > ruler.VT_EXAMPLE_TOKENS

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from kvpop.attention import register
-from kvpop.benchmarking import default_out, random_ids, sync
+from kvpop.benchmarking import default_out, random_ids, smollm2_config, sync
 from kvpop.geometry import CacheLayout
 from kvpop.policies import make_policy
 from kvpop.pool import pool_chunked
@@ -44,13 +44,12 @@ def main() -> None:
     out = args.out or default_out(__file__, small=args.small, suffix="" if args.policy == "kvpop_mlp_pool" else args.policy)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     layers = 2 if args.small else 30
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
-                      num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True)
+    cfg = smollm2_config(layers)
     torch.manual_seed(0)
     with dev:
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=register(),
                                                  dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32).eval()
-    policy = make_policy(args.policy, num_layers=layers, num_kv_heads=3, head_dim=64).to(dev)
+    policy = make_policy(args.policy, num_layers=layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim).to(dev)
     tokens = min(args.tokens, 512) if args.small else args.tokens
     budget, window = (512, 256) if not args.small else (96, 32)
     layout = CacheLayout(budget, 4, window)

@@ -149,6 +149,16 @@ def qwen3_4b_config(small: bool = False):
                        rope_theta=1_000_000.0, rms_norm_eps=1e-6)
 
 
+def smollm2_config(layers: int = 30):
+    """The embedded model's architecture (SmolLM2-135M-Instruct: hidden 576, 9 query / 3 KV heads, head dim 64,
+    intermediate 1536, vocabulary 49,152, tied embeddings) with ``layers`` decoder layers (the model's 30, or fewer
+    for smoke runs): the benches that time work at the embedded model's shapes with random weights."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
+                       num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=100000.0)
+
+
 def random_ids(B: int, S: int, vocab: int, seed: int, dev: torch.device | str) -> torch.Tensor:
     """(B, S) token ids drawn uniformly from ``vocab`` by a CPU generator seeded ``seed`` (the same ids on any device)."""
     g = torch.Generator().manual_seed(seed)

@@ -410,9 +410,7 @@ class DecodeEngine:
             raise ValueError(f"load_row fills an engine of batch 1, this one has {self.B} rows")
         if not 0 <= r < src.B:
             raise ValueError(f"row {r} is not a row of an engine of batch {src.B}")
-        same = (src.model is self.model, src.policy is self.policy, src.kind == self.kind, src.layout == self.layout,
-                src.max_len == self.max_len, src.T == self.T)
-        if not all(same):
+        if not (src.model is self.model and src.policy is self.policy and src.layout == self.layout and src.max_len == self.max_len):
             raise ValueError("load_row needs an engine of the same model, policy, layout and max_len")
         for mine, theirs in zip((*self.keys, *self.values, *self.pos, *self.prio), (*src.keys, *src.values, *src.pos, *src.prio), strict=True):
             mine.copy_(theirs[r : r + 1])

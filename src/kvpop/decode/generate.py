@@ -199,8 +199,8 @@ def engine_generate_ragged(batch: DecodeEngine, single: DecodeEngine, prompts: S
 
     Prompts of equal lengths would decode together too (:func:`engine_generate`); prompts of different lengths
     share no position after the first ``m`` tokens, and the engine's step advances every row by the same position."""
-    if batch.B < 1 or single.B != 1:
-        raise ValueError(f"engine_generate_ragged takes an engine of any batch and one of batch 1, got {batch.B} and {single.B}")
+    if single.B != 1:
+        raise ValueError(f"engine_generate_ragged finishes each prompt on an engine of batch 1, got one of batch {single.B}")
     lens = [len(p) for p in prompts]
     if any(n == 0 for n in lens):
         raise ValueError("empty prompt")
