@@ -50,17 +50,32 @@ def make(name: str, cfg, dev):
     return (OnePool(policy) if name == "one_pool_mlp" else policy).to(dev)
 
 
+def positive(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 1")
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policies", nargs="+", default=POLICIES)
-    ap.add_argument("--prompts", type=int, default=25, help="prompts of the task (RULER's niah_single_1 lengths, cycled)")
-    ap.add_argument("--context", type=int, default=4096, help="the lengths are niah_single_1's at 4,096, shifted by context - 4096")
-    ap.add_argument("--budget", type=int, default=512)
-    ap.add_argument("--new", type=int, default=128, help="tokens each answer decodes (niah: 128)")
-    ap.add_argument("--batch", type=int, default=25, help="rows prefilled together")
+    ap.add_argument("--prompts", type=positive, default=25, help="prompts of the task (RULER's niah_single_1 lengths, cycled)")
+    ap.add_argument("--context", type=positive, default=4096, help="the lengths are niah_single_1's at 4,096, shifted by context - 4096")
+    ap.add_argument("--budget", type=positive, default=512)
+    ap.add_argument("--new", type=positive, default=128, help="tokens each answer decodes (niah: 128)")
+    ap.add_argument("--batch", type=positive, default=25, help="rows prefilled together")
     ap.add_argument("--small", action="store_true", help="a 2-layer model of SmolLM2's width (smoke runs)")
     ap.add_argument("--out", help="default results/bench_ruler_decode/<device>[_small].json")
     args = ap.parse_args()
+    if args.budget < 4 + 2:
+        ap.error(f"--budget {args.budget} leaves no window after the 4 sinks")
+    if min(NIAH_LENGTHS) + args.context - 4096 < 1:
+        ap.error(f"--context {args.context} leaves no prompt (niah_single_1's shortest prompt at 4,096 is {min(NIAH_LENGTHS)} tokens)")
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     cfg = smollm2_config(2 if args.small else 30)

@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--policy", default="kvpop_mlp_pool", choices=["kvpop_mlp_pool", "kvpop_pool", "dbtrimkv"])
     ap.add_argument("--tokens", type=int, default=4096)
     args = ap.parse_args()
+    if args.tokens < 1:
+        ap.error(f"--tokens must be >= 1, got {args.tokens}")
     out = args.out or default_out(__file__, small=args.small, suffix="" if args.policy == "kvpop_mlp_pool" else args.policy)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     layers = 2 if args.small else 30
