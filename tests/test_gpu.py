@@ -473,8 +473,10 @@ def test_compiled_engine_prefills_prompts_of_any_length_without_recompiling(poli
     """A prompt's last prefill chunk has a new length for almost every prompt (RULER's samples, ``kvpop generate``):
     FlexAttention compiled with symbolic lengths serves them all. Before, each new length compiled anew and, past
     torch's recompile limit (8), ran eagerly. Chunks of 256: the first two prompts compile every shape (a full chunk
-    on an empty and on a filled cache; last chunks of one and of two 128-wide blocks), then 11 more lengths run under
-    ``error_on_recompile``, and every prompt's last logits equal the reference cache's."""
+    on an empty and on a filled cache; last chunks of one and of two 128-wide blocks), then 12 more lengths run under
+    ``error_on_recompile`` (one whose last chunk is a single token, which ran eagerly before), every prompt's last
+    logits equal the reference cache's, and the symbolic compile never fell back to the per-shape one."""
+    from kvpop.attention import ANY_LENGTH_FAILED
     from kvpop.decode import enable, teacher_forced_logits
     from kvpop.decode.engine import DecodeEngine
     from kvpop.policies import make_policy
@@ -488,7 +490,7 @@ def test_compiled_engine_prefills_prompts_of_any_length_without_recompiling(poli
         for p in policy.parameters():
             torch.nn.init.normal_(p, std=0.3)
         policy.cuda()
-    lengths = [600, 700, 333, 402, 419, 450, 477, 499, 515, 530, 261, 640, 777]  # none 1 more than a multiple of 256
+    lengths = [600, 700, 333, 402, 419, 450, 477, 499, 515, 530, 261, 640, 777, 769]  # 769: a last chunk of 1
     eng = DecodeEngine(model, policy, layout=layout, max_len=None if policy else 800, batch_size=1, chunk=256, compile=True)
     gen = torch.Generator().manual_seed(3)
     worst = 0.0
@@ -501,6 +503,7 @@ def test_compiled_engine_prefills_prompts_of_any_length_without_recompiling(poli
             got = eng.prefill(ids)
         worst = max(worst, _maxdiff(got, ref))
     print(f"engine {policy_name}: {len(lengths)} prompt lengths, max |logits - reference| {worst:.2e}")
+    assert not ANY_LENGTH_FAILED, ANY_LENGTH_FAILED
     assert worst < 1e-4
 
 

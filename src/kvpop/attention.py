@@ -34,6 +34,7 @@ Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, S sequence, D head dim.
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -87,12 +88,40 @@ def _flex_gqa(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float) -> Tens
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
+def _flex_gqa_any_length(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float) -> Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # the main FlexAttention kernel: inductor's decoding kernel (its pick for fewer than 128 queries) has no
+    # configuration for symbolic lengths (H200, torch 2.11: "NoValidChoicesError ... flex_decoding")
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
+
+
 @functools.cache
 def _compiled_flex_any_length():
     """``flex(q, k, v, block_mask, scale)`` (GQA) compiled once with symbolic lengths: for shapes that do not
     repeat (a prompt's last prefill chunk), which would otherwise compile once each, then fall back to eager
-    FlexAttention. Its own function, so that its compiled code and guards are apart from :func:`_compiled_flex`'s."""
-    return torch.compile(_flex_gqa, dynamic=True)
+    FlexAttention. Its own function, so that its compiled code and guards are apart from :func:`_compiled_flex`'s.
+    Inductor guards on fewer / at least 128 queries, so it compiles twice at most."""
+    return torch.compile(_flex_gqa_any_length, dynamic=True)
+
+
+#: why :func:`flex_any_length` fell back to the static compile (None: it has not); tests read it
+ANY_LENGTH_FAILED: list[str] = []
+
+
+def flex_any_length(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float) -> Tensor:
+    """FlexAttention (GQA) for a shape that does not repeat, on CUDA: :func:`_compiled_flex_any_length`; where
+    that compile fails (a torch whose inductor lacks a kernel for symbolic lengths), a warning once and the static
+    compile from then on (a compile per new shape, eager past the recompile limit: slower, the same result)."""
+    if not ANY_LENGTH_FAILED:
+        try:
+            return _compiled_flex_any_length()(q, k, v, block_mask, scale)
+        except Exception as err:  # noqa: BLE001 - any compile failure: the static compile below computes the same
+            if isinstance(err, torch._dynamo.exc.RecompileError):  # error_on_recompile (tests): not a failure to hide
+                raise
+            ANY_LENGTH_FAILED.append(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+            warnings.warn(f"FlexAttention compiled for any length failed ({ANY_LENGTH_FAILED[0]}); compiling per shape instead", stacklevel=2)
+    return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
 def flex_execute(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float, need_lse: bool, score_mod=None) -> tuple[Tensor, Tensor | None]:

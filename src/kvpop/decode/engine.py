@@ -466,13 +466,14 @@ class DecodeEngine:
         if q.is_cuda:
             from torch.nn.attention.flex_attention import flex_attention
 
-            from kvpop.attention import _compiled_flex, _compiled_flex_any_length
+            from kvpop.attention import _compiled_flex, flex_any_length
 
             bm = block_mask(mask_mod, kv_blocks, Q, N, kv_indices)
-            if Q != 1 and Q != self.chunk:  # a prompt's last chunk: its length differs from prompt to prompt
-                return _compiled_flex_any_length()(q, k, v, bm, self.scale)
-            fn = flex_attention if self.compiled and Q == 1 else _compiled_flex()  # the step is compiled as a whole
-            return fn(q, k, v, block_mask=bm, scale=self.scale, enable_gqa=True)
+            if torch.compiler.is_compiling():  # the compiled step: compiled as a whole
+                return flex_attention(q, k, v, block_mask=bm, scale=self.scale, enable_gqa=True)
+            if Q != self.chunk and not (Q == 1 and not self.compiled):  # a prompt's last chunk: a new length from prompt to prompt
+                return flex_any_length(q, k, v, bm, self.scale)
+            return _compiled_flex()(q, k, v, block_mask=bm, scale=self.scale, enable_gqa=True)  # full chunks; the uncompiled step
         if allowed is None:
             allowed = dense_mask(mask_mod, B, H, Q, q.device, kv_len=N, group=self.G)  # (B, H, Q, N)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale, enable_gqa=True)
