@@ -17,6 +17,11 @@ Everything goes to ``--out`` (``metrics/eval.json``); per policy the few numbers
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -111,9 +116,10 @@ def other_text(p, tok, teacher, cands, say, device: str) -> dict:
     return other
 
 
-def ruler_benchmark(p, base: str, tok, teacher, cands, say, device: str) -> dict:
+def ruler_benchmark(p, base: str, exports: Path, tok, teacher, cands, say, device: str) -> dict:
     """``evaluate.benchmarks.ruler``: RULER's samples (:func:`kvpop.ruler.generate_samples`, from the base
-    model's tokenizer) on every candidate (:func:`kvpop.ruler.evaluate_ruler`), with how they were made."""
+    model's tokenizer) on every candidate (:func:`kvpop.ruler.evaluate_ruler`; with ``workers`` > 1 split
+    between that many processes, :func:`ruler_in_workers`), with how they were made."""
     from kvpop import ruler
 
     rc, seq_len = p.evaluate.benchmarks.ruler, p.ruler_seq_len
@@ -125,17 +131,100 @@ def ruler_benchmark(p, base: str, tok, teacher, cands, say, device: str) -> dict
         samples = ruler.generate_samples(base, tasks=rc.tasks, seq_len=seq_len, samples=rc.samples, seed=rc.seed, tokenizer=tok)
     except (ruler.RulerUnavailable, ValueError) as err:
         fail(f"evaluate.benchmarks.ruler: {err}")
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-    with Progress("RULER", len(rc.tasks) + sum(not c.policy.oracle for c in cands)) as bar:
-        res = ruler.evaluate_ruler(samples, tok, teacher, cands, layout=p.layout, device=device, reference_samples=rc.reference_samples, batch=rc.batch,
-                                   pad_to=seq_len if device == "cuda" else None, pad_id=pad_id, compile=device == "cuda",
-                                   progress=lambda stage, i, n: bar.update(i if stage == "teacher-forced" else len(rc.tasks) + i, step=stage))
+    workers = min(rc.workers, len(cands))
+    if workers > 1:
+        res = ruler_in_workers(samples, [c.name for c in cands if not c.policy.oracle] + [c.name for c in cands if c.policy.oracle], workers,
+                               base=base, exports=exports, say=say)
+    else:
+        with Progress("RULER", len(rc.tasks) + sum(not c.policy.oracle for c in cands)) as bar:
+            res = ruler.evaluate_ruler(samples, tok, teacher, cands, **ruler_options(p, tok, device),
+                                       progress=lambda stage, i, n: bar.update(i if stage == "teacher-forced" else len(rc.tasks) + i, step=stage))
     for name, m in res.items():
         say(f"RULER {name}: " + ", ".join(f"{k} {m[k]['mean']:.3f}" for k in ("accuracy", "teacher_forced") if m[k]))
     return {"tasks": rc.tasks, "seq_len": seq_len, "samples": rc.samples, "reference_samples": rc.reference_samples, "seed": rc.seed,
             "budget": p.budget,
             "fingerprint": ruler.fingerprint(samples),
             "prompt_tokens": {t: sum(len(s.prompt_ids) for s in ss) / len(ss) for t, ss in samples.items()}, "policies": res}
+
+
+def ruler_options(p, tok, device: str) -> dict:
+    """:func:`kvpop.ruler.evaluate_ruler`'s options from the params (the stage's process and its workers alike)."""
+    rc = p.evaluate.benchmarks.ruler
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    return dict(layout=p.layout, device=device, reference_samples=rc.reference_samples, batch=rc.batch,
+                pad_to=p.ruler_seq_len if device == "cuda" else None, pad_id=pad_id, compile=device == "cuda")
+
+
+def ruler_in_workers(samples: dict, names: list[str], workers: int, *, base: str, exports: Path, say) -> dict:
+    """RULER's candidates split between ``workers`` processes of this script (``--ruler-worker``), round robin over
+    ``names`` (those that generate first, the oracles last): each loads the teacher and the exports, reads the
+    samples this process made and evaluates its share. What a candidate gets does not depend on the others (one
+    GPU holds several such processes; the GPU, mostly idle under one at batch 1, serves them side by side).
+    A worker that fails stops the others and the stage, naming its policies and the end of its log."""
+    groups = [names[k::workers] for k in range(workers)]
+    with tempfile.TemporaryDirectory(prefix="kvpop-ruler-") as tmp:
+        tmp = Path(tmp)
+        torch.save(samples, tmp / "samples.pt")
+        procs = []
+        for k, group in enumerate(groups):
+            write_json(tmp / f"job_{k}.json", {"policies": group})
+            log = open(tmp / f"worker_{k}.log", "w")  # noqa: SIM115 - closed when the worker ends
+            cmd = [sys.executable, __file__, "--base", base, "--exports", str(exports), "--ruler-worker", str(tmp), "--ruler-part", str(k)]
+            procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, group))
+        say(f"RULER: {len(names)} policies in {workers} processes: " + "; ".join(", ".join(g) for g in groups))
+        with Progress("RULER: workers", workers) as bar:
+            left = list(procs)
+            while left:
+                for item in list(left):
+                    proc, log, group = item
+                    if proc.poll() is None:
+                        continue
+                    log.close()
+                    left.remove(item)
+                    bar.update(workers - len(left))
+                    if proc.returncode != 0:
+                        for other, olog, _ in left:
+                            other.kill()
+                            other.wait()
+                            olog.close()
+                        tail = "\n".join((tmp / f"worker_{procs.index(item)}.log").read_text().splitlines()[-20:])
+                        fail(f"evaluate.benchmarks.ruler: the worker for {', '.join(group)} failed (exit {proc.returncode}):\n{tail}")
+                time.sleep(0.5)
+        res = {}
+        for k in range(workers):
+            res.update(json.loads((tmp / f"part_{k}.json").read_text()))
+    return {n: res[n] for n in names}
+
+
+def ruler_worker(args) -> None:
+    """``--ruler-worker DIR --ruler-part K``: one of :func:`ruler_in_workers`' processes: the policies of
+    ``DIR/job_K.json`` on the samples of ``DIR/samples.pt``, their results to ``DIR/part_K.json``."""
+    from kvpop import ruler
+
+    p = params()
+    folder = Path(args.ruler_worker)
+    names = json.loads((folder / f"job_{args.ruler_part}.json").read_text())["policies"]
+    device = eval_device(p.evaluate)
+    torch.manual_seed(p.seed)
+    teacher, tok, cands = candidates(p, args.base, Path(args.exports), p.evaluate.precision, device)
+    chosen = [c for c in cands if c.name in names]
+    if len(chosen) != len(names):
+        fail(f"RULER worker: policies {sorted(set(names) - {c.name for c in chosen})} are not among the evaluated ones")
+    samples = torch.load(folder / "samples.pt", weights_only=False)
+    res = ruler.evaluate_ruler(samples, tok, teacher, chosen, **ruler_options(p, tok, device))
+    write_json(folder / f"part_{args.ruler_part}.json", res)
+
+
+def eval_device(cfg) -> str:
+    """``evaluate.device`` resolved (auto: CUDA where visible), with CUDA's settings for the stage: float32 products
+    at ``evaluate.matmul_precision``, and room for a compiled FlexAttention per policy."""
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    if device == "cuda" and not torch.cuda.is_available():
+        fail("evaluate.device is 'cuda' but no CUDA device is visible")
+    torch.set_float32_matmul_precision(cfg.matmul_precision)  # CUDA's float32 products (TF32 at 'high'); no effect on the CPU
+    if device == "cuda":
+        torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)  # a mask per policy
+    return device
 
 
 def main() -> None:
@@ -146,7 +235,12 @@ def main() -> None:
     ap.add_argument("--out", default="metrics/eval.json")
     ap.add_argument("--summary", default="metrics/summary", help="a folder: one compact JSON file per policy")
     ap.add_argument("--plots", default="plots")
+    ap.add_argument("--ruler-worker", help=argparse.SUPPRESS)  # internal: a process of evaluate.benchmarks.ruler.workers
+    ap.add_argument("--ruler-part", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.ruler_worker:
+        ruler_worker(args)
+        return
     p = params()
     cfg = p.evaluate
     try:
@@ -158,10 +252,7 @@ def main() -> None:
     if cfg.benchmarks.ruler.enabled and (why := ruler_missing()):
         fail(why)
     torch.manual_seed(p.seed)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
-    if device == "cuda" and not torch.cuda.is_available():
-        fail("evaluate.device is 'cuda' but no CUDA device is visible")
-    torch.set_float32_matmul_precision(cfg.matmul_precision)  # CUDA's float32 products (TF32 at 'high'); no effect on the CPU
+    device = eval_device(cfg)
     teacher, tok, cands = candidates(p, args.base, Path(args.exports), cfg.precision, device)
     fid_records = records[: cfg.max_traces]
     eval_tokens = sum(score_positions(r)[0].numel() for r in fid_records)
@@ -175,7 +266,6 @@ def main() -> None:
         say(f"fidelity on {len(fid_records)} traces ({min(lengths)}-{max(lengths)} tokens)")
         scored_records = fid_records
         if device == "cuda":  # one shape: compiled FlexAttention compiles once (kvpop.evaluate.pad_records)
-            torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)  # a mask per policy
             pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
             scored_records = pad_records(fid_records, max(p.train.seq_len, *lengths), pad_id)
         with Progress("fidelity: traces", len(fid_records)) as bar:
@@ -230,7 +320,7 @@ def main() -> None:
         if other is not None:
             out["other_text"] = other
         if cfg.benchmarks.ruler.enabled:
-            out["ruler"] = ruler_benchmark(p, args.base, tok, teacher, cands, say, device)
+            out["ruler"] = ruler_benchmark(p, args.base, Path(args.exports), tok, teacher, cands, say, device)
         write_json(args.out, out)
         with atomic_dir(args.summary) as tmp:  # whole: no policy's file left from an earlier run
             for stem, numbers in summary(out).items():

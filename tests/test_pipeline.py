@@ -167,6 +167,36 @@ def test_filter_mixes_other_text_into_training_only(tiny_qwen3_dir, tmp_path):
     assert metrics["train"]["other_text"] == {"code": 2, "prose": 1} and "other_text" not in metrics["eval"]
 
 
+@pytest.mark.slow
+def test_ruler_in_worker_processes_equals_one_process(micro, tmp_path):
+    """evaluate.benchmarks.ruler.workers: the evaluate stage on the micro run's exports with RULER, once in its own
+    process and once shared out between two worker processes: the same RULER results for every policy (a generated
+    one and a ceiling in each worker, the one-pool twin apart from the export it ranks)."""
+    pytest.importorskip("long_context_eval", reason="RULER needs the 'ruler' extra")
+    import shutil
+
+    repo, _, _ = micro
+    p = yaml.safe_load((repo / "params.yaml").read_text())
+    p["train"]["policies"] = ["kvpop_mlp"]
+    p["evaluate"].update(policies=["dense", "streaming_llm", "oracle_target"], one_pool=True, memory_lengths=[], other_text={"code": 0, "prose": 0})
+    p["evaluate"]["rollouts"]["problems"] = 0
+    got = {}
+    for workers in (1, 2):
+        run = tmp_path / f"workers{workers}"
+        for d in ("models/base", "models/export/kvpop_mlp"):
+            shutil.copytree(repo / d, run / d)
+        (run / "data/filtered").mkdir(parents=True)
+        shutil.copy(repo / "data/filtered/eval.jsonl", run / "data/filtered/eval.jsonl")
+        p["evaluate"]["benchmarks"]["ruler"] = {"tasks": ["niah_single_1"], "samples": 2, "batch": 2, "workers": workers}
+        (run / "params.yaml").write_text(yaml.safe_dump(p))
+        res = stage(run, "evaluate.py")
+        got[workers] = json.loads((run / "metrics/eval.json").read_text())["ruler"]
+        assert (f"in {workers} processes" in res.stderr) == (workers > 1)  # the progress and what the stage says: stderr
+    assert set(got[2]["policies"]) == {"dense", "streaming_llm", "oracle_target", "kvpop_mlp", "kvpop_mlp, one pool"}
+    assert got[2] == got[1]
+    assert got[1]["policies"]["dense"]["answers"]["niah_single_1"] and got[1]["policies"]["oracle_target"]["accuracy"] == {}
+
+
 def test_bad_params_stop_before_any_work(tmp_path):
     p = micro_params("embedded")
     p["budget"] = p["sinks"] + p["window"]

@@ -325,6 +325,10 @@ class RulerConfig(_Section):
         8, ge=1, description="on the engine, a task's samples prefilled this many at a time (their common length; each then "
         "finishes its prompt and decodes alone: kvpop.decode.generate.engine_generate_ragged); memory: this many prompts' caches",
     )
+    workers: int = Field(
+        1, ge=1, description="processes that share the policies out between them (the same results; each loads the teacher and "
+        "every policy): on one GPU, which a policy's batch-1 generation leaves mostly idle, several run side by side",
+    )
 
     @property
     def enabled(self) -> bool:
