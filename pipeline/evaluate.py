@@ -131,10 +131,9 @@ def ruler_benchmark(p, base: str, exports: Path, tok, teacher, cands, say, devic
         samples = ruler.generate_samples(base, tasks=rc.tasks, seq_len=seq_len, samples=rc.samples, seed=rc.seed, tokenizer=tok)
     except (ruler.RulerUnavailable, ValueError) as err:
         fail(f"evaluate.benchmarks.ruler: {err}")
-    workers = min(rc.workers, len(cands))
-    if workers > 1:
-        res = ruler_in_workers(samples, [c.name for c in cands if not c.policy.oracle] + [c.name for c in cands if c.policy.oracle], workers,
-                               base=base, exports=exports, say=say)
+    if rc.workers > 1:
+        names = [c.name for c in cands if not c.policy.oracle] + [c.name for c in cands if c.policy.oracle]
+        res = ruler_in_workers(samples, names, rc.workers, ruler_keys(p, names, base, exports, device, samples), base=base, exports=exports, say=say)
     else:
         with Progress("RULER", len(rc.tasks) + sum(not c.policy.oracle for c in cands)) as bar:
             res = ruler.evaluate_ruler(samples, tok, teacher, cands, **ruler_options(p, tok, device),
@@ -155,23 +154,74 @@ def ruler_options(p, tok, device: str) -> dict:
                 pad_to=p.ruler_seq_len if device == "cuda" else None, pad_id=pad_id, compile=device == "cuda")
 
 
-def ruler_in_workers(samples: dict, names: list[str], workers: int, *, base: str, exports: Path, say) -> dict:
-    """RULER's candidates split between ``workers`` processes of this script (``--ruler-worker``), round robin over
-    ``names`` (those that generate first, the oracles last): each loads the teacher and the exports, reads the
-    samples this process made and evaluates its share. What a candidate gets does not depend on the others (one
-    GPU holds several such processes; the GPU, mostly idle under one at batch 1, serves them side by side).
-    A worker that fails stops the others and the stage, naming its policies and the end of its log."""
-    groups = [names[k::workers] for k in range(workers)]
+#: where the workers keep each policy's RULER result (:func:`ruler_keys`), so that a stage stopped part of the way
+#: (a time limit) or run again with some policies changed redoes only the policies whose result is not there
+RULER_CACHE = Path(".cache/ruler")
+
+
+def ruler_keys(p, names: list[str], base: str, exports: Path, device: str, samples: dict) -> dict[str, Path]:
+    """Policy -> the file of its RULER result in :data:`RULER_CACHE`, named by a sha256 of everything the result
+    depends on: the samples, the RULER and evaluate options that change answers (not ``workers``), the budget, the
+    device and torch's version, kvpop's source, the base model's files and, for a trained policy (its one-pool twin
+    too), its export's files."""
+    import hashlib
+
+    import kvpop
+    from kvpop import ruler
+
+    def files(folder: Path, h) -> None:
+        for f in sorted(x for x in folder.rglob("*") if x.is_file()):
+            h.update(f.relative_to(folder).as_posix().encode())
+            with open(f, "rb") as fh:
+                while block := fh.read(1 << 24):
+                    h.update(block)
+
+    common = hashlib.sha256()
+    opts = {"ruler": p.evaluate.benchmarks.ruler.model_dump(exclude={"workers"}), "seq_len": p.ruler_seq_len, "layout": [p.budget, p.sinks, p.window],
+            "precision": p.evaluate.precision, "matmul_precision": p.evaluate.matmul_precision, "decode_traces": p.evaluate.decode_traces,
+            "target": p.train.target.model_dump() if hasattr(p.train.target, "model_dump") else str(p.train.target),
+            "device": device, "torch": torch.__version__, "samples": ruler.fingerprint(samples)}
+    common.update(json.dumps(opts, sort_keys=True, default=str).encode())
+    src = Path(kvpop.__file__).parent
+    for f in sorted(src.rglob("*.py")):
+        common.update(f.relative_to(src).as_posix().encode() + f.read_bytes())
+    files(Path(base), common)
+    out = {}
+    for name in names:
+        h = common.copy()
+        h.update(name.encode())
+        trained = next((t for t in p.train.policies if name == t or name.startswith(t + ",")), None)
+        if trained is not None:
+            files(exports / trained, h)
+        out[name] = RULER_CACHE / f"{h.hexdigest()[:32]}.json"
+    return out
+
+
+def ruler_in_workers(samples: dict, names: list[str], workers: int, keys: dict[str, Path], *, base: str, exports: Path, say) -> dict:
+    """RULER's candidates split between up to ``workers`` processes of this script (``--ruler-worker``), round robin
+    over ``names`` (those that generate first, the oracles last): each loads the teacher and the exports, reads the
+    samples this process made and evaluates its share one policy at a time, each policy's result written to its
+    ``keys`` file as soon as it is done; a policy whose file is there already is not run again. What a policy gets
+    does not depend on the others (one GPU holds several such processes; the GPU, mostly idle under one at batch 1,
+    serves them side by side). A worker that fails stops the others and the stage, naming its policies and the end of
+    its log; the results written before stay."""
+    kept = [n for n in names if keys[n].is_file()]
+    todo = [n for n in names if n not in kept]
+    if kept:
+        say(f"RULER: {', '.join(kept)} from {RULER_CACHE} (the same samples, options, code and weights)")
+    workers = min(workers, len(todo))
+    groups = [todo[k::workers] for k in range(workers)]
     with tempfile.TemporaryDirectory(prefix="kvpop-ruler-") as tmp:
         tmp = Path(tmp)
         torch.save(samples, tmp / "samples.pt")
         procs = []
         for k, group in enumerate(groups):
-            write_json(tmp / f"job_{k}.json", {"policies": group})
+            write_json(tmp / f"job_{k}.json", {"policies": group, "out": {n: str(keys[n].resolve()) for n in group}})
             log = open(tmp / f"worker_{k}.log", "w")  # noqa: SIM115 - closed when the worker ends
             cmd = [sys.executable, __file__, "--base", base, "--exports", str(exports), "--ruler-worker", str(tmp), "--ruler-part", str(k)]
             procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, group))
-        say(f"RULER: {len(names)} policies in {workers} processes: " + "; ".join(", ".join(g) for g in groups))
+        if procs:
+            say(f"RULER: {len(todo)} policies in {workers} processes: " + "; ".join(", ".join(g) for g in groups))
         with Progress("RULER: workers", workers) as bar:
             left = list(procs)
             while left:
@@ -190,29 +240,28 @@ def ruler_in_workers(samples: dict, names: list[str], workers: int, *, base: str
                         tail = "\n".join((tmp / f"worker_{procs.index(item)}.log").read_text().splitlines()[-20:])
                         fail(f"evaluate.benchmarks.ruler: the worker for {', '.join(group)} failed (exit {proc.returncode}):\n{tail}")
                 time.sleep(0.5)
-        res = {}
-        for k in range(workers):
-            res.update(json.loads((tmp / f"part_{k}.json").read_text()))
-    return {n: res[n] for n in names}
+    return {n: json.loads(keys[n].read_text()) for n in names}
 
 
 def ruler_worker(args) -> None:
     """``--ruler-worker DIR --ruler-part K``: one of :func:`ruler_in_workers`' processes: the policies of
-    ``DIR/job_K.json`` on the samples of ``DIR/samples.pt``, their results to ``DIR/part_K.json``."""
+    ``DIR/job_K.json`` on the samples of ``DIR/samples.pt``, one at a time, each result to its file."""
     from kvpop import ruler
 
     p = params()
     folder = Path(args.ruler_worker)
-    names = json.loads((folder / f"job_{args.ruler_part}.json").read_text())["policies"]
+    job = json.loads((folder / f"job_{args.ruler_part}.json").read_text())
     device = eval_device(p.evaluate)
     torch.manual_seed(p.seed)
     teacher, tok, cands = candidates(p, args.base, Path(args.exports), p.evaluate.precision, device)
-    chosen = [c for c in cands if c.name in names]
-    if len(chosen) != len(names):
-        fail(f"RULER worker: policies {sorted(set(names) - {c.name for c in chosen})} are not among the evaluated ones")
+    by_name = {c.name: c for c in cands}
+    if missing := [n for n in job["policies"] if n not in by_name]:
+        fail(f"RULER worker: policies {missing} are not among the evaluated ones")
     samples = torch.load(folder / "samples.pt", weights_only=False)
-    res = ruler.evaluate_ruler(samples, tok, teacher, chosen, **ruler_options(p, tok, device))
-    write_json(folder / f"part_{args.ruler_part}.json", res)
+    for name in job["policies"]:
+        res = ruler.evaluate_ruler(samples, tok, teacher, [by_name[name]], **ruler_options(p, tok, device))
+        write_json(job["out"][name], res[name])
+        console.print(f"RULER worker {args.ruler_part}: {name} done", highlight=False)
 
 
 def eval_device(cfg) -> str:

@@ -194,6 +194,23 @@ def test_ruler_in_worker_processes_equals_one_process(micro, tmp_path):
         assert (f"in {workers} processes" in res.stderr) == (workers > 1)  # the progress and what the stage says: stderr
     assert set(got[2]["policies"]) == {"dense", "streaming_llm", "oracle_target", "kvpop_mlp", "kvpop_mlp, one pool"}
     assert got[2] == got[1]
+    # each policy's result was kept (.cache/ruler): a stage run again (stopped part of the way, say) redoes none of them,
+    # and one whose weights changed is redone alone
+    run = tmp_path / "workers2"
+    kept = sorted((run / ".cache/ruler").glob("*.json"))
+    assert len(kept) == 5
+    weights = run / "models/export/kvpop_mlp/scorer.safetensors"
+    weights.write_bytes(weights.read_bytes())  # the same bytes: the same key
+    res = stage(run, "evaluate.py")
+    said = " ".join(res.stderr.split())  # rich wraps lines
+    assert "in 2 processes" not in said and "kvpop_mlp, kvpop_mlp, one pool, oracle_target from .cache/ruler" in said
+    assert json.loads((run / "metrics/eval.json").read_text())["ruler"] == got[1]
+    from safetensors.torch import load_file, save_file
+
+    scorer = load_file(weights)
+    save_file({k: v + 0.5 if v.is_floating_point() else v for k, v in scorer.items()}, weights)
+    res = stage(run, "evaluate.py")
+    assert "RULER: 2 policies in 2 processes: kvpop_mlp; kvpop_mlp, one pool" in " ".join(res.stderr.split())
     assert got[1]["policies"]["dense"]["answers"]["niah_single_1"] and got[1]["policies"]["oracle_target"]["accuracy"] == {}
 
 
