@@ -205,6 +205,10 @@ def ruler_in_workers(samples: dict, names: list[str], workers: int, keys: dict[s
     does not depend on the others (one GPU holds several such processes; the GPU, mostly idle under one at batch 1,
     serves them side by side). A worker that fails stops the others and the stage, naming its policies and the end of
     its log; the results written before stay."""
+    try:
+        RULER_CACHE.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        fail(f"evaluate.benchmarks.ruler.workers: cannot keep the results in {RULER_CACHE}: {err}")
     kept = [n for n in names if keys[n].is_file()]
     todo = [n for n in names if n not in kept]
     if kept:

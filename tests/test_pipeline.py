@@ -168,7 +168,7 @@ def test_filter_mixes_other_text_into_training_only(tiny_qwen3_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_ruler_in_worker_processes_equals_one_process(micro, tmp_path):
+def test_ruler_in_worker_processes_equals_one_process(micro, tmp_path, monkeypatch, capsys):
     """evaluate.benchmarks.ruler.workers: the evaluate stage on the micro run's exports with RULER, once in its own
     process and once shared out between two worker processes: the same RULER results for every policy (a generated
     one and a ceiling in each worker, the one-pool twin apart from the export it ranks)."""
@@ -211,6 +211,21 @@ def test_ruler_in_worker_processes_equals_one_process(micro, tmp_path):
     save_file({k: v + 0.5 if v.is_floating_point() else v for k, v in scorer.items()}, weights)
     res = stage(run, "evaluate.py")
     assert "RULER: 2 policies in 2 processes: kvpop_mlp; kvpop_mlp, one pool" in " ".join(res.stderr.split())
+
+    # a worker that fails stops the stage, naming its policies and what it said; results kept before stay
+    monkeypatch.chdir(run)
+    monkeypatch.syspath_prepend(str(ROOT / "pipeline"))
+    import evaluate as stage_module
+
+    from kvpop import ruler
+
+    samples = ruler.generate_samples(run / "models/base", tasks=["niah_single_1"], seq_len=p["train"]["seq_len"], samples=1)
+    keys = {"dense": run / ".cache/ruler/dense-test.json", "no_such_policy": run / ".cache/ruler/none.json"}
+    with pytest.raises(SystemExit):
+        stage_module.ruler_in_workers(samples, list(keys), 2, keys, base="models/base", exports=Path("models/export"), say=print)
+    said = " ".join(capsys.readouterr().err.split())
+    assert "the worker for no_such_policy failed (exit 1)" in said and "['no_such_policy'] are not among the evaluated ones" in said
+    assert len(list((run / ".cache/ruler").glob("*.json"))) >= 5  # the kept results
     assert got[1]["policies"]["dense"]["answers"]["niah_single_1"] and got[1]["policies"]["oracle_target"]["accuracy"] == {}
 
 

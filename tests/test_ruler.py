@@ -281,6 +281,7 @@ def test_params_key_is_validated():
         ({"tasks": ["vt", "vt"]}, r"evaluate\.benchmarks\.ruler\.tasks: a task is listed twice"),
         ({"samples": -1}, r"evaluate\.benchmarks\.ruler\.samples"),
         ({"batch": 0}, r"evaluate\.benchmarks\.ruler\.batch: Input should be greater than or equal to 1"),
+        ({"workers": 0}, r"evaluate\.benchmarks\.ruler\.workers: Input should be greater than or equal to 1"),
         ({"sample": 2}, r"evaluate\.benchmarks\.ruler\.sample: unknown key"),
         ({"samples": 1, "tasks": ["qa_1"]}, r"train\.seq_len \(evaluate\.benchmarks\.ruler\.seq_len: null\) is 1024: too short .*'qa_1'"),
         ({"samples": 1, "tasks": ["vt"], "seq_len": 1000}, r"evaluate\.benchmarks\.ruler\.seq_len is 1000: too short"),
