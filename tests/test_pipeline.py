@@ -216,7 +216,6 @@ def test_ruler_in_worker_processes_equals_one_process(micro, tmp_path, monkeypat
     monkeypatch.chdir(run)
     monkeypatch.syspath_prepend(str(ROOT / "pipeline"))
     import evaluate as stage_module
-
     from kvpop import ruler
 
     samples = ruler.generate_samples(run / "models/base", tasks=["niah_single_1"], seq_len=p["train"]["seq_len"], samples=1)
