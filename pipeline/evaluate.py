@@ -118,8 +118,9 @@ def other_text(p, tok, teacher, cands, say, device: str) -> dict:
 
 def ruler_benchmark(p, base: str, exports: Path, tok, teacher, cands, say, device: str) -> dict:
     """``evaluate.benchmarks.ruler``: RULER's samples (:func:`kvpop.ruler.generate_samples`, from the base
-    model's tokenizer) on every candidate (:func:`kvpop.ruler.evaluate_ruler`; with ``workers`` > 1 split
-    between that many processes, :func:`ruler_in_workers`), with how they were made."""
+    model's tokenizer) on every candidate (:func:`kvpop.ruler.evaluate_ruler`, one policy at a time; with ``workers``
+    > 1 split between that many processes, :func:`ruler_in_workers`), with how they were made. Each policy's result
+    is kept in :data:`RULER_CACHE` as soon as it is done and taken from there when its key matches."""
     from kvpop import ruler
 
     rc, seq_len = p.evaluate.benchmarks.ruler, p.ruler_seq_len
@@ -131,13 +132,27 @@ def ruler_benchmark(p, base: str, exports: Path, tok, teacher, cands, say, devic
         samples = ruler.generate_samples(base, tasks=rc.tasks, seq_len=seq_len, samples=rc.samples, seed=rc.seed, tokenizer=tok)
     except (ruler.RulerUnavailable, ValueError) as err:
         fail(f"evaluate.benchmarks.ruler: {err}")
-    if rc.workers > 1:
-        names = [c.name for c in cands if not c.policy.oracle] + [c.name for c in cands if c.policy.oracle]
-        res = ruler_in_workers(samples, names, rc.workers, ruler_keys(p, names, base, exports, device, samples), base=base, exports=exports, say=say)
-    else:
-        with Progress("RULER", len(rc.tasks) + sum(not c.policy.oracle for c in cands)) as bar:
-            res = ruler.evaluate_ruler(samples, tok, teacher, cands, **ruler_options(p, tok, device),
-                                       progress=lambda stage, i, n: bar.update(i if stage == "teacher-forced" else len(rc.tasks) + i, step=stage))
+    names = [c.name for c in cands if not c.policy.oracle] + [c.name for c in cands if c.policy.oracle]  # the costly first
+    keys = ruler_keys(p, names, base, exports, device, samples)
+    try:
+        RULER_CACHE.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        fail(f"evaluate.benchmarks.ruler: cannot keep the results in {RULER_CACHE}: {err}")
+    kept = [n for n in names if keys[n].is_file()]
+    if kept:
+        say(f"RULER: {', '.join(kept)} from {RULER_CACHE} (the same samples, options, code and weights)")
+    todo = [n for n in names if n not in kept]
+    if rc.workers > 1 and len(todo) > 1:
+        ruler_in_workers(samples, todo, rc.workers, keys, base=base, exports=exports, say=say)
+    elif todo:
+        by_name = {c.name: c for c in cands}
+        with Progress("RULER: policies", len(todo)) as bar:
+            for j, name in enumerate(todo):
+                r = ruler.evaluate_ruler(samples, tok, teacher, [by_name[name]], **ruler_options(p, tok, device),
+                                         progress=lambda stage, i, n, j=j, name=name: bar.update(j, policy=f"{name}, {stage} {i}/{n}"))
+                write_json(keys[name], r[name])
+            bar.update(len(todo))
+    res = {n: json.loads(keys[n].read_text()) for n in names}
     for name, m in res.items():
         say(f"RULER {name}: " + ", ".join(f"{k} {m[k]['mean']:.3f}" for k in ("accuracy", "teacher_forced") if m[k]))
     return {"tasks": rc.tasks, "seq_len": seq_len, "samples": rc.samples, "reference_samples": rc.reference_samples, "seed": rc.seed,
@@ -154,7 +169,7 @@ def ruler_options(p, tok, device: str) -> dict:
                 pad_to=p.ruler_seq_len if device == "cuda" else None, pad_id=pad_id, compile=device == "cuda")
 
 
-#: where the workers keep each policy's RULER result (:func:`ruler_keys`), so that a stage stopped part of the way
+#: where the stage keeps each policy's RULER result (:func:`ruler_keys`), so that a stage stopped part of the way
 #: (a time limit) or run again with some policies changed redoes only the policies whose result is not there
 RULER_CACHE = Path(".cache/ruler")
 
@@ -197,22 +212,13 @@ def ruler_keys(p, names: list[str], base: str, exports: Path, device: str, sampl
     return out
 
 
-def ruler_in_workers(samples: dict, names: list[str], workers: int, keys: dict[str, Path], *, base: str, exports: Path, say) -> dict:
-    """RULER's candidates split between up to ``workers`` processes of this script (``--ruler-worker``), round robin
-    over ``names`` (those that generate first, the oracles last): each loads the teacher and the exports, reads the
-    samples this process made and evaluates its share one policy at a time, each policy's result written to its
-    ``keys`` file as soon as it is done; a policy whose file is there already is not run again. What a policy gets
-    does not depend on the others (one GPU holds several such processes; the GPU, mostly idle under one at batch 1,
-    serves them side by side). A worker that fails stops the others and the stage, naming its policies and the end of
-    its log; the results written before stay."""
-    try:
-        RULER_CACHE.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        fail(f"evaluate.benchmarks.ruler.workers: cannot keep the results in {RULER_CACHE}: {err}")
-    kept = [n for n in names if keys[n].is_file()]
-    todo = [n for n in names if n not in kept]
-    if kept:
-        say(f"RULER: {', '.join(kept)} from {RULER_CACHE} (the same samples, options, code and weights)")
+def ruler_in_workers(samples: dict, todo: list[str], workers: int, keys: dict[str, Path], *, base: str, exports: Path, say) -> None:
+    """RULER's policies ``todo`` split between up to ``workers`` processes of this script (``--ruler-worker``), round
+    robin: each loads the teacher and the exports, reads the samples this process made and evaluates its share one
+    policy at a time, each result written to its ``keys`` file as soon as it is done. What a policy gets does not
+    depend on the others (one GPU holds several such processes; the GPU, mostly idle under one at batch 1, serves
+    them side by side). A worker that fails stops the others and the stage, naming its policies and the end of its
+    log; the results written before stay."""
     workers = min(workers, len(todo))
     groups = [todo[k::workers] for k in range(workers)]
     with tempfile.TemporaryDirectory(prefix="kvpop-ruler-") as tmp:
@@ -224,8 +230,7 @@ def ruler_in_workers(samples: dict, names: list[str], workers: int, keys: dict[s
             log = open(tmp / f"worker_{k}.log", "w")  # noqa: SIM115 - closed when the worker ends
             cmd = [sys.executable, __file__, "--base", base, "--exports", str(exports), "--ruler-worker", str(tmp), "--ruler-part", str(k)]
             procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, group))
-        if procs:
-            say(f"RULER: {len(todo)} policies in {workers} processes: " + "; ".join(", ".join(g) for g in groups))
+        say(f"RULER: {len(todo)} policies in {workers} processes: " + "; ".join(", ".join(g) for g in groups))
         with Progress("RULER: workers", workers) as bar:
             left = list(procs)
             while left:
@@ -244,7 +249,6 @@ def ruler_in_workers(samples: dict, names: list[str], workers: int, keys: dict[s
                         tail = "\n".join((tmp / f"worker_{procs.index(item)}.log").read_text().splitlines()[-20:])
                         fail(f"evaluate.benchmarks.ruler: the worker for {', '.join(group)} failed (exit {proc.returncode}):\n{tail}")
                 time.sleep(0.5)
-    return {n: json.loads(keys[n].read_text()) for n in names}
 
 
 def ruler_worker(args) -> None:
