@@ -8,7 +8,8 @@ written with its provenance (:func:`kvpop.provenance.write_result`), and prints 
     KVPOP_TRACKING=off python pipeline/run_stages.py --parallel train --skip-done
     python bench/bench_ruler.py --eval 4k=metrics/eval.json --out results/bench_ruler/h200.json
 
-``--eval NAME=PATH`` repeats (one configuration each; the name labels it). A file without a RULER
+``--eval NAME=PATH`` repeats (one configuration each; the name labels it); ``--provenance FILE`` gives the
+provenance of runs made on another machine (the GPU's), else this process's is written. A file without a RULER
 section exits with status 2 and says which.
 """
 
@@ -28,8 +29,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval", action="append", default=[], metavar="NAME=PATH",
                     help="an evaluate stage's metrics with a RULER section (repeatable; default run=metrics/eval.json)")
     ap.add_argument("--note", help="how the evaluate runs were made, kept in the result (e.g. the params overrides)")
+    ap.add_argument("--provenance", help="a JSON file: the provenance of the runs that made the metrics, where they ran on another machine "
+                    "(command, git_commit, device, versions, date); default: this process's")
     ap.add_argument("--out", default="results/bench_ruler/cpu.json", help="the result file (results/bench_ruler/<device>[_<variant>].json)")
     args = ap.parse_args(argv)
+    prov = None
+    if args.provenance:
+        try:
+            prov = json.loads(Path(args.provenance).read_text())
+        except (OSError, ValueError) as err:
+            print(f"error: --provenance {args.provenance}: {err}", file=sys.stderr)
+            return 2
     configs = []
     for item in args.eval or ["run=metrics/eval.json"]:
         name, eq, path = item.partition("=")
@@ -46,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     runs = ", ".join("{config} ({seq_len} tokens, budget {budget}, {samples} samples per task)".format(**c) for c in configs)
     what = f"RULER accuracy per task of every policy's greedy answers (RULER's metric) and teacher-forced answer accuracy: {runs}"
-    write_result(args.out, {"what": what, **({"note": args.note} if args.note else {}), "configurations": configs})
+    write_result(args.out, {"what": what, **({"note": args.note} if args.note else {}), "configurations": configs}, provenance=prov)
     for c in configs:
         print(f"\n{c['config']}: {c['seq_len']} tokens, budget {c['budget']}, {c['samples']} samples per task, RULER's metric (%)\n")
         print(table(c))

@@ -10,6 +10,7 @@ in 500 tokens, would loop forever with it (:func:`kvpop.ruler.vt_example_tokens`
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -304,3 +305,32 @@ def test_a_missing_extra_is_named(monkeypatch):
 def test_a_context_too_short_is_refused_before_any_work(tiny_llama_dir):
     with pytest.raises(ValueError, match=r"too short for RULER's generators of \['qa_2'\]"):
         ruler.generate_samples(tiny_llama_dir, tasks=["vt", "qa_2"], seq_len=2000, samples=1)
+
+
+def test_bench_ruler_gathers_runs_with_their_provenance(tmp_path, capsys):
+    """bench/bench_ruler.py: an evaluate run's RULER section as a configuration, the provenance of the machine that ran
+    it (``--provenance``), a Markdown table per run; a file without RULER, or a bad provenance file, is exit 2 naming it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_ruler", Path(__file__).resolve().parents[1] / "bench/bench_ruler.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    acc = {"accuracy": {"vt": 0.5, "mean": 0.5}, "teacher_forced": {"vt": 0.75, "mean": 0.75}}
+    section = {"tasks": ["vt"], "seq_len": 4096, "budget": 512, "samples": 25, "seed": 42, "fingerprint": "f",
+               "policies": {"dense": acc, "oracle_target": {"accuracy": {}, "teacher_forced": {"vt": 1.0, "mean": 1.0}}}}
+    (tmp_path / "eval.json").write_text(json.dumps({"policies": {}, "ruler": section}))
+    prov = {"command": "run_stages", "git_commit": "abc", "device": "NVIDIA H200", "versions": {}, "date": "2026-12-05"}
+    (tmp_path / "prov.json").write_text(json.dumps(prov))
+    out = tmp_path / "h200.json"
+    assert bench.main(["--eval", f"4k={tmp_path / 'eval.json'}", "--provenance", str(tmp_path / "prov.json"), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["provenance"] == prov
+    (c,) = doc["configurations"]
+    assert (c["config"], c["tasks"], c["mean"], c["teacher_forced_mean"]) == ("4k", {"vt": {"dense": 0.5}}, {"dense": 0.5},
+                                                                             {"dense": 0.75, "oracle_target": 1.0})
+    assert "| dense | 50.0 | 50.0 |" in capsys.readouterr().out
+    (tmp_path / "none.json").write_text(json.dumps({"policies": {}}))
+    assert bench.main(["--eval", f"x={tmp_path / 'none.json'}", "--out", str(out)]) == 2
+    assert "no 'ruler' section" in capsys.readouterr().err
+    assert bench.main(["--eval", f"4k={tmp_path / 'eval.json'}", "--provenance", str(tmp_path / "missing.json"), "--out", str(out)]) == 2
+    assert "--provenance" in capsys.readouterr().err and json.loads(out.read_text())["provenance"] == prov  # nothing overwritten
