@@ -335,3 +335,30 @@ def test_run_names_carry_the_budget_and_the_experiment(monkeypatch):
     monkeypatch.delenv("DVC_EXP_NAME")
     assert tracking.run_title("pack", {"train.seq_len": 1024}) == "pack · workspace"  # a stage the budget does not reach
     assert tracking.run_tags("pack", {}) == {"stage": "pack", "dvc_exp": "workspace"}
+
+
+def test_ruler_cache_keys_follow_what_a_result_depends_on(tmp_path, monkeypatch):
+    """The evaluate stage's RULER result files (.cache/ruler): one key per policy, the same for the same samples,
+    options, code and weights (``workers`` and a folder reached through a link do not count); changed answer-side
+    options change every key, a retrained export its policy's key and its one-pool twin's, nothing else."""
+    monkeypatch.syspath_prepend(str(ROOT / "pipeline"))
+    import evaluate as stage_module
+    from kvpop.config import parse_params
+
+    for d in ("base", "export/kvpop_mlp", "export/kvpop"):
+        (tmp_path / d).mkdir(parents=True)
+        (tmp_path / d / "model.safetensors").write_bytes(d.encode() * 100)
+    (tmp_path / "link").symlink_to(tmp_path / "base")
+    names = ["dense", "kvpop_mlp", "kvpop_mlp, one pool", "kvpop"]
+
+    def keys(ruler: dict | None = None, base: str = "base") -> dict:
+        p = parse_params({"train": {"policies": ["kvpop_mlp", "kvpop"]}, "evaluate": {"benchmarks": {"ruler": ruler or {}}}})
+        return stage_module.ruler_keys(p, names, str(tmp_path / base), tmp_path / "export", "cpu", {})
+
+    first = keys()
+    assert len(set(first.values())) == len(names) and all(k.parent == stage_module.RULER_CACHE for k in first.values())
+    assert keys() == first == keys({"workers": 4}) == keys(base="link")
+    assert not set(keys({"batch": 2}).values()) & set(first.values())
+    (tmp_path / "export/kvpop_mlp/model.safetensors").write_bytes(b"retrained")
+    after = keys()
+    assert [n for n in names if after[n] != first[n]] == ["kvpop_mlp", "kvpop_mlp, one pool"]
