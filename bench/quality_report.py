@@ -8,6 +8,11 @@ configuration of the same name), with the quality issue's bars for the best poli
     python pipeline/profiles.py 4k --write params.yaml && KVPOP_TRACKING=off python pipeline/run_stages.py --parallel train --skip-done
     python bench/quality_report.py --config 4k --eval metrics/eval.json --train metrics/train --out results/quality/h200_pipeline.json
 
+``--merge``: the run trained only some policies (one too slow to train beside the others, say) and adds them to the
+configuration of the same name already in the file, made by an earlier run of the same settings: the rows both runs
+hold without training them (dense, streaming_llm, the ceilings) must agree, as must the settings and the held-out
+tokens, or nothing is written; each run's provenance is kept in the configuration's ``"runs"``.
+
 The bars (the quality issue): quote accuracy >= 0.95 x dense at 4k (0.90 x at 8k), KL no worse than ``dbtrimkv``'s,
 code and prose KL no worse than ``streaming_llm``'s (the aim: ``dbtrimkv``'s).
 """
@@ -21,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from kvpop.provenance import write_result
+from kvpop.provenance import envelope, write_result
 
 QUOTE_BAR = {"4k": 0.95, "8k": 0.90}
 
@@ -49,6 +54,40 @@ def bars(policies: dict, other: dict, quote_bar: float) -> dict:
     return {**out, "met": met}
 
 
+#: how far a row both runs hold without training it (dense, streaming_llm, the ceilings) may differ between them
+SAME_ROW_TOL = 1e-4
+
+
+def merged(earlier: dict, new: dict, *, trained: set[str], run: dict) -> dict:
+    """``earlier`` (a configuration of the file) with ``new``'s trained policies added (rows, other text, training
+    figures, ``per_policy``) and the bars taken again over all; ValueError where the two runs are not the same
+    comparison: other settings, other held-out tokens, or an untrained row that moved by more than :data:`SAME_ROW_TOL`."""
+    for key in ("seq_len", "budget", "sinks", "window", "steps"):
+        if earlier.get(key) != new.get(key):
+            raise ValueError(f"{key} is {new.get(key)} in this run, {earlier.get(key)} in the file's")
+    if earlier.get("eval", {}).get("eval_tokens") != new.get("eval", {}).get("eval_tokens"):
+        raise ValueError(f"other held-out data: {new.get('eval', {}).get('eval_tokens')} scored tokens, the file's "
+                         f"{earlier.get('eval', {}).get('eval_tokens')}")
+    if not trained & set(new["policies"]):
+        raise ValueError("this run evaluated none of its trained policies")
+    for name in set(earlier["policies"]) & set(new["policies"]) - trained:
+        for key in ("quote_accuracy", "kl", "top1_agreement"):
+            a, b = earlier["policies"][name].get(key), new["policies"][name].get(key)
+            if a is not None and b is not None and abs(a - b) > SAME_ROW_TOL:
+                raise ValueError(f"not the same rows: {name}'s {key} is {b} here, {a} in the file")
+    out = json.loads(json.dumps(earlier))
+    add = {n for n in new["policies"] if n in trained or any(n.startswith(t + ",") for t in trained)}  # the one-pool twins too
+    out["policies"] = dict(sorted({**out["policies"], **{n: new["policies"][n] for n in add}}.items()))
+    for kind, rows in new.get("other_text", {}).items():
+        out.setdefault("other_text", {}).setdefault(kind, {}).update({n: m for n, m in rows.items() if n in add})
+    out["train"] = {**out.get("train", {}), **new.get("train", {})}
+    out["per_policy"] = {**(out.get("per_policy") or {}), **{n: v for n, v in (new.get("per_policy") or {}).items() if n in trained}}
+    out["runs"] = [*out.get("runs", []), run]
+    out["bars"] = bars(out["policies"], out.get("other_text", {}), out["bars"]["quote_bar"] if out.get("bars") else QUOTE_BAR.get(
+        out["config"].split("+")[0], 0.95))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="the configuration's name (a profile: 4k, 8k, ...)")
@@ -59,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--provenance", help="a JSON file: the provenance of the run that made the metrics, where it ran on another machine "
                     "(command, git_commit, device, versions, date); default: this process's")
     ap.add_argument("--out", required=True, help="the result file; a configuration of the same name in it is replaced")
+    ap.add_argument("--merge", action="store_true", help="add this run's trained policies to the configuration of the same name instead "
+                    "(its untrained rows, settings and held-out tokens must match)")
     args = ap.parse_args(argv)
     try:
         ev = json.loads(Path(args.eval).read_text())
@@ -86,7 +127,24 @@ def main(argv: list[str] | None = None) -> int:
               "train": train, "eval": {k: ev[k] for k in ("budget", "eval_tokens", "eval_traces", "mean_trace_tokens") if k in ev},
               "bars": bars(policies, other, QUOTE_BAR.get(args.config.split("+")[0], 0.95))}
     out = Path(args.out)
-    old = json.loads(out.read_text()).get("configurations", []) if out.is_file() else []
+    doc = json.loads(out.read_text()) if out.is_file() else {}
+    old = doc.get("configurations", [])
+    for c in old:  # a configuration written before "runs" existed: the file's provenance is its run's
+        c.setdefault("runs", [{"policies": sorted(c.get("policies", {})), "provenance": doc.get("provenance")}])
+    ran = sorted(n for n in policies if n in tr.get("policies", [])) if args.merge else sorted(policies)  # this run's rows
+    run = {"policies": ran, "provenance": prov or envelope(), **({"note": args.note} if args.note else {})}
+    if args.merge:
+        earlier = next((c for c in old if c.get("config") == args.config), None)
+        if earlier is None:
+            print(f"error: --merge: {out} holds no configuration {args.config!r} to add to", file=sys.stderr)
+            return 2
+        try:
+            config = merged(earlier, config, trained=set(tr.get("policies", [])), run=run)
+        except ValueError as err:
+            print(f"error: --merge into {args.config!r}: {err}; nothing written", file=sys.stderr)
+            return 2
+    else:
+        config["runs"] = [run]
     configs = [c for c in old if c.get("config") != args.config] + [config]
     what = ("the quality configurations of profiles/ run by the pipeline's own stages: every policy trained on the same rows, quote "
             "accuracy, KL, top-1 agreement, and KL on held-out code and prose: " + ", ".join(c["config"] for c in configs))

@@ -64,3 +64,33 @@ def test_metrics_without_policies_are_refused(tmp_path):
                            "--out", str(tmp_path / "q.json")], cwd=ROOT, env={"PYTHONPATH": str(ROOT / "src"), "PATH": os.environ["PATH"]},
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "holds no 'policies'" in proc.stderr and not (tmp_path / "q.json").exists()
+
+
+def test_a_run_of_some_policies_merges_into_its_configuration(tmp_path):
+    """--merge: a later run that trained only kvpop_pool adds its rows to the file's 4k configuration (the untrained rows,
+    settings and held-out tokens agree), keeps both runs' provenance and takes the bars again; a run whose untrained rows
+    differ, or a configuration not in the file, is refused with nothing written."""
+    out = tmp_path / "q.json"
+
+    def run(tag: str, policies: dict, trained: list[str], *extra: str) -> subprocess.CompletedProcess:
+        ev = tmp_path / f"eval_{tag}.json"
+        ev.write_text(json.dumps({"policies": policies, "other_text": OTHER, "budget": 512, "eval_tokens": 1000}))
+        params = tmp_path / f"params_{tag}.yaml"
+        params.write_text(yaml.safe_dump({"budget": 512, "sinks": 4, "window": 256, "train": {"policies": trained, "seq_len": 4096, "steps": 300}}))
+        args = [sys.executable, "bench/quality_report.py", "--config", "4k", "--eval", str(ev), "--train", str(tmp_path), "--params", str(params),
+                "--out", str(out), *extra]
+        return subprocess.run(args, cwd=ROOT, env={"PYTHONPATH": str(ROOT / "src"), "PATH": os.environ["PATH"]}, capture_output=True, text=True)
+
+    assert run("alone", POLICIES, [], "--merge").returncode == 2 and not out.exists()  # nothing to merge into
+    assert run("first", POLICIES, ["dbtrimkv", "kvpop_mlp_pool", "kvpop_mlp"]).returncode == 0
+    later = {n: POLICIES[n] for n in ("dense", "streaming_llm")} | {"kvpop_pool": row(0.68, 0.005)}
+    proc = run("later", later, ["kvpop_pool"], "--merge")
+    assert proc.returncode == 0, proc.stderr
+    (c,) = json.loads(out.read_text())["configurations"]
+    assert set(c["policies"]) == set(POLICIES) | {"kvpop_pool"} and c["policies"]["kvpop_pool"]["quote_accuracy"] == 0.68
+    assert [r["policies"] for r in c["runs"]] == [sorted(POLICIES), ["kvpop_pool"]] and all(r["provenance"]["git_commit"] for r in c["runs"])
+    assert c["bars"]["policy"] == "kvpop_pool" and c["bars"]["met"]["quotes"] is True  # 0.68 / 0.69 >= 0.95
+    before = out.read_text()
+    moved = dict(later, dense=row(0.70, 0.0))
+    proc = run("moved", moved, ["kvpop_pool"], "--merge")
+    assert proc.returncode == 2 and "not the same rows: dense's quote_accuracy" in proc.stderr and out.read_text() == before
