@@ -231,16 +231,18 @@ def ruler_in_workers(samples: dict, todo: list[str], workers: int, keys: dict[st
             cmd = [sys.executable, __file__, "--base", base, "--exports", str(exports), "--ruler-worker", str(tmp), "--ruler-part", str(k)]
             procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, group))
         say(f"RULER: {len(todo)} policies in {workers} processes: " + "; ".join(", ".join(g) for g in groups))
-        with Progress("RULER: workers", workers) as bar:
-            left = list(procs)
+        with Progress("RULER: policies", len(todo)) as bar:  # done: its result file is there
+            left, shown = list(procs), 0
             while left:
+                if (done := sum(keys[n].is_file() for n in todo)) != shown:
+                    shown = done
+                    bar.update(done, workers=len(left))
                 for item in list(left):
                     proc, log, group = item
                     if proc.poll() is None:
                         continue
                     log.close()
                     left.remove(item)
-                    bar.update(workers - len(left))
                     if proc.returncode != 0:
                         for other, olog, _ in left:
                             other.kill()
@@ -249,6 +251,7 @@ def ruler_in_workers(samples: dict, todo: list[str], workers: int, keys: dict[st
                         tail = "\n".join((tmp / f"worker_{procs.index(item)}.log").read_text().splitlines()[-20:])
                         fail(f"evaluate.benchmarks.ruler: the worker for {', '.join(group)} failed (exit {proc.returncode}):\n{tail}")
                 time.sleep(0.5)
+            bar.update(len(todo), workers=0)
 
 
 def ruler_worker(args) -> None:
