@@ -20,12 +20,14 @@ code and prose KL no worse than ``streaming_llm``'s (the aim: ``dbtrimkv``'s).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
 
 import yaml
 
+from kvpop.evaluate import twin_of
 from kvpop.provenance import envelope, write_result
 
 QUOTE_BAR = {"4k": 0.95, "8k": 0.90}
@@ -75,8 +77,8 @@ def merged(earlier: dict, new: dict, *, trained: set[str], run: dict) -> dict:
             a, b = earlier["policies"][name].get(key), new["policies"][name].get(key)
             if a is not None and b is not None and abs(a - b) > SAME_ROW_TOL:
                 raise ValueError(f"not the same rows: {name}'s {key} is {b} here, {a} in the file")
-    out = json.loads(json.dumps(earlier))
-    add = {n for n in new["policies"] if n in trained or any(n.startswith(t + ",") for t in trained)}  # the one-pool twins too
+    out = copy.deepcopy(earlier)
+    add = {n for n in new["policies"] if twin_of(n) in trained}  # the one-pool twins too
     out["policies"] = dict(sorted({**out["policies"], **{n: new["policies"][n] for n in add}}.items()))
     for kind, rows in new.get("other_text", {}).items():
         out.setdefault("other_text", {}).setdefault(kind, {}).update({n: m for n, m in rows.items() if n in add})

@@ -28,7 +28,17 @@ import torch
 
 from kvpop import tracking
 from kvpop.data.other_text import held_out_records, token_ids
-from kvpop.evaluate import OTHER_TEXT_SKIPS_ORACLES, Candidate, evaluate_fidelity, evaluate_other_text, keep_map, one_pool_twin, pad_records, score_positions
+from kvpop.evaluate import (
+    OTHER_TEXT_SKIPS_ORACLES,
+    Candidate,
+    evaluate_fidelity,
+    evaluate_other_text,
+    keep_map,
+    one_pool_twin,
+    pad_records,
+    score_positions,
+    twin_of,
+)
 from kvpop.export import CheckpointError, load_export
 from kvpop.filter import read_jsonl
 from kvpop.geometry import CacheLayout
@@ -44,8 +54,9 @@ from report import print_table
 from common import Progress, console, fail, params, write_json
 
 
-def candidates(p, base: str, exports: Path, precision: str, device: str):
-    """(teacher, tokenizer, [Candidate]) for every evaluated policy, on ``device``."""
+def candidates(p, base: str, exports: Path, precision: str, device: str, only: set[str] | None = None):
+    """(teacher, tokenizer, [Candidate]) for every evaluated policy, on ``device`` (``only``: those named, and no
+    other export loaded)."""
     from transformers import AutoTokenizer
 
     teacher = load_model(base, precision).to(device).eval()
@@ -60,6 +71,8 @@ def candidates(p, base: str, exports: Path, precision: str, device: str):
             pol.configure(target=p.train.target)
         out.append(Candidate(name, teacher, pol, max_traces=p.evaluate.decode_traces if decode_only else None))
     for name in p.train.policies:
+        if only is not None and name not in {twin_of(n) for n in only}:
+            continue
         try:
             model, _, pol, meta = load_export(exports / name, precision)
         except (CheckpointError, FileNotFoundError, RuntimeError) as err:
@@ -72,7 +85,7 @@ def candidates(p, base: str, exports: Path, precision: str, device: str):
         out.append(Candidate(name, model.to(device).eval(), pol.to(device)))
         if p.evaluate.one_pool and (twin := one_pool_twin(out[-1])):  # its own priorities, one pool for the whole model
             out.append(twin)
-    return teacher, tok, out
+    return teacher, tok, out if only is None else [c for c in out if c.name in only]
 
 
 def plot_keep_maps(cands, record: dict, path: Path, *, layout: CacheLayout) -> None:
@@ -194,20 +207,21 @@ def ruler_keys(p, names: list[str], base: str, exports: Path, device: str, sampl
     common = hashlib.sha256()
     opts = {"ruler": p.evaluate.benchmarks.ruler.model_dump(exclude={"workers"}), "seq_len": p.ruler_seq_len, "layout": [p.budget, p.sinks, p.window],
             "precision": p.evaluate.precision, "matmul_precision": p.evaluate.matmul_precision, "decode_traces": p.evaluate.decode_traces,
-            "target": p.train.target.model_dump() if hasattr(p.train.target, "model_dump") else str(p.train.target),
+            "target": p.train.target.model_dump(),
             "device": device, "torch": torch.__version__, "samples": ruler.fingerprint(samples)}
     common.update(json.dumps(opts, sort_keys=True, default=str).encode())
     src = Path(kvpop.__file__).parent
     for f in sorted(src.rglob("*.py")):
         common.update(f.relative_to(src).as_posix().encode() + f.read_bytes())
     files(Path(base), common)
+    weights = {}  # a trained policy's export, hashed once (its one-pool twin shares it)
+    for t in {twin_of(n) for n in names} & set(p.train.policies):
+        weights[t] = hashlib.sha256()
+        files(exports / t, weights[t])
     out = {}
     for name in names:
         h = common.copy()
-        h.update(name.encode())
-        trained = next((t for t in p.train.policies if name == t or name.startswith(t + ",")), None)
-        if trained is not None:
-            files(exports / trained, h)
+        h.update(name.encode() + (weights[twin_of(name)].digest() if twin_of(name) in weights else b""))
         out[name] = RULER_CACHE / f"{h.hexdigest()[:32]}.json"
     return out
 
@@ -264,7 +278,7 @@ def ruler_worker(args) -> None:
     job = json.loads((folder / f"job_{args.ruler_part}.json").read_text())
     device = eval_device(p.evaluate)
     torch.manual_seed(p.seed)
-    teacher, tok, cands = candidates(p, args.base, Path(args.exports), p.evaluate.precision, device)
+    teacher, tok, cands = candidates(p, args.base, Path(args.exports), p.evaluate.precision, device, only=set(job["policies"]))
     by_name = {c.name: c for c in cands}
     if missing := [n for n in job["policies"] if n not in by_name]:
         fail(f"RULER worker: policies {missing} are not among the evaluated ones")

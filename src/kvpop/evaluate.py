@@ -39,6 +39,7 @@ from kvpop.attention import SparseContext
 from kvpop.geometry import CacheLayout
 from kvpop.modeling import model_shape
 from kvpop.policies import Dense, OnePool, Policy
+from kvpop.policies.one_pool import ONE_POOL_SUFFIX
 from kvpop.pool import pool_chunked
 from kvpop.selection import NEVER, global_decaying_eviction_times
 from kvpop.target import TargetKind, future_attention_target
@@ -65,7 +66,13 @@ def one_pool_twin(c: Candidate) -> Candidate | None:
     """``c``'s policy ranked with one pool of slots for the whole model (:class:`kvpop.policies.OnePool`),
     on the same model, named ``"<name>, one pool"``; None if its priorities cannot be ranked so
     (:meth:`~kvpop.policies.OnePool.accepts`: a learned ``kvpop_mlp`` or an oracle, whose twin is a ceiling)."""
-    return Candidate(f"{c.name}, one pool", c.model, OnePool(c.policy), c.max_traces) if OnePool.accepts(c.policy) else None
+    return Candidate(c.name + ONE_POOL_SUFFIX, c.model, OnePool(c.policy), c.max_traces) if OnePool.accepts(c.policy) else None
+
+
+def twin_of(name: str) -> str:
+    """The policy a candidate ranks: ``name`` itself, or the policy of a one-pool twin (``"kvpop_mlp, one pool"``:
+    ``kvpop_mlp``), whose export, training and weights it shares."""
+    return name.removesuffix(ONE_POOL_SUFFIX)
 
 
 @dataclass

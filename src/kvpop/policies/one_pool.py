@@ -37,6 +37,9 @@ from torch import Tensor
 from kvpop.geometry import CacheLayout
 from kvpop.policies.base import Policy, Scores
 
+#: what a policy ranked with one pool adds to its name (``"kvpop_mlp, one pool"``)
+ONE_POOL_SUFFIX = ", one pool"
+
 
 class OnePool(Policy):
     """``policy``'s static priorities under one pool of slots for the whole model (module docstring).
@@ -55,7 +58,7 @@ class OnePool(Policy):
                 f"{self.refusal(policy)}"
             )
         self.policy = policy
-        self.name = f"{policy.name}, one pool"  # shadows the class's name: the label of tables and errors
+        self.name = policy.name + ONE_POOL_SUFFIX  # shadows the class's name: the label of tables and errors
         self.oracle, self.trained = policy.oracle, policy.trained  # shadow the class's False
 
     @staticmethod
