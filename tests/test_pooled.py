@@ -227,26 +227,28 @@ def check_lists(st: PoolStore) -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("page", [4, 16])
-def test_closed_form_competitions_equal_the_replay(model, name, page, tie_policy):
+@pytest.mark.parametrize("page,long_range,n", [(4, K, 110), (16, K, 110), (4, 60, 300)])
+def test_closed_form_competitions_equal_the_replay(model, name, page, long_range, n, tie_policy):
     """A prefill chunk's competitions without the per-query store updates: :meth:`PoolStore.compete_static` (a
     static rule, one pass) or :meth:`PoolStore.compete_decaying` (dbtrimkv, a candidate list) against the
     query-by-query replay (:meth:`PoolStore.update`) from the same store, chunk after chunk of a prompt longer
     than the budget (two rows; the first chunks' pool not yet full; chunks of 1 to ``window`` queries, so that
-    the decaying list leaves pool entries out): the same eviction time for every entry present at the chunk's
-    start, the same pool entries after it (each with the same chunk-start slot: the same keys), and lists the
-    later steps can update."""
+    both lists leave pool entries out; a pool of 60 a head, so that the decaying list leaves out leavers too):
+    the same eviction time for every entry present at the chunk's start, the same pool entries after it (each
+    with the same chunk-start slot: the same keys), and lists the later steps can update."""
     import copy
+    import itertools
 
     policy = make(name, tie_policy)
-    x = ids(n=110, seed=8)
-    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, page=page)
+    x = ids(n=n, seed=8)
+    eng = DecodeEngine(model, policy, layout=CacheLayout(SINKS + WINDOW + long_range, SINKS, WINDOW), batch_size=2, page=page)
     st = eng.store
+    st.decay_block = 5  # the decaying chunk: several candidate lists in a chunk
     eng.prefill(x[:, : SINKS + WINDOW])  # nothing has left the windows yet
-    evicted, pruned = 0, False
+    evicted, pruned, blocks = 0, False, False
     c0 = SINKS + WINDOW
-    for size in [1, 2, 5, WINDOW, 3, WINDOW, 1, 2, WINDOW, 4, 7, WINDOW, WINDOW]:
-        c1 = min(c0 + size, 110)
+    for size in itertools.cycle([1, 2, 5, WINDOW, 3, WINDOW, 1, 2, WINDOW, 4, 7, WINDOW, WINDOW]):
+        c1 = min(c0 + size, n)
         if c0 >= c1:
             break
         prio = eng._leaver_prio(torch.arange(c0 - WINDOW, c1 - WINDOW))  # (B, F, n)
@@ -257,7 +259,8 @@ def test_closed_form_competitions_equal_the_replay(model, name, page, tie_policy
             twin.update(torch.tensor(q), prio[:, :, q - c0], move_kv=False, track=(orig, e))
         before = copy.deepcopy(st)
         got_orig, got_e = (st.compete_decaying if st.decays else st.compete_static)(c0, prio)
-        pruned |= st.decays and st.chunk_listed[0] < int((before.tag[:, st.PS0 :] >= 0).sum(1).min())
+        pruned |= st.decays or st.chunk_listed[0] < int((before.tag[:, st.PS0 :] >= 0).sum(1).min())  # the list left pool entries out
+        blocks |= st.decays and len(st.chunk_lists) > 1 and any(m < h for m, h in st.chunk_lists)  # blocks whose lists left some out
         assert torch.equal(got_e[:, : st.dump], e[:, : st.dump]), c0  # the replay writes its no-ops' times to the dump slot
         assert pool_entries(st, got_orig) == pool_entries(twin, orig), c0
         assert torch.equal(st.count.sum(1), twin.count.sum(1))
@@ -268,8 +271,8 @@ def test_closed_form_competitions_equal_the_replay(model, name, page, tie_policy
         eng.prefill(x[:, c0:c1])
         check_lists(st)
         c0 = c1
-    assert evicted > 0 and c0 == 110
-    assert pruned or not st.decays
+    assert evicted > 0 and c0 == n
+    assert pruned and (blocks or not st.decays)
 
 
 @pytest.mark.parametrize("name", ["dbtrimkv", "one_pool_ties", "kvpop_mlp_pool"])

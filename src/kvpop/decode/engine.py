@@ -754,22 +754,23 @@ class DecodeEngine:
         x = self.model.model.embed_tokens(ids)
         cos, sin = self.model.model.rotary_emb(x, pos.expand(B, C))
         new = []
-        entries = self._pool_chunk_entries(snap[0])
+        entries = self._pool_chunk_entries(snap, e, pos)
         qkv, finish = fns.get("qkv", self._chunk_qkv), fns.get("finish", self._finish_layer)
         for i, layer in enumerate(self.layers):
             q, k, v = qkv(layer, self._wqkv[i], x, cos, sin)  # (B, H, C, D), (B, Hk, C, D)
-            out = self._pool_chunk_attend(i, q, k, v, pos, snap, e, entries)
+            out = self._pool_chunk_attend(i, q, k, v, entries)
             new.append((k, v))
             x = finish(layer, self._wgu[i], x, out)
         if orig is not None:  # the pool's entries where the bookkeeping put them
             idx = orig[..., None].expand(-1, -1, self.D)
             st.keys.copy_(st.keys.gather(1, idx))
             st.values.copy_(st.values.gather(1, idx))
-        for i, (k, v) in enumerate(new):
-            slots = st.ring_slots(i, pos)  # (Hk, C)
-            st.keys[:, slots], st.values[:, slots] = k, v
-            st.pos[:, slots] = pos
-            st.tag[:, slots] = (i * self.Hk + torch.arange(self.Hk, device=dev))[:, None]
+        # the chunk enters every layer's rings at once: pair f = layer * Hk + head, its slots (F, C)
+        slots = (st.ring_base[:, None] + st.home_slot(pos)[None, :]).view(-1)  # (F C,)
+        st.keys[:, slots] = torch.stack([k for k, _ in new], 1).view(B, -1, self.D)  # (B, L, Hk, C, D) -> (B, F C, D)
+        st.values[:, slots] = torch.stack([v for _, v in new], 1).view(B, -1, self.D)
+        st.pos[:, slots] = pos.repeat(st.F)
+        st.tag[:, slots] = st.pair.repeat_interleave(C)
         st._sync_block_masks()
         self.seen = c1
         self.p.fill_(c1)
@@ -812,51 +813,68 @@ class DecodeEngine:
         """One competition of a prefill chunk from the static buffers (compiled, CUDA-graphed)."""
         self.store.update(self._cq, self._cprio, move_kv=False, track=(self._corig, self._ce))
 
-    def _pool_chunk_entries(self, tag0: Tensor) -> tuple[Tensor, Tensor, Tensor, list[int]]:
-        """Every pair's entries at a prefill chunk's start, from the store's tags then (tag0 (B, NS); a slot's
-        tag is the only mark of its owner: removals clear it) -> ``(order, start, cnt, width)``: order (B, NS)
-        the store slots sorted by pair (slot order within one, empty slots last), pair ``f``'s entries at
-        ``order[:, start[:, f] : start[:, f] + cnt[:, f]]`` (B, F) each, and per layer the entries its
-        fullest head holds, rounded up to whole pages (few distinct shapes for the attention).
-        One sort and one host synchronization per chunk, for every layer."""
-        st, B = self.store, self.B
-        key = torch.where(tag0 >= 0, tag0, st.F)  # (B, NS); F: empty
-        order = key.argsort(dim=1, stable=True)
-        cnt = torch.zeros(B, st.F + 1, dtype=torch.int64, device=self.device).scatter_add_(1, key, torch.ones_like(key))[:, : st.F]
-        start = cnt.cumsum(1) - cnt
-        width = (-(-cnt.view(B, st.L, st.Hk).amax(dim=(0, 2)) // st.page) * st.page).tolist()  # (L,) the one host sync
-        return order, start, cnt, width
+    def _pool_chunk_entries(self, snap: tuple[Tensor, Tensor], e: Tensor | None, pos: Tensor) -> dict:
+        """What every layer's chunk attends to, for all layers at once: the entries at the chunk's start (``snap``:
+        the store's tags and positions then, (B, NS) each; a slot's tag is the only mark of its owner: removals
+        clear it), their eviction times e (B, NS) (None: nothing leaves in the chunk) and the chunk's positions
+        pos (C,) -> ``{"slots", "lo", "hi", "at", "width", "qpos"}``.
 
-    def _pool_chunk_attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, snap: tuple, e: Tensor | None,
-                           entries: tuple[Tensor, Tensor, Tensor, list[int]]) -> Tensor:
-        """Layer i's chunk q (B, H, C, D), k, v (B, Hk, C, D) at positions pos (C,) over the layer's entries at
-        the chunk's start (``snap``: their positions then, ``entries``: :meth:`_pool_chunk_entries`) under
-        eviction times e (B, NS) (None: nothing leaves in the chunk), and over the chunk itself causally
+        Flat layout over ``T`` places: layer ``l``'s block ``[at[l], at[l + 1])`` holds its ``Hk`` heads, each a
+        row of ``width[l]`` entry places (the layer's fullest head, rounded up to whole pages: few distinct
+        shapes for the attention), then ``C`` places for the chunk's own tokens. ``slots`` (B, T) the store
+        slot of each entry place (garbage elsewhere); place ``x`` is visible to a query at position ``p`` iff
+        ``lo[x] <= p < hi[x]`` ((B, T) int64 each: an entry from its position to its eviction, a sink
+        always, a chunk token from its position on, padding never), so each layer's mask is two comparisons
+        with ``qpos`` (1, 1, C, 1). One sort and one host synchronization per chunk (the widths), for every layer."""
+        st, B, L, Hk, dev = self.store, self.B, len(self.layers), self.Hk, self.device
+        tag0, pos0 = snap
+        C = pos.shape[0]
+        key = torch.where(tag0 >= 0, tag0, st.F)  # (B, NS); F: empty
+        order = key.argsort(dim=1, stable=True)  # (B, NS) the slots by pair (slot order within one), empty slots last
+        cnt = torch.zeros(B, st.F + 1, dtype=torch.int64, device=dev).scatter_add_(1, key, torch.ones_like(key))[:, : st.F]  # (B, F)
+        start = cnt.cumsum(1) - cnt
+        width = (-(-cnt.view(B, L, Hk).amax(dim=(0, 2)) // st.page) * st.page).tolist()  # (L,) the one host sync
+        row = [w + C for w in width]  # places per head of each layer
+        at = [0]
+        for w in row:
+            at.append(at[-1] + Hk * w)
+        T = at[-1]
+        row_t = torch.tensor(row, device=dev)
+        lay = torch.repeat_interleave(torch.arange(L, device=dev), Hk * row_t, output_size=T)  # (T,) each place's layer
+        off = torch.arange(T, device=dev) - torch.tensor(at[:-1], device=dev)[lay]
+        rl = row_t[lay]
+        f, a = lay * Hk + off // rl, off % rl  # (T,) each place's pair and place in its head's row
+        entry = a < rl - C  # (T,) an entry place (else the chunk's token a - width)
+        slots = order.gather(1, (start[:, f] + a).clamp(max=st.NS - 1))  # (B, T)
+        valid = entry & (a < cnt[:, f])  # (B, T)
+        p0 = pos0.gather(1, slots)
+        ev = e.gather(1, slots) if e is not None else torch.full_like(p0, NEVER)
+        chunk_pos = pos[(a - (rl - C)).clamp(min=0)]  # (T,)
+        lo = torch.where(valid, p0, torch.where(entry, NEVER, chunk_pos))  # (B, T)
+        hi = torch.where(valid & (p0 >= self.sinks), ev, NEVER)
+        qpos = pos.view(1, 1, C, 1)
+        return {"slots": slots, "lo": lo, "hi": hi, "at": at, "width": width, "qpos": qpos}
+
+    def _pool_chunk_attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, entries: dict) -> Tensor:
+        """Layer i's chunk q (B, H, C, D), k, v (B, Hk, C, D) over the layer's entries at the chunk's start under
+        their eviction times, and over the chunk itself causally (``entries``: :meth:`_pool_chunk_entries`)
         -> (B, H, C, D).
 
         Each KV head's entries are gathered apart, (B, Hk, n, D) padded to the layer's fullest head (whole
         pages), so that a query head reads only its own KV head's entries (GQA), as in the per-head cache.
         SDPA under the boolean mask, each KV head's G query heads as one head of G x C queries; on CUDA not
         cuDNN's kernel, which plans anew for every new shape (62 ms a call on the H200, 2026-12-04)."""
-        st, B, Hk, G, D, dev = self.store, self.B, self.Hk, self.G, self.D, self.device
-        order, start, cnt, width = entries
-        pos0 = snap[1]
-        n, C = width[i], k.shape[2]
-        f = slice(i * Hk, (i + 1) * Hk)
-        ar = torch.arange(n, device=dev)
-        valid = ar < cnt[:, f, None]  # (B, Hk, n)
-        hs = order.gather(1, (start[:, f, None] + ar).clamp(max=st.NS - 1).flatten(1))  # (B, Hk n) store slots
-        ks, vs = (torch.cat([buf.gather(1, hs[..., None].expand(-1, -1, D)).view(B, Hk, n, D), new], 2) for buf, new in ((st.keys, k), (st.values, v)))
-        cpos = torch.cat([pos0.gather(1, hs).view(B, Hk, n), pos.expand(B, Hk, C)], 2)  # (B, Hk, N)
-        ce = e.gather(1, hs).view(B, Hk, n) if e is not None else torch.full((B, Hk, n), NEVER, dtype=torch.int64, device=dev)
-        ce = torch.cat([ce, torch.full((B, Hk, C), NEVER, dtype=torch.int64, device=dev)], 2)
-        valid = torch.cat([valid, torch.ones(B, Hk, C, dtype=torch.bool, device=dev)], 2)[:, :, None]  # (B, Hk, 1, N)
-        qp = pos[None, None, :, None]  # (1, 1, C, 1)
-        cpos, ce = cpos[:, :, None], ce[:, :, None]
-        ok = valid & (cpos <= qp) & ((cpos < self.sinks) | (qp < ce))  # (B, Hk, C, N)
-        N = ok.shape[-1]
+        st, B, Hk, G, D = self.store, self.B, self.Hk, self.G, self.D
+        n, C = entries["width"][i], k.shape[2]
+        blk = slice(entries["at"][i], entries["at"][i + 1])
+        hs = entries["slots"][:, blk].view(B, Hk, n + C)[:, :, :n]  # (B, Hk, n) store slots
+        rows = torch.arange(B, device=self.device).view(B, 1, 1)
+        ks, vs = (torch.cat([buf[rows, hs], new], 2) for buf, new in ((st.keys, k), (st.values, v)))  # (B, Hk, n + C, D)
+        lo, hi = (entries[name][:, blk].view(B, Hk, 1, n + C) for name in ("lo", "hi"))
+        qp = entries["qpos"]  # (1, 1, C, 1)
+        ok = (lo <= qp) & (qp < hi)  # (B, Hk, C, n + C)
+        mask = ok[:, :, None].expand(B, Hk, G, C, n + C).reshape(B, Hk, G * C, n + C)
         qg = q.reshape(B, Hk, G * C, D)  # query head h = kv * G + g: each KV head's queries, (g, t) major to minor
-        mask = ok[:, :, None].expand(B, Hk, G, C, N).reshape(B, Hk, G * C, N)
         with sdpa_kernel(_NO_CUDNN) if q.is_cuda else nullcontext():
             out = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=mask, scale=self.scale)  # (B, Hk, G C, D)
         return out.reshape(B, Hk * G, C, D)

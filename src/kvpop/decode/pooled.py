@@ -76,6 +76,14 @@ from kvpop.selection import NEVER
 I64_MAX = torch.iinfo(torch.int64).max
 
 
+def _listed_first(can: Tensor, m: int) -> Tensor:
+    """The places of a list can (B, N) bool, first ``m`` of them: (B, m) int64, the listed in order, then the
+    unlisted as ``N + place`` (distinct: ``% N`` names them) where a row lists fewer than ``m``."""
+    N = can.shape[1]
+    ar = torch.arange(N, device=can.device)
+    return torch.where(can, ar, N + ar).sort(dim=1).values[:, :m]
+
+
 def select_lowest(score: Tensor, tie: Tensor, n: int) -> Tensor:
     """The ``n`` lowest candidates of every row by (score, tie), both ascending: score (B, N) float,
     tie (B, N) int64 (distinct within a row among equal scores) -> their indices (B, n).
@@ -99,7 +107,9 @@ class PoolStore:
     which changes no decision."""
 
     def __init__(self, *, batch: int, layers: int, kv_heads: int, head_dim: int, layout: CacheLayout, dtype, device,
-                 page: int, decays: bool, max_len: int | None = None, flex: bool = False, list_steps: int = 0):
+                 page: int, decays: bool, max_len: int | None = None, flex: bool = False, list_steps: int = 0, decay_block: int = 64):
+        if decay_block < 1:
+            raise ValueError(f"pooled engine: decay_block (queries per candidate list of a decaying prefill chunk) must be >= 1, got {decay_block}")
         if kv_heads > page:
             raise ValueError(f"pooled engine: a page ({page} slots) must hold one entry per KV head ({kv_heads})")
         B, L, Hk, D = batch, layers, kv_heads, head_dim
@@ -128,6 +138,7 @@ class PoolStore:
         self.list_steps = T if T and self.C < self.NP else 0  # a list as long as the pool saves nothing
         self.list_left = 0  # steps the list still serves (host); 0: refresh before the next step
         self._query_graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, dict[str, Tensor]]] = {}  # compete_decaying's loops
+        self.decay_block = decay_block  # compete_decaying's queries per candidate list
         self.listed = False  # the next step's candidates: the list (True) or the whole pool
         nc = self.C if self.list_steps else 0
         self.cand = torch.zeros(B, nc + 1, dtype=torch.int64, device=device)  # store slots of the listed entries; column C: junk
@@ -389,7 +400,12 @@ class PoolStore:
 
     def can_go(self, q0: Tensor | int, n: int) -> Tensor:
         """The pool's entries that can be among the lowest-ranked at some query of ``q0 .. q0 + n - 1`` -> (B, NP)
-        bool over the pool's slots (the others stay through those queries, whatever enters).
+        bool over the pool's slots (the others stay through those queries, whatever enters): :meth:`rank_bound`."""
+        return self.rank_bound(q0, n)[0]
+
+    def rank_bound(self, q0: Tensor | int, n: int) -> tuple[Tensor, Tensor]:
+        """:meth:`can_go` and the bound ``tau`` (B, 1) float64 it cuts at: any candidate whose rank stays above
+        ``tau`` through the queries (an entering leaver too) stays, as the unlisted pool entries do.
 
         Over those queries entry ``y``'s rank lies in ``[lo_y, hi_y]``: its ranks at the first and the last
         query (a rank ``(q - i) * log beta`` is linear in ``q``; float64 rounding is monotone, so the bounds
@@ -410,7 +426,7 @@ class PoolStore:
         lo, hi = torch.where(valid, lo, inf), torch.where(valid, hi, inf)
         k = F + F * n
         tau = hi.topk(k, dim=1, largest=False).values[:, -1:] if k <= NP else inf.expand(B, 1)  # (B, 1)
-        return valid & (lo <= tau)
+        return valid & (lo <= tau), tau
 
     def before_step(self, q: Tensor) -> None:
         """Before the decode step at query ``q`` (0-d int64): a fresh candidate list every ``list_steps`` steps
@@ -439,59 +455,117 @@ class PoolStore:
         it that never leave before it). The tie key is also the arrival order: the pool's entries left their
         windows before ``q0 - window``, the leavers arrive by token. So an entry goes when the ``P``-th of its
         outrankers, by arrival, has arrived (and a leaver at its own arrival at the earliest): the formula of
-        :func:`kvpop.selection.eviction_times` over the candidates, one ``prefix_kth_smallest`` over the
-        candidates ordered by (priority, key) descending. The survivors are then laid out afresh: each
-        layer's list dense from logical 0 (its old entries first), the layers' pages consecutive from pool
-        page 0. The layout differs from the replay's, the decisions do not (tests/test_pooled.py)."""
+        :func:`kvpop.selection.eviction_times`, one ``prefix_kth_smallest`` over the candidates ordered by
+        (priority, key) descending, on their arrival ranks.
+
+        Only the chunk's candidate list takes part (:meth:`_static_list`): the ``M = F (n + 1)`` lowest pool
+        entries by that order and the ``F n`` leavers. At most ``F`` entries go at a query, ``F n`` in the
+        chunk, so at every query at least ``F`` listed entries remain; every entry above the ``M``-th (the
+        ``U`` unlisted pool entries, and the leavers above it) has them strictly below it and stays. Each of
+        the ``U`` outranks every candidate below the ``M``-th and arrived before every leaver, so for those the
+        ``P``-th outranker by arrival is the ``(P - U)``-th among the listed (for a leaver above the ``M``-th the
+        count is too high, but ``P - U >= M`` exceeds the ``F n`` leavers, its only listed outrankers: it stays,
+        as it must). The survivors are then laid out
+        afresh: each layer's list dense from logical 0 (its old entries first), the layers' pages consecutive
+        from pool page 0. The layout differs from the replay's, the decisions do not (tests/test_pooled.py)."""
         F, P, dev = self.F, self.P, self.device
         c = self._candidates(q0, prio)
-        key, score, valid = c["key"], c["score"], c["valid"]
-        B, N = key.shape
-        # (score, key) descending, the invalid ones last: three stable sorts, the last key first
-        order = key.sort(dim=1, descending=True, stable=True).indices
-        order = order.gather(1, score.gather(1, order).sort(dim=1, descending=True, stable=True).indices)
-        order = order.gather(1, (~valid).gather(1, order).to(torch.uint8).sort(dim=1, stable=True).indices)  # (B, N)
-        ks = key.gather(1, order).clamp(min=0)  # (B, N) arrival keys in rank order
-        r = torch.arange(N, device=dev).expand(B, N)  # outrankers of the candidate at rank r
+        n = prio.shape[2]
+        pick, extra = self._static_list(c, n)  # (B, S) candidate indices, (B, 1) U
+        key, score, valid = (c[name].gather(1, pick) for name in ("key", "score", "valid"))  # (B, S) each
+        B, S = key.shape
+        arrival = key.sort(dim=1, stable=True).indices  # (B, S) by arrival (the invalid, key -1, first)
+        arank = torch.empty_like(arrival).scatter_(1, arrival, torch.arange(S, device=dev).expand(B, S))  # (B, S) arrival rank
+        # (score, key) descending, the invalid last: the arrival order reversed (the invalid at its end), then by score, stable
+        order = arrival.flip(1)
+        inv = torch.tensor(float("-inf"), dtype=score.dtype, device=dev)
+        order = order.gather(1, torch.where(valid, score, inv).gather(1, order).sort(dim=1, descending=True, stable=True).indices)  # (B, S)
+        ks = arank.gather(1, order)  # (B, S) arrival ranks in rank order
+        r = torch.arange(S, device=dev).expand(B, S)  # outrankers among the listed of the candidate at rank r
         if P:
-            kth = prefix_kth_smallest(ks, r, torch.full_like(r, P), bits=max(1, (q0 + prio.shape[2]) * F).bit_length())  # (B, N), -1: fewer than P
-            ekey = torch.where(r >= P, torch.maximum(ks, kth), -1)
+            need = P - extra  # (B, 1) the listed outrankers that make P with the U unlisted
+            kth = prefix_kth_smallest(ks, r, need.expand(B, S), bits=max(1, S.bit_length()))  # (B, S) arrival rank; -1: fewer
+            erank = torch.where(r >= need, torch.maximum(ks, kth), -1)
         else:
-            ekey = ks  # no pool: every leaver goes at once
-        e_sorted = torch.where(valid.gather(1, order) & (ekey >= 0), ekey // F + self.window, NEVER)
-        return self._relayout(c, torch.empty_like(e_sorted).scatter_(1, order, e_sorted))
+            erank = ks  # no pool: every leaver goes at once
+        ekey = key.gather(1, arrival.gather(1, erank.clamp(min=0)))  # (B, S) the arrival key of that moment
+        e_sorted = torch.where(valid.gather(1, order) & (erank >= 0), ekey // F + self.window, NEVER)
+        e_list = torch.empty_like(e_sorted).scatter_(1, order, e_sorted)  # (B, S) by list place
+        ec = torch.full_like(c["key"], NEVER).scatter_(1, pick, e_list)  # pick is distinct per row; the unlisted stay
+        return self._relayout(c, ec)
+
+    def _static_list(self, c: dict[str, Tensor], n: int) -> tuple[Tensor, Tensor]:
+        """:meth:`compete_static`'s candidate list from a chunk's candidates ``c`` (:meth:`_candidates`, ``n``
+        queries) -> ``(pick, extra)``: pick (B, S) the listed candidates' indices (the ``M = F (n + 1)`` lowest
+        pool slots by (priority, key), empty ones counting as highest, then the ``F n`` leavers), extra (B, 1)
+        ``U``, the valid pool entries left out (every one above the ``M``-th). Static shapes, no host
+        synchronization; where the pool has no more than ``M`` slots, all of them."""
+        F, NP, dev = self.F, self.NP, self.device
+        key, score, valid = c["key"], c["score"], c["valid"]
+        B = key.shape[0]
+        M = F * (n + 1)
+        leavers = NP + torch.arange(F * n, device=dev).expand(B, -1)  # (B, F n)
+        if M >= NP:
+            self.chunk_listed = (NP, NP)
+            pick = torch.cat([torch.arange(NP, device=dev).expand(B, -1), leavers], 1)
+            return pick, torch.zeros(B, 1, dtype=torch.int64, device=dev)
+        inf = torch.tensor(float("inf"), dtype=torch.float64, device=dev)
+        pvalid = valid[:, :NP]
+        slot = torch.arange(NP, device=dev)
+        # empty slots rank highest: priority inf, distinct ties above every key (select_lowest's ties must be distinct)
+        low = select_lowest(torch.where(pvalid, score[:, :NP], inf), torch.where(pvalid, key[:, :NP], I64_MAX - 1 - NP + slot), M)  # (B, M), its M-th last
+        extra = (pvalid.sum(1, keepdim=True) - M).clamp(min=0)  # (B, 1) U
+        self.chunk_listed = (M, NP)  # the last chunk's pool entries listed, of the pool's slots (a diagnostic)
+        return torch.cat([low, leavers], 1), extra
 
     def compete_decaying(self, q0: int, prio: Tensor) -> tuple[Tensor, Tensor]:
         """:meth:`compete_static`'s contract for decaying ranks ``(q - i) * log beta`` (dbtrimkv): the chunk's
-        competitions query by query, on a candidate list instead of the store (no compaction, no pages),
-        then the survivors laid out afresh as there. prio (B, F, n): the leavers' ``log beta``.
+        competitions query by query, on candidate lists instead of the store (no compaction, no pages), then
+        the survivors laid out afresh as there. prio (B, F, n): the leavers' ``log beta``.
 
-        The list is the chunk's ``F x n`` leavers and the pool entries that can go within the chunk
-        (:meth:`can_go`, by rank bounds over its queries); each query's selection over it (:func:`select_lowest`,
+        The queries run in blocks of :attr:`decay_block`; each block's list holds the candidates that can go
+        within it, by :meth:`rank_bound`'s argument over the candidates present then (the pool's entries and
+        the leavers not yet gone, the leavers that arrive within the block): a rank is linear in ``q``, so over
+        the block it lies between its values at the candidate's first query there (a leaver's arrival, ``window``
+        old) and the block's last; with ``tau`` the ``(F + F b)``-th smallest highest rank among those present at
+        the block's first query, a candidate whose lowest rank is above ``tau`` keeps ``F`` of them strictly below
+        it at every query of the block, and stays. Each query's selection over the list (:func:`select_lowest`,
         the ranks and ties of :meth:`update`) then takes what the whole pool's would (tests/test_pooled.py: the
-        replay's times)."""
+        replay's times). Shorter blocks, shorter lists; each block costs a pass over all candidates and a host
+        synchronization (the list's length)."""
         F, NP, dev = self.F, self.NP, self.device
         n = prio.shape[2]
-        can = self.can_go(q0, n)  # (B, NP) the pool entries that can go in the chunk (before _candidates: the same pool)
         c = self._candidates(q0, prio)
         key, lb, valid, pos = c["key"], c["score"], c["valid"], c["pos"]
-        B = key.shape[0]
-        m = int(can.sum(1).max())  # one host sync per chunk
-        self.chunk_listed = (m, NP)  # the last chunk's candidate list: pool entries listed, of the pool's slots (a diagnostic)
-        if dev.type == "cuda":  # the list padded to a power of two: few shapes, each query loop a CUDA graph (_decaying_queries)
-            m = min(NP, max(1024, 1 << max(0, m - 1).bit_length()))
-        ar = torch.arange(NP, device=dev)
-        first = torch.where(can, ar, NP + ar).sort(dim=1).values[:, :m]  # (B, m) the listed pool candidates, then padding
-        in_list = first < NP
-        pick = torch.cat([first % NP, NP + torch.arange(F * n, device=dev).expand(B, -1)], 1)  # (B, S) candidate indices
-        S = pick.shape[1]
-        s_pos, s_lb, s_key = pos.gather(1, pick), lb.gather(1, pick), key.gather(1, pick)
-        s_arrive = torch.where(pick < NP, q0, s_pos + self.window)  # (B, S) the query it competes from
-        listed = torch.cat([in_list, torch.ones(B, F * n, dtype=torch.bool, device=dev)], 1)  # (B, S) padding: False
-        count = self.count.sum(1)  # (B,) the pool's entries before the chunk's first query
-        e_s = self._decaying_queries(q0, n, {"pos": s_pos, "lb": s_lb, "key": s_key, "arrive": s_arrive, "listed": listed}, count)  # (B, S)
-        ec = torch.full_like(key, NEVER).scatter_(1, pick, e_s[:, :S])  # pick is distinct per row; the unlisted stay
-        return self._relayout(c, torch.where(valid, ec, NEVER))
+        B, N = key.shape
+        arrive = torch.cat([torch.full((B, NP), q0, dtype=torch.int64, device=dev), pos[:, NP:] + self.window], 1)  # (B, N) first query
+        e = torch.full((B, N), NEVER, dtype=torch.int64, device=dev)  # eviction times by candidate
+        count = self.count.sum(1)  # (B,) the pool's entries before the block's first query
+        inf = torch.tensor(float("inf"), dtype=torch.float64, device=dev)
+        self.chunk_lists = []  # (listed, present) per block: a diagnostic
+        for qb in range(q0, q0 + n, self.decay_block):
+            nb = min(self.decay_block, q0 + n - qb)
+            here = valid & (e == NEVER) & (arrive < qb + nb)  # (B, N) present at some query of the block
+            first = torch.maximum(arrive, torch.full_like(arrive, qb))
+            r0, r1 = (first - pos).double() * lb, (qb + nb - 1 - pos).double() * lb  # (B, N) ranks at its first and the last query
+            lo, hi = torch.where(here, torch.minimum(r0, r1), inf), torch.where(here & (arrive <= qb), torch.maximum(r0, r1), inf)
+            k = F + F * nb
+            tau = hi.topk(k, dim=1, largest=False).values[:, -1:] if k <= N else inf.expand(B, 1)  # (B, 1)
+            can = here & (lo <= tau)  # (B, N)
+            m, present = (int(x) for x in torch.stack([can.sum(1).max(), here.sum(1).max()]).tolist())  # one host sync per block
+            self.chunk_lists.append((m, present))
+            if dev.type == "cuda":  # the list padded to a power of two: few shapes, each block's query loop a CUDA graph (_decaying_queries)
+                m = min(N, max(1024, 1 << max(0, m - 1).bit_length()))
+            pick = _listed_first(can, m)  # (B, m) the listed, then padding (unlisted ones: distinct)
+            listed = pick < N
+            pick = pick % N
+            cand = {"pos": pos.gather(1, pick), "lb": lb.gather(1, pick), "key": key.gather(1, pick), "arrive": arrive.gather(1, pick),
+                    "listed": listed}
+            e_b = self._decaying_queries(qb, nb, cand, count)  # (B, m)
+            gone = listed & (e_b < NEVER)
+            e.scatter_(1, pick, torch.where(gone, e_b, e.gather(1, pick)))  # pick is distinct per row
+            count = count + F * nb - gone.sum(1)  # every query's F leavers enter, the gone leave
+        return self._relayout(c, torch.where(valid, e, NEVER))
 
     def _decaying_queries(self, q0: int, n: int, cand: dict[str, Tensor], count: Tensor) -> Tensor:
         """:meth:`compete_decaying`'s queries ``q0 .. q0 + n - 1`` over its list ``cand`` (``pos``, ``lb``, ``key``,
