@@ -53,7 +53,7 @@ def time_competitions(eng: DecodeEngine) -> tuple[float, float]:
     twin = copy.deepcopy(st)  # the closed form's copy; the replay runs on the engine's own store (its CUDA graph's buffers)
     sync(eng.device)
     t0 = time.perf_counter()
-    twin.compete_static(q0, prio)
+    (twin.compete_decaying if twin.decays else twin.compete_static)(q0, prio)
     sync(eng.device)
     t1 = time.perf_counter()
     orig = torch.arange(st.NS, device=eng.device).expand(eng.B, -1).clone()
@@ -62,18 +62,37 @@ def time_competitions(eng: DecodeEngine) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t1
 
 
+def chunk_list(st) -> tuple[int, int, str]:
+    """The last chunk's candidate list: ``(listed, of, what)``: a static rule's pool entries of the pool's slots
+    (its leavers all listed), decaying ranks' longest list of one block, of the candidates present in it."""
+    if st.decays:
+        m, present = max(st.chunk_lists)
+        return m, present, f"candidates present (the longest of {len(st.chunk_lists)} blocks of {st.decay_block} queries)"
+    return st.chunk_listed[0], st.chunk_listed[1], "pool slots, and every leaver"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, default=32768, help="prompt tokens")
     ap.add_argument("--budget", type=int, default=None, help="default: 2,048 (384 with --small)")
     ap.add_argument("--small", action="store_true", help="the 4-layer Qwen3 of width 256 (also on the CPU)")
+    ap.add_argument("--narrow", action="store_true", help="Qwen3-4B's 36 layers and 32 / 8 heads at width 256, head dim 16: the pool's "
+                    "bookkeeping at full size (budget 2,048: 515,808 pool slots), the model's arithmetic small (the CPU)")
     ap.add_argument("--replay-context", type=int, default=None, help="the replay's prompt, if shorter (it is slow): a prefix; "
                     "both paths then time that prefix, and the closed form the whole prompt too")
     ap.add_argument("--policies", default="kvpop_mlp,dbtrimkv", help="one-pool policies (kvpop_mlp: OnePool(kvpop_mlp))")
+    ap.add_argument("--decay-block", type=int, default=None, help="decaying ranks (dbtrimkv): queries per candidate list of a chunk "
+                    "(PoolStore.decay_block; default: the store's)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.decay_block is not None and args.decay_block < 1:
+        ap.error(f"--decay-block must be >= 1, got {args.decay_block}")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.small and args.narrow:
+        ap.error("--small and --narrow are two different models: pick one")
     cfg = qwen3_4b_config(args.small)
+    if args.narrow:
+        cfg.update({"hidden_size": 256, "intermediate_size": 512, "head_dim": 16, "vocab_size": 1024})
     budget = args.budget or (384 if args.small else 2048)
     torch.manual_seed(0)
     with torch.device(dev):
@@ -85,31 +104,35 @@ def main() -> None:
     layout = CacheLayout(budget, 4, 256)
     ids = random_ids(1, args.context, cfg.vocab_size, 0, dev)
     short = ids[:, : args.replay_context or args.context]
-    out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "model": "qwen3-small" if args.small else "Qwen3-4B arch",
+    arch = "qwen3-small" if args.small else "Qwen3-4B's layers and heads at width 256, head dim 16" if args.narrow else "Qwen3-4B arch"
+    out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "model": arch,
            "budget": budget, "window": layout.window, "tokens": short.shape[1], "rows": []}
     for name in args.policies.split(","):
         eng = DecodeEngine(model, pooled_policy(name, model, mlp, dev), layout=layout, batch_size=1)
+        if args.decay_block is not None:
+            eng.store.decay_block = args.decay_block
         for closed in (True, False):  # warm-up: compiled pieces, the replay's CUDA graph
             timed_prefill(eng, short[:, : 2 * layout.sinks + 4 * layout.window], closed)
         t_closed, l_closed = timed_prefill(eng, short, True)
-        listed = getattr(eng.store, "listed", None)  # dbtrimkv: the last chunk's candidate list of pool entries, of the pool's slots
+        listed = chunk_list(eng.store)
         t_replay, l_replay = timed_prefill(eng, short, False)
         diff = (l_closed - l_replay).abs().max().item()
         c_closed, c_replay = time_competitions(eng)
         row = {"policy": name, "closed_form_s": round(t_closed, 3), "replay_s": round(t_replay, 3), "replay_over_closed": round(t_replay / t_closed, 2),
                "max_logit_diff": diff, "chunk_competitions_closed_s": round(c_closed, 4), "chunk_competitions_replay_s": round(c_replay, 4),
-               "competitions_replay_over_closed": round(c_replay / c_closed, 1), "listed_of_pool_slots": listed}
+               "competitions_replay_over_closed": round(c_replay / c_closed, 1), "last_chunk_list": listed,
+               "decay_block": eng.store.decay_block if eng.store.decays else None}
         print(f"{name}, {short.shape[1]} tokens, budget {budget}: prefill closed form {t_closed:.2f} s, replay {t_replay:.2f} s "
               f"({t_replay / t_closed:.1f}x; logits differ by {diff:.1e}); one chunk's {layout.window} competitions alone "
               f"{c_closed * 1e3:.1f} ms vs {c_replay * 1e3:.1f} ms ({c_replay / c_closed:.1f}x)"
-              + (f"; the last chunk listed {listed[0]} of {listed[1]} pool slots" if listed else ""), flush=True)
+              + f"; the last chunk listed {listed[0]:,} of {listed[1]:,} {listed[2]}", flush=True)
         if short.shape[1] < ids.shape[1]:
             t_full, _ = timed_prefill(eng, ids, True)
             row["closed_form_full_s"], row["full_tokens"] = round(t_full, 3), ids.shape[1]
             print(f"{name}, closed form, the whole {ids.shape[1]} tokens: {t_full:.2f} s", flush=True)
         out["rows"].append(row)
         del eng
-    write_result(args.out or default_out(__file__, small=args.small), out)
+    write_result(args.out or default_out(__file__, small=args.small, suffix="narrow" if args.narrow else ""), out)
 
 
 if __name__ == "__main__":
