@@ -55,9 +55,10 @@ engine captures a graph for each kind of step and runs the whole pool's where a 
 
 A prefill chunk's competitions (at most ``window`` queries, every leaver from an earlier chunk) run on the
 bookkeeping before the chunk attends: with a static rule in one pass, :meth:`PoolStore.compete_static`
-(the top-``P`` of a growing set, in closed form); with decaying ranks query by query on a candidate list,
-:meth:`PoolStore.compete_decaying` (the pool entries that can go within the chunk, by rank bounds); both
-then lay the survivors out afresh. Their twin: query by query on the store, :meth:`PoolStore.update` with
+(the top-``P`` of a growing set, in closed form, over the ``F (n + 1)`` lowest pool entries and the leavers);
+with decaying ranks query by query, :meth:`PoolStore.compete_decaying`, in blocks of :attr:`decay_block`
+queries, each on a candidate list (the candidates that can go within the block, by rank bounds); both then
+lay the survivors out afresh. Their twin: query by query on the store, :meth:`PoolStore.update` with
 ``move_kv=False`` (tests/test_pooled.py).
 
 Shapes: B batch, L layers, Hk KV heads, F = L x Hk pairs, D head dim, NS store slots, NP pool slots,
