@@ -355,21 +355,35 @@ def test_select_lowest_is_pool_leavers(levels):
         assert torch.equal(got, want), n
 
 
+def test_block_masks_follow_inductors_index_dtype():
+    """int32 block masks up to int32's range of store elements, int64 past it (the kernel's 64-bit indexing)."""
+    from kvpop.decode.pooled import block_index_dtype
+
+    assert block_index_dtype(2**31 - 1) == torch.int32
+    assert block_index_dtype(2**31) == torch.int64
+    assert block_index_dtype(64 * 598_400 * 128) == torch.int64  # Qwen3-4B, budget 2,048, batch 64
+
+
 def test_a_page_holds_one_entry_per_kv_head():
     with pytest.raises(ValueError, match="one entry per KV head"):
         PoolStore(batch=1, layers=2, kv_heads=8, head_dim=16, layout=LAYOUT, dtype=torch.float32, device=torch.device("cpu"), page=4,
                   decays=True)
 
 
-@pytest.mark.parametrize("page", [4, 128])
-def test_the_compiled_steps_attention_on_the_cpu(model, page, tie_policy):
+@pytest.mark.parametrize("page,index_dtype", [(4, torch.int32), (128, torch.int32), (4, torch.int64)])
+def test_the_compiled_steps_attention_on_the_cpu(model, page, index_dtype, tie_policy, monkeypatch):
     """What the compiled step reads, checked on the CPU: each layer's block list (its ring pages, then its own
     pool pages, ``kv_num_blocks`` of them) covers exactly the slots of its heads' entries; and the step's
     FlexAttention form (query heads as the queries of one head over the store, the layer's block mask, the
-    tag mask_mod; run eagerly here) gives the eager gather's output."""
+    tag mask_mod; run eagerly here) gives the eager gather's output, with int32 block masks and with the
+    int64 ones of a store past int32's range (:func:`kvpop.decode.pooled.block_index_dtype`)."""
+    import kvpop.decode.pooled as pooled
+
+    monkeypatch.setattr(pooled, "block_index_dtype", lambda n: index_dtype)
     policy = make("dbtrimkv", tie_policy)
     eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, page=page)
     st = eng.store
+    assert st.bm_idx.dtype == st.bm_num[0].dtype == index_dtype
     st.flex = True  # keep the block masks, as a compiled engine does
     x = ids(n=90, seed=5)
     engine_logits(eng, x[:, :80], 60)

@@ -77,6 +77,19 @@ from kvpop.selection import NEVER
 I64_MAX = torch.iinfo(torch.int64).max
 
 
+def block_index_dtype(store_elements: int) -> torch.dtype:
+    """The dtype of the compiled step's block masks (``kv_num_blocks``, ``kv_indices``) over a store of
+    ``store_elements`` keys (B x NS x D): int32, or int64 where the store is past int32's range.
+
+    Inductor indexes a FlexAttention kernel in 64 bits when any buffer it reads holds more than ``2**31 - 1``
+    elements (``TritonScheduling.can_use_32bit_indexing``; the store at batch 64, Qwen3-4B, budget 2,048: 4.9e9),
+    and its decoding template then compares a block bound computed from the program id (int64) with one
+    computed from ``kv_num_blocks`` (its dtype) in one ternary, which Triton refuses where the two differ
+    ("Ternary expression with dynamic condition has inconsistent types int64 and int32", the H200, torch 2.11,
+    2026-12-04). Block masks of the kernel's own index dtype make the two agree."""
+    return torch.int64 if store_elements > torch.iinfo(torch.int32).max else torch.int32
+
+
 def _listed_first(can: Tensor, m: int) -> Tensor:
     """The places of a list can (B, N) bool, first ``m`` of them: (B, m) int64, the listed in order, then the
     unlisted as ``N + place`` (distinct: ``% N`` names them) where a row lists fewer than ``m``."""
@@ -159,11 +172,13 @@ class PoolStore:
         self.pair = f  # (F,)
         self.ring_base = (f // Hk) * self.RS + (f % Hk) * self.R  # (F,) ring slot 0 of each pair
         # the compiled step's block masks, one per layer: its ring pages, then its pool pages
-        nb = -(-(self.RP + self.NPP - 1) // 4) * 4  # int32 rows a multiple of 16 bytes: every layer's view stays aligned
-        self.bm_idx = torch.zeros(L, B, 1, 1, nb, dtype=torch.int32, device=device)
-        self._bm_num = torch.zeros(L, -(-B // 4) * 4, dtype=torch.int32, device=device)  # rows of 16 bytes: aligned views
+        self.bm_dtype = block_index_dtype(B * self.NS * D)
+        nb = -(-(self.RP + self.NPP - 1) // 4) * 4  # rows a multiple of 16 bytes: every layer's view stays aligned
+        self.bm_idx = torch.zeros(L, B, 1, 1, nb, dtype=self.bm_dtype, device=device)
+        self._bm_num = torch.zeros(L, -(-B // 4) * 4, dtype=self.bm_dtype, device=device)  # rows of 16 bytes: aligned views
         self.bm_num = [self._bm_num[i, :B].view(B, 1, 1) for i in range(L)]  # kv_num_blocks (B, 1, 1) of each layer
-        self.bm_idx[:, :, 0, 0, : self.RP] = (torch.arange(L, device=device)[:, None] * self.RP + torch.arange(self.RP, device=device)).to(torch.int32)[:, None]
+        ring_pages = torch.arange(L, device=device)[:, None] * self.RP + torch.arange(self.RP, device=device)  # (L, RP)
+        self.bm_idx[:, :, 0, 0, : self.RP] = ring_pages.to(self.bm_dtype)[:, None]
         self.reset()
 
     # --- bookkeeping ------------------------------------------------------------------------------
@@ -239,8 +254,8 @@ class PoolStore:
         if not self.flex:
             return
         npp = self.NPP - 1
-        self._bm_num[:, : self.B] = (self.RP + (self.count + self.page - 1) // self.page).t().to(torch.int32)
-        self.bm_idx[:, :, 0, 0, self.RP : self.RP + npp] = (self.PS0 // self.page + self.ptab[:, :, :npp]).transpose(0, 1).to(torch.int32)
+        self._bm_num[:, : self.B] = (self.RP + (self.count + self.page - 1) // self.page).t().to(self.bm_dtype)
+        self.bm_idx[:, :, 0, 0, self.RP : self.RP + npp] = (self.PS0 // self.page + self.ptab[:, :, :npp]).transpose(0, 1).to(self.bm_dtype)
 
     # --- the competition -----------------------------------------------------------------------------
     def leaver_slots(self, j: Tensor) -> Tensor:
@@ -730,4 +745,4 @@ class PoolStore:
         self._sync_block_masks()
 
 
-__all__ = ["NEVER", "PoolStore", "select_lowest"]
+__all__ = ["NEVER", "PoolStore", "block_index_dtype", "select_lowest"]
