@@ -145,6 +145,8 @@ def main() -> None:
                     "(issue 15's table: the b1 and batch rows with the time to the first token and the training step's selection share, each "
                     "measured by its own script in a fresh process)")
     ap.add_argument("--pooled-policies", default="dbtrimkv,kvpop_mlp", help="part 'pooled': one-pool policies (kvpop_mlp: OnePool(kvpop_mlp))")
+    ap.add_argument("--chunk-graphs", action="store_true", help="part 'pooled': each whole prefill chunk's layers as CUDA graphs "
+                    "(DecodeEngine(chunk_graphs=True); rows marked \"chunk_graphs\")")
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--budgets", default="2048,4096")
     ap.add_argument("--batches", default="16,64")
@@ -358,8 +360,9 @@ def pooled_rows(args, model, kvpop_mlp, done, *, contexts, budget, batch, wbytes
     torch.cuda.empty_cache() if dev.type == "cuda" else None
     for name in args.pooled_policies.split(","):
         pol = pooled_policy(name, model, kvpop_mlp, dev)
-        extra = {"policy": name, "bounded_prefill_s": round(bounded_pre, 2), "bounded_prefill_context": args.batch_context}
-        eng = DecodeEngine(model, pol, layout=layout, batch_size=1, chunk=args.chunk, compile_mode=modes[0])
+        extra = {"policy": name, "bounded_prefill_s": round(bounded_pre, 2), "bounded_prefill_context": args.batch_context,
+                 **({"chunk_graphs": True} if args.chunk_graphs else {})}
+        eng = DecodeEngine(model, pol, layout=layout, batch_size=1, chunk=args.chunk, compile_mode=modes[0], chunk_graphs=args.chunk_graphs)
         for ctx in contexts:
             eng.reset()
             if dev.type == "cuda":
@@ -372,7 +375,7 @@ def pooled_rows(args, model, kvpop_mlp, done, *, contexts, budget, batch, wbytes
         torch.cuda.empty_cache() if dev.type == "cuda" else None
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        eng = DecodeEngine(model, pol, layout=layout, batch_size=batch, chunk=args.chunk, compile_mode=modes[0])
+        eng = DecodeEngine(model, pol, layout=layout, batch_size=batch, chunk=args.chunk, compile_mode=modes[0], chunk_graphs=args.chunk_graphs)
         pre = fill_cache(eng, args.batch_context, args.batch_context + batch)
         timed = time_steps(eng, args.steps, args.warmup)
         done(row("pooled", B=batch, ctx=args.batch_context, budget=budget, timed=timed, eng=eng,

@@ -83,6 +83,8 @@ def main() -> None:
     ap.add_argument("--policies", default="kvpop_mlp,dbtrimkv", help="one-pool policies (kvpop_mlp: OnePool(kvpop_mlp))")
     ap.add_argument("--decay-block", type=int, default=None, help="decaying ranks (dbtrimkv): queries per candidate list of a chunk "
                     "(PoolStore.decay_block; default: the store's)")
+    ap.add_argument("--chunk-graphs", action="store_true", help="each whole chunk's layers on static buffers, CUDA graphs when compiled "
+                    "(DecodeEngine(chunk_graphs=True))")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if args.decay_block is not None and args.decay_block < 1:
@@ -108,7 +110,7 @@ def main() -> None:
     out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "model": arch,
            "budget": budget, "window": layout.window, "tokens": short.shape[1], "rows": []}
     for name in args.policies.split(","):
-        eng = DecodeEngine(model, pooled_policy(name, model, mlp, dev), layout=layout, batch_size=1)
+        eng = DecodeEngine(model, pooled_policy(name, model, mlp, dev), layout=layout, batch_size=1, chunk_graphs=args.chunk_graphs)
         if args.decay_block is not None:
             eng.store.decay_block = args.decay_block
         for closed in (True, False):  # warm-up: compiled pieces, the replay's CUDA graph
@@ -121,7 +123,7 @@ def main() -> None:
         row = {"policy": name, "closed_form_s": round(t_closed, 3), "replay_s": round(t_replay, 3), "replay_over_closed": round(t_replay / t_closed, 2),
                "max_logit_diff": diff, "chunk_competitions_closed_s": round(c_closed, 4), "chunk_competitions_replay_s": round(c_replay, 4),
                "competitions_replay_over_closed": round(c_replay / c_closed, 1), "last_chunk_list": listed,
-               "decay_block": eng.store.decay_block if eng.store.decays else None}
+               "decay_block": eng.store.decay_block if eng.store.decays else None, "chunk_graphs": args.chunk_graphs}
         print(f"{name}, {short.shape[1]} tokens, budget {budget}: prefill closed form {t_closed:.2f} s, replay {t_replay:.2f} s "
               f"({t_replay / t_closed:.1f}x; logits differ by {diff:.1e}); one chunk's {layout.window} competitions alone "
               f"{c_closed * 1e3:.1f} ms vs {c_replay * 1e3:.1f} ms ({c_replay / c_closed:.1f}x)"

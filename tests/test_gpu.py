@@ -512,7 +512,8 @@ def test_compiled_pooled_engine_equals_one_pool_cache(policy_name, tiny_model):
     """The pooled engine (kvpop.decode.pooled) on CUDA: the compiled step (FlexAttention's decoding kernel over
     each layer's pages, the pool's competition inside the CUDA graph) and the prefill's competitions (in one pass
     per chunk, and their twin: one graph replayed per query) equal the eager engine and token-by-token OnePoolCache; two rows, a prompt
-    longer than the budget, then steps; both hold the same entries."""
+    longer than the budget (six whole chunks, then a partial one), then steps; both hold the same entries. With
+    ``chunk_graphs`` each whole chunk's layers run as CUDA graphs on static buffers (one per layer and width)."""
     from kvpop.decode import enable, teacher_forced_logits
     from kvpop.decode.engine import DecodeEngine
     from kvpop.policies import OnePool
@@ -529,30 +530,33 @@ def test_compiled_pooled_engine_equals_one_pool_cache(policy_name, tiny_model):
     ids = torch.randint(0, 96, (2, S), generator=torch.Generator().manual_seed(1)).cuda()
     ref = teacher_forced_logits(model, policy, ids, layout=layout, prefill=1)
     got, held = {}, {}
-    # (compiled, one pass): the prefill chunks' competitions in one pass (PoolStore.compete_static, a static rule;
-    # compete_decaying, dbtrimkv's candidate list) and their twin, the graphed per-query replay
-    # compete_decaying, dbtrimkv's candidate list) and their twin, the graphed per-query replay; the step over its
-    # candidate list (every 8 steps, PoolStore.refresh_list) and over the whole pool (list_steps=0)
-    modes = [(False, True, 8), (True, True, 8), (True, False, 8), (True, True, 0)]
-    for compiled, closed, list_steps in modes:
-        eng = DecodeEngine(model, policy, layout=layout, batch_size=2, compile=compiled, list_steps=list_steps)
+    # (compiled, one pass, list steps, chunk graphs): the prefill chunks' competitions in one pass (PoolStore.compete_static,
+    # a static rule; compete_decaying, dbtrimkv's candidate lists) and their twin, the graphed per-query replay; the step
+    # over its candidate list (every 8 steps, PoolStore.refresh_list) and over the whole pool (list_steps=0); the
+    # whole chunks' layers as CUDA graphs
+    modes = [(False, True, 8, False), (True, True, 8, False), (True, False, 8, False), (True, True, 0, False), (True, True, 8, True)]
+    for compiled, closed, list_steps, graphs in modes:
+        eng = DecodeEngine(model, policy, layout=layout, batch_size=2, compile=compiled, list_steps=list_steps, chunk_graphs=graphs)
         eng.pool_closed_form = closed
         assert eng.kind == "pooled" and eng.store.page == 128 and eng.store.list_steps == list_steps
-        logits = [eng.prefill(ids[:, :pre]).clone()]
+        logits = [eng.prefill(ids[:, :192]).clone(), eng.prefill(ids[:, 192:pre]).clone()]
+        if graphs:
+            assert len(eng._layer_graphs) >= len(eng.layers)  # every layer captured (a graph per width bucket it met)
         for t in range(pre, S):
             eng.tok.copy_(ids[:, t : t + 1])
             logits.append(eng.step().clone())
         if compiled:
             assert (True in eng._graphs) == bool(list_steps)  # the graph over the list ran
-        got[compiled, closed, list_steps] = torch.stack(logits, 1)
+        got[compiled, closed, list_steps, graphs] = torch.stack(logits, 1)
         st = eng.store
-        held[compiled, closed, list_steps] = sorted(h for h in zip(st.tag.flatten().tolist(), st.pos.flatten().tolist(),
+        held[compiled, closed, list_steps, graphs] = sorted(h for h in zip(st.tag.flatten().tolist(), st.pos.flatten().tolist(),
                                                        [b for b in range(2) for _ in range(st.NS)]) if h[0] >= 0)
     eager = got[modes[0]]
-    d_ref = _maxdiff(eager, ref[:, pre - 1 :])
+    d_ref = _maxdiff(eager, ref[:, [191, *range(pre - 1, S)]])
     d_comp = {m: _maxdiff(x, eager) for m, x in got.items() if m != modes[0]}
     print(f"pooled engine {policy_name}: eager vs OnePoolCache {d_ref:.2e}; vs eager: "
-          + ", ".join(f"compiled{' one pass' if c else ' replay'}{'' if n else ' whole pool'} {d:.2e}" for (_, c, n), d in d_comp.items()))
+          + ", ".join(f"compiled{' one pass' if c else ' replay'}{'' if n else ' whole pool'}{' chunk graphs' if g else ''} {d:.2e}"
+                      for (_, c, n, g), d in d_comp.items()))
     assert d_ref < 1e-4 and max(d_comp.values()) < 1e-4
     assert all(h == held[modes[0]] for h in held.values())
 

@@ -117,6 +117,26 @@ def test_engine_equals_the_one_pool_cache(model, name, prefill, page, tie_policy
     assert eng.seen == S
 
 
+@pytest.mark.parametrize("name", ["dbtrimkv", "one_pool_ties", "kvpop_mlp_pool"])
+@pytest.mark.parametrize("prefill", [96, 100])
+def test_chunk_layers_on_static_buffers_equal_the_one_pool_cache(model, name, prefill, tie_policy):
+    """``chunk_graphs=True`` (on CUDA each full chunk's layer one CUDA graph; here the same static buffers run
+    eagerly): each layer's entries padded to a multiple of :attr:`DecodeEngine.chunk_bucket` places per head,
+    x passed between two buffers, the chunk's keys and values gathered in one; prompts of whole chunks and
+    a last partial one (the plain path) or not (the prefill's logits from the static buffers), then steps: the
+    reference's logits."""
+    policy = make(name, tie_policy)
+    x = ids()
+    ref = teacher_forced_logits(model, policy, x, layout=LAYOUT, prefill=1)
+    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, page=4, chunk_graphs=True)
+    assert eng.chunk_bucket == 16
+    got = engine_logits(eng, x, prefill)  # chunks of 16: six whole (and one of 4)
+    assert (got - ref[:, prefill - 1 :]).abs().max() < 1e-4
+    assert set(eng._cg["ehl"]) >= {16, 32}  # layers of more than one width bucket
+    with pytest.raises(ValueError, match="chunk_graphs"):
+        DecodeEngine(model, make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16), layout=LAYOUT, batch_size=2, chunk_graphs=True)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_the_engine_holds_the_reference_entries(model, name, tie_policy):
     """After a chunked prefill and after steps, every layer and head holds the positions OnePoolCache holds,

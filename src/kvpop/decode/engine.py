@@ -247,7 +247,7 @@ class DecodeEngine:
         self, model, policy: Policy | None = None, *, layout: CacheLayout | None = None,
         max_len: int | None = None, batch_size: int = 1, chunk: int | None = None, compile: bool | None = None,
         compile_mode: CompileMode = "layer", fused: bool | None = None, page: int | None = None,
-        list_steps: int = POOL_LIST_STEPS,
+        list_steps: int = POOL_LIST_STEPS, chunk_graphs: bool = False,
     ):
         cfg = model.config.get_text_config(decoder=True)
         if (refusal := engine_refusal(model, policy)) is not None:
@@ -376,6 +376,14 @@ class DecodeEngine:
         self._warm: set[bool | None] = set()  # modes whose first (compiling) call has run
         self._chunk_shared: dict[str, Tensor] | None = None
         self._compete_graph: torch.cuda.CUDAGraph | None = None  # pooled, compiled: a prefill chunk's competition
+        # pooled: a full prefill chunk's layers on static buffers, each layer one CUDA graph per width bucket (compiled);
+        # on the CPU the same buffers and padding run eagerly (the twin). Opt-in until measured on a GPU (issue 33)
+        if chunk_graphs and self.kind != "pooled":
+            raise ValueError("chunk_graphs serves the pooled kind's prefill (a one_pool policy)")
+        self.chunk_graphs = chunk_graphs
+        self.chunk_bucket = 4 * self.store.page if self.store is not None else 0  # entry places of a layer's head: a multiple of this
+        self._layer_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._cg: dict | None = None  # the static buffers of the chunk's layers
 
     # --- buffers --------------------------------------------------------------------------------
     def cache_bytes(self) -> int:
@@ -753,22 +761,24 @@ class DecodeEngine:
         pos = torch.arange(c0, c1, device=dev)
         x = self.model.model.embed_tokens(ids)
         cos, sin = self.model.model.rotary_emb(x, pos.expand(B, C))
-        new = []
-        entries = self._pool_chunk_entries(snap, e, pos)
-        qkv, finish = fns.get("qkv", self._chunk_qkv), fns.get("finish", self._finish_layer)
-        for i, layer in enumerate(self.layers):
-            q, k, v = qkv(layer, self._wqkv[i], x, cos, sin)  # (B, H, C, D), (B, Hk, C, D)
-            out = self._pool_chunk_attend(i, q, k, v, entries)
-            new.append((k, v))
-            x = finish(layer, self._wgu[i], x, out)
+        static = self.chunk_graphs and C == self.window
+        entries = self._pool_chunk_entries(snap, e, pos, bucket=self.chunk_bucket if static else st.page)
+        if static:  # every layer on static buffers (one CUDA graph each when compiled)
+            x, kv = self._pool_chunk_layers_static(x, cos, sin, entries)  # kv (L, 2, B, Hk, C, D)
+        else:
+            new = []
+            for i in range(len(self.layers)):
+                x, k, v = self._pool_chunk_layer(i, x, cos, sin, self._layer_entries(entries, i), entries["qpos"], fns)
+                new.append(torch.stack([k, v]))
+            kv = torch.stack(new)  # (L, 2, B, Hk, C, D)
         if orig is not None:  # the pool's entries where the bookkeeping put them
             idx = orig[..., None].expand(-1, -1, self.D)
             st.keys.copy_(st.keys.gather(1, idx))
             st.values.copy_(st.values.gather(1, idx))
         # the chunk enters every layer's rings at once: pair f = layer * Hk + head, its slots (F, C)
         slots = (st.ring_base[:, None] + st.home_slot(pos)[None, :]).view(-1)  # (F C,)
-        st.keys[:, slots] = torch.stack([k for k, _ in new], 1).view(B, -1, self.D)  # (B, L, Hk, C, D) -> (B, F C, D)
-        st.values[:, slots] = torch.stack([v for _, v in new], 1).view(B, -1, self.D)
+        st.keys[:, slots] = kv[:, 0].transpose(0, 1).reshape(B, -1, self.D)  # (L, B, Hk, C, D) -> (B, F C, D)
+        st.values[:, slots] = kv[:, 1].transpose(0, 1).reshape(B, -1, self.D)
         st.pos[:, slots] = pos.repeat(st.F)
         st.tag[:, slots] = st.pair.repeat_interleave(C)
         st._sync_block_masks()
@@ -813,17 +823,17 @@ class DecodeEngine:
         """One competition of a prefill chunk from the static buffers (compiled, CUDA-graphed)."""
         self.store.update(self._cq, self._cprio, move_kv=False, track=(self._corig, self._ce))
 
-    def _pool_chunk_entries(self, snap: tuple[Tensor, Tensor], e: Tensor | None, pos: Tensor) -> dict:
+    def _pool_chunk_entries(self, snap: tuple[Tensor, Tensor], e: Tensor | None, pos: Tensor, bucket: int) -> dict:
         """What every layer's chunk attends to, for all layers at once: the entries at the chunk's start (``snap``:
         the store's tags and positions then, (B, NS) each; a slot's tag is the only mark of its owner: removals
         clear it), their eviction times e (B, NS) (None: nothing leaves in the chunk) and the chunk's positions
-        pos (C,) -> ``{"slots", "lo", "hi", "at", "width", "qpos"}``.
+        pos (C,) -> ``{"ehl", "at", "width", "qpos"}``.
 
         Flat layout over ``T`` places: layer ``l``'s block ``[at[l], at[l + 1])`` holds its ``Hk`` heads, each a
-        row of ``width[l]`` entry places (the layer's fullest head, rounded up to whole pages: few distinct
-        shapes for the attention), then ``C`` places for the chunk's own tokens. ``slots`` (B, T) the store
-        slot of each entry place (garbage elsewhere); place ``x`` is visible to a query at position ``p`` iff
-        ``lo[x] <= p < hi[x]`` ((B, T) int64 each: an entry from its position to its eviction, a sink
+        row of ``width[l]`` entry places (the layer's fullest head, rounded up to a multiple of ``bucket``: few
+        distinct shapes for the attention), then ``C`` places for the chunk's own tokens. ``ehl`` (3, B, T) int64:
+        the store slot of each entry place (garbage elsewhere), and ``lo``, ``hi``: place ``x`` is visible to a
+        query at position ``p`` iff ``lo[x] <= p < hi[x]`` (an entry from its position to its eviction, a sink
         always, a chunk token from its position on, padding never), so each layer's mask is two comparisons
         with ``qpos`` (1, 1, C, 1). One sort and one host synchronization per chunk (the widths), for every layer."""
         st, B, L, Hk, dev = self.store, self.B, len(self.layers), self.Hk, self.device
@@ -833,7 +843,7 @@ class DecodeEngine:
         order = key.argsort(dim=1, stable=True)  # (B, NS) the slots by pair (slot order within one), empty slots last
         cnt = torch.zeros(B, st.F + 1, dtype=torch.int64, device=dev).scatter_add_(1, key, torch.ones_like(key))[:, : st.F]  # (B, F)
         start = cnt.cumsum(1) - cnt
-        width = (-(-cnt.view(B, L, Hk).amax(dim=(0, 2)) // st.page) * st.page).tolist()  # (L,) the one host sync
+        width = (-(-cnt.view(B, L, Hk).amax(dim=(0, 2)) // bucket) * bucket).tolist()  # (L,) the one host sync
         row = [w + C for w in width]  # places per head of each layer
         at = [0]
         for w in row:
@@ -852,32 +862,87 @@ class DecodeEngine:
         chunk_pos = pos[(a - (rl - C)).clamp(min=0)]  # (T,)
         lo = torch.where(valid, p0, torch.where(entry, NEVER, chunk_pos))  # (B, T)
         hi = torch.where(valid & (p0 >= self.sinks), ev, NEVER)
-        qpos = pos.view(1, 1, C, 1)
-        return {"slots": slots, "lo": lo, "hi": hi, "at": at, "width": width, "qpos": qpos}
+        return {"ehl": torch.stack([slots, lo, hi]), "at": at, "width": width, "qpos": pos.view(1, 1, C, 1)}
 
-    def _pool_chunk_attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, entries: dict) -> Tensor:
-        """Layer i's chunk q (B, H, C, D), k, v (B, Hk, C, D) over the layer's entries at the chunk's start under
-        their eviction times, and over the chunk itself causally (``entries``: :meth:`_pool_chunk_entries`)
-        -> (B, H, C, D).
+    def _layer_entries(self, entries: dict, i: int) -> Tensor:
+        """Layer i's part of :meth:`_pool_chunk_entries`'s ``ehl``: (3, B, Hk, width + C), a view."""
+        return entries["ehl"][:, :, entries["at"][i] : entries["at"][i + 1]].view(3, self.B, self.Hk, -1)
+
+    def _pool_chunk_layer(self, i: int, x: Tensor, cos: Tensor, sin: Tensor, ehl: Tensor, qpos: Tensor, fns: dict) -> tuple[Tensor, Tensor, Tensor]:
+        """Decoder layer i of a prefill chunk: x (B, C, hidden) -> (x, k, v), the layer's output and the chunk's
+        keys and values (B, Hk, C, D); ``ehl``: :meth:`_layer_entries`, ``fns``: the compiled pieces, if any."""
+        layer = self.layers[i]
+        q, k, v = fns.get("qkv", self._chunk_qkv)(layer, self._wqkv[i], x, cos, sin)  # (B, H, C, D), (B, Hk, C, D)
+        out = self._pool_chunk_attend(q, k, v, ehl, qpos)
+        return fns.get("finish", self._finish_layer)(layer, self._wgu[i], x, out), k, v
+
+    def _pool_chunk_attend(self, q: Tensor, k: Tensor, v: Tensor, ehl: Tensor, qpos: Tensor) -> Tensor:
+        """A layer's chunk q (B, H, C, D), k, v (B, Hk, C, D) over the layer's entries at the chunk's start under
+        their eviction times, and over the chunk itself causally (``ehl`` (3, B, Hk, n + C): :meth:`_layer_entries`;
+        ``qpos`` (1, 1, C, 1) the chunk's positions) -> (B, H, C, D).
 
         Each KV head's entries are gathered apart, (B, Hk, n, D) padded to the layer's fullest head (whole
         pages), so that a query head reads only its own KV head's entries (GQA), as in the per-head cache.
         SDPA under the boolean mask, each KV head's G query heads as one head of G x C queries; on CUDA not
         cuDNN's kernel, which plans anew for every new shape (62 ms a call on the H200, 2026-12-04)."""
         st, B, Hk, G, D = self.store, self.B, self.Hk, self.G, self.D
-        n, C = entries["width"][i], k.shape[2]
-        blk = slice(entries["at"][i], entries["at"][i + 1])
-        hs = entries["slots"][:, blk].view(B, Hk, n + C)[:, :, :n]  # (B, Hk, n) store slots
+        C = k.shape[2]
+        n = ehl.shape[-1] - C
         rows = torch.arange(B, device=self.device).view(B, 1, 1)
+        hs = ehl[0, :, :, :n]  # (B, Hk, n) store slots
         ks, vs = (torch.cat([buf[rows, hs], new], 2) for buf, new in ((st.keys, k), (st.values, v)))  # (B, Hk, n + C, D)
-        lo, hi = (entries[name][:, blk].view(B, Hk, 1, n + C) for name in ("lo", "hi"))
-        qp = entries["qpos"]  # (1, 1, C, 1)
-        ok = (lo <= qp) & (qp < hi)  # (B, Hk, C, n + C)
+        ok = (ehl[1, :, :, None] <= qpos) & (qpos < ehl[2, :, :, None])  # (B, Hk, C, n + C)
         mask = ok[:, :, None].expand(B, Hk, G, C, n + C).reshape(B, Hk, G * C, n + C)
         qg = q.reshape(B, Hk, G * C, D)  # query head h = kv * G + g: each KV head's queries, (g, t) major to minor
         with sdpa_kernel(_NO_CUDNN) if q.is_cuda else nullcontext():
             out = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=mask, scale=self.scale)  # (B, Hk, G C, D)
         return out.reshape(B, Hk * G, C, D)
+
+    def _pool_chunk_layers_static(self, x: Tensor, cos: Tensor, sin: Tensor, entries: dict) -> tuple[Tensor, Tensor]:
+        """A full prefill chunk's layers on static buffers: x (B, C, hidden) -> (x, kv), the last layer's output
+        and every layer's new keys and values kv (L, 2, B, Hk, C, D) (views of the buffers: used before the next
+        chunk). Layer ``i`` reads x from one of two buffers and writes the other, its entries from a buffer per
+        width (:meth:`_pool_chunk_entries` with ``bucket`` :attr:`chunk_bucket`). Compiled (CUDA): each
+        (layer, width) is one CUDA graph, captured at its first use and replayed, all sharing one memory pool
+        (a graph's outputs go to the static buffers, so no replay order matters); else the same calls eagerly."""
+        L, C = len(self.layers), x.shape[1]
+        if self._cg is None:
+            self._cg = {"x": torch.empty(2, *x.shape, dtype=x.dtype, device=x.device), "cos": torch.empty_like(cos), "sin": torch.empty_like(sin),
+                        "qpos": torch.empty_like(entries["qpos"]), "ehl": {},
+                        "kv": torch.empty(L, 2, self.B, self.Hk, C, self.D, dtype=self.dtype, device=x.device),
+                        "pool": torch.cuda.graph_pool_handle() if self.compiled else None}
+        cg = self._cg
+        cg["x"][0].copy_(x)
+        for name in ("cos", "sin", "qpos"):
+            cg[name].copy_(cos if name == "cos" else sin if name == "sin" else entries["qpos"])
+        for i in range(L):
+            w = entries["width"][i]
+            if w not in cg["ehl"]:
+                cg["ehl"][w] = torch.empty(3, self.B, self.Hk, w + C, dtype=torch.int64, device=x.device)
+            cg["ehl"][w].copy_(self._layer_entries(entries, i))
+            if not self.compiled:
+                self._static_layer(i, w)
+                continue
+            if (i, w) not in self._layer_graphs:
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    self._static_layer(i, w)  # warm-up (compiles): the graph captures what it launched
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=cg["pool"]):
+                    self._static_layer(i, w)
+                self._layer_graphs[(i, w)] = graph
+            self._layer_graphs[(i, w)].replay()
+        return cg["x"][L % 2], cg["kv"]
+
+    def _static_layer(self, i: int, w: int) -> None:
+        """Layer i of :meth:`_pool_chunk_layers_static` on its buffers (entries of width w)."""
+        cg = self._cg
+        x, k, v = self._pool_chunk_layer(i, cg["x"][i % 2], cg["cos"], cg["sin"], cg["ehl"][w], cg["qpos"], self._chunk_fns)
+        cg["x"][(i + 1) % 2].copy_(x)
+        cg["kv"][i, 0].copy_(k)
+        cg["kv"][i, 1].copy_(v)
 
     # --- prefill ----------------------------------------------------------------------------
     @torch.no_grad()
