@@ -92,9 +92,7 @@ def main() -> None:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.small and args.narrow:
         ap.error("--small and --narrow are two different models: pick one")
-    cfg = qwen3_4b_config(args.small)
-    if args.narrow:
-        cfg.update({"hidden_size": 256, "intermediate_size": 512, "head_dim": 16, "vocab_size": 1024})
+    cfg = qwen3_4b_config(args.small, args.narrow)
     budget = args.budget or (384 if args.small else 2048)
     torch.manual_seed(0)
     with torch.device(dev):

@@ -149,7 +149,7 @@ SLOW = [  # each 15-25 s on two shared cores
     ("bench/kernels/bench_selection.py", ["--small"], {"config", "sizes"}),
     ("bench/bench_decode.py", ["--small", "--parts", "b1"], {"info", "rows"}),
     ("bench/bench_ttft.py", ["--small", "--modes", "eager"], {"info", "modes"}),
-    ("bench/kernels/profile_pool_prefill.py", ["--small"], {"s_per_chunk", "table_host", "table_device"}),
+    ("bench/kernels/profile_pool_prefill.py", ["--small", "--ops"], {"s_per_chunk", "table_host", "table_device", "ops_per_chunk"}),
     ("bench/bench_pool_prefill.py", ["--small", "--context", "1024", "--decay-block", "16"], {"rows", "budget", "tokens"}),
     ("bench/kernels/profile_pool_train.py", ["--small"], {"pass_s", "ranges", "table_host"}),
     ("bench/bench_ruler_decode.py", ["--small", "--prompts", "3", "--context", "300", "--budget", "96", "--new", "4", "--batch", "2",

@@ -3,22 +3,29 @@
     PYTHONPATH=src python3 bench/kernels/profile_pool_prefill.py                       # dbtrimkv -> results/profile_pool_prefill/h200.json
     PYTHONPATH=src python3 bench/kernels/profile_pool_prefill.py --policy kvpop_mlp    # OnePool(kvpop_mlp): the static closed form
     PYTHONPATH=src python3 bench/kernels/profile_pool_prefill.py --small --out /tmp/p.json   # a tiny Qwen3, runs on the CPU too
+    PYTHONPATH=src python3 bench/kernels/profile_pool_prefill.py --narrow --ops --policy kvpop_mlp   # the CPU: operations per chunk at 36 layers
 
 The engine is prefilled to ``--context`` tokens (chunks of ``window``), then ``--chunks`` more chunks run under
 the profiler with host and device activities: the table (sorted by the host's total, which holds the waits of
 every host synchronization, and by the device's) says what a chunk costs besides its attention and GEMMs.
 Prints the seconds per chunk (mean over the profiled ones) and writes them, the settings and both tables
 (text, under ``"table_host"`` and ``"table_device"``) through :func:`kvpop.provenance.write_result`.
+``--ops``: one more chunk counted operation by operation (:class:`OpCount`: the aten operations that do work,
+views not counted; eagerly each is about one kernel launch on CUDA, the host's cost there), by part of the chunk
+(``"ops_per_chunk"``).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
 import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from kvpop.benchmarking import default_out, pooled_policy, qwen3_4b_config, random_ids, sync
@@ -28,10 +35,64 @@ from kvpop.policies import make_policy
 from kvpop.provenance import write_result
 
 
+class OpCount(TorchDispatchMode):
+    """Counts the aten operations that run under it, views aside, by the part of the chunk they run in
+    (:meth:`part`: methods of the engine and its store wrapped to name their part; the rest is ``"other"``)."""
+
+    VIEWS = {"view", "_unsafe_view", "expand", "reshape", "slice", "select", "t", "transpose", "permute", "unsqueeze", "squeeze",
+             "alias", "as_strided", "detach", "split", "split_with_sizes", "unbind", "lift_fresh", "_reshape_alias"}
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+        self.stack = ["other"]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] not in self.VIEWS:
+            self.counts[self.stack[-1]] += 1
+        return func(*args, **(kwargs or {}))
+
+    def part(self, obj, name: str, label: str) -> None:
+        """Count what ``obj.name`` runs (an instance attribute shadows the method) under ``label``."""
+        fn = getattr(obj, name)
+
+        @functools.wraps(fn)
+        def counted(*a, **k):
+            self.stack.append(label)
+            try:
+                return fn(*a, **k)
+            finally:
+                self.stack.pop()
+
+        setattr(obj, name, counted)
+
+
+def count_ops(eng: DecodeEngine, ids: torch.Tensor) -> dict[str, int]:
+    """Operations of one prefill chunk ids (B, window), by part: the competitions, the entries' preparation,
+    each layer's projections, attention and MLP, the leavers' scores, the rest (embedding, ring writes)."""
+    counter = OpCount()
+    st = eng.store
+    for obj, name, label in [(st, "compete_static", "competitions"), (st, "compete_decaying", "competitions"),
+                             (eng, "_pool_competitions", "competitions"), (eng, "_pool_chunk_entries", "entries"),
+                             (eng, "_pool_chunk_attend", "attention"), (eng, "_chunk_qkv", "projections"),
+                             (eng, "_finish_layer", "mlp"), (eng, "_leaver_prio", "leaver_scores")]:
+        counter.part(obj, name, label)
+    with counter:
+        eng.prefill(ids)
+    for name in ("compete_static", "compete_decaying"):
+        del st.__dict__[name]
+    for name in ("_pool_competitions", "_pool_chunk_entries", "_pool_chunk_attend", "_chunk_qkv", "_finish_layer", "_leaver_prio"):
+        del eng.__dict__[name]
+    return {**dict(counter.counts), "total": sum(counter.counts.values())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=None, help="default: results/profile_pool_prefill/<device>[_small].json")
     ap.add_argument("--small", action="store_true", help="a tiny Qwen3 and a short context (smoke test; CPU or CUDA)")
+    ap.add_argument("--narrow", action="store_true", help="Qwen3-4B's 36 layers and 32 / 8 heads at width 256, head dim 16: the pool at "
+                    "full size, the model's arithmetic small (the CPU)")
+    ap.add_argument("--ops", action="store_true", help="also count one more chunk's operations by part (views aside)")
     ap.add_argument("--policy", default="dbtrimkv", help="dbtrimkv (a random gate: decaying ranks) or kvpop_mlp (OnePool of a random scorer)")
     ap.add_argument("--context", type=int, default=4096, help="tokens prefilled before the profiled chunks")
     ap.add_argument("--chunks", type=int, default=2, help="chunks of `window` tokens profiled")
@@ -39,9 +100,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.chunks < 1 or args.context < 0:
         ap.error(f"--chunks must be >= 1 and --context >= 0, got {args.chunks} and {args.context}")
-    out = args.out or default_out(__file__, small=args.small)
+    if args.small and args.narrow:
+        ap.error("--small and --narrow are two different models: pick one")
+    out = args.out or default_out(__file__, small=args.small, suffix="narrow" if args.narrow else "")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = qwen3_4b_config(args.small)
+    if args.ops and dev.type == "cuda":
+        ap.error("--ops counts the eager engine's operations (a compiled piece would not be counted as it runs): run it on the CPU")
+    cfg = qwen3_4b_config(args.small, args.narrow)
     with dev:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32).eval()
     scorer = make_policy("kvpop_mlp", num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim).to(dev)
@@ -50,7 +115,7 @@ def main() -> None:
     context = args.context if not args.small else min(args.context, 256)
     eng = DecodeEngine(model, policy, layout=CacheLayout(budget, 4, window), batch_size=1)
     eng.pool_closed_form = not args.replay
-    ids = random_ids(1, context + args.chunks * window, cfg.vocab_size, 0, dev)
+    ids = random_ids(1, context + (args.chunks + args.ops) * window, cfg.vocab_size, 0, dev)
     t0 = time.perf_counter()
     eng.prefill(ids[:, :context])
     sync(dev)
@@ -68,11 +133,17 @@ def main() -> None:
     head = (f"{args.policy} ({'replayed' if args.replay else 'one pass'}): {chunk_s:.3f} s per {window}-token chunk after {context} tokens "
             f"(the prefill to there: {warm_s:.1f} s, {context / window:.0f} chunks)")
     print(head + "\n" + host + "\n" + device)
+    extra = {}
+    if args.ops:
+        c0 = context + args.chunks * window
+        extra["ops_per_chunk"] = count_ops(eng, ids[:, c0 : c0 + window])
+        print("operations of one more chunk, by part (views aside):", extra["ops_per_chunk"])
+    model_name = "qwen3-small" if args.small else "Qwen3-4B's layers and heads at width 256, head dim 16" if args.narrow else "Qwen3-4B architecture"
     write_result(out, {"what": f"one prefill chunk of the pooled engine ({args.policy}) under the profiler, host and device",
-                       "model": "qwen3-small" if args.small else "Qwen3-4B architecture (random weights)", "policy": args.policy,
+                       "model": model_name + " (random weights)", "policy": args.policy,
                        "one_pass": not args.replay, "budget": budget, "window": window, "context": context, "chunks": args.chunks,
                        "s_per_chunk": round(chunk_s, 4), "prefill_to_context_s": round(warm_s, 2), "summary": head,
-                       "table_host": host, "table_device": device})
+                       "table_host": host, "table_device": device, **extra})
 
 
 if __name__ == "__main__":

@@ -135,12 +135,20 @@ def copy_bandwidth(dev: torch.device | str, nbytes: int) -> float:
     return 2 * nbytes * n / (time.perf_counter() - t0)
 
 
-def qwen3_4b_config(small: bool = False):
+def qwen3_4b_config(small: bool = False, narrow: bool = False):
     """The decode benchmarks' model: the Qwen3-4B architecture (36 layers, 32 query / 8 KV heads,
     head_dim 128, hidden 2560, intermediate 9728, vocabulary 151,936, tied embeddings); ``small``: a
-    4-layer Qwen3 of width 256 for smoke runs (also on the CPU)."""
+    4-layer Qwen3 of width 256 for smoke runs (also on the CPU); ``narrow``: Qwen3-4B's 36 layers and
+    32 / 8 heads at width 256, head dim 16 and a vocabulary of 1,024: the pooled engine's bookkeeping at
+    full size (its pool has as many entries), the model's arithmetic small (the CPU)."""
     from transformers import Qwen3Config
 
+    if small and narrow:
+        raise ValueError("small and narrow are two different models: pick one")
+    if narrow:
+        return Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=36, num_attention_heads=32,
+                           num_key_value_heads=8, head_dim=16, max_position_embeddings=1 << 18, tie_word_embeddings=True,
+                           rope_theta=1_000_000.0, rms_norm_eps=1e-6)
     if small:
         return Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                            num_key_value_heads=2, head_dim=32, max_position_embeddings=1 << 18, tie_word_embeddings=True)

@@ -764,21 +764,23 @@ class DecodeEngine:
         static = self.chunk_graphs and C == self.window
         entries = self._pool_chunk_entries(snap, e, pos, bucket=self.chunk_bucket if static else st.page)
         if static:  # every layer on static buffers (one CUDA graph each when compiled)
-            x, kv = self._pool_chunk_layers_static(x, cos, sin, entries)  # kv (L, 2, B, Hk, C, D)
+            x, kv = self._pool_chunk_layers_static(x, cos, sin, entries)
+            knew, vnew = kv[:, 0], kv[:, 1]  # (L, B, Hk, C, D) each
         else:
-            new = []
+            ks, vs = [], []
             for i in range(len(self.layers)):
                 x, k, v = self._pool_chunk_layer(i, x, cos, sin, self._layer_entries(entries, i), entries["qpos"], fns)
-                new.append(torch.stack([k, v]))
-            kv = torch.stack(new)  # (L, 2, B, Hk, C, D)
+                ks.append(k)
+                vs.append(v)
+            knew, vnew = torch.stack(ks), torch.stack(vs)  # (L, B, Hk, C, D) each
         if orig is not None:  # the pool's entries where the bookkeeping put them
             idx = orig[..., None].expand(-1, -1, self.D)
             st.keys.copy_(st.keys.gather(1, idx))
             st.values.copy_(st.values.gather(1, idx))
         # the chunk enters every layer's rings at once: pair f = layer * Hk + head, its slots (F, C)
         slots = (st.ring_base[:, None] + st.home_slot(pos)[None, :]).view(-1)  # (F C,)
-        st.keys[:, slots] = kv[:, 0].transpose(0, 1).reshape(B, -1, self.D)  # (L, B, Hk, C, D) -> (B, F C, D)
-        st.values[:, slots] = kv[:, 1].transpose(0, 1).reshape(B, -1, self.D)
+        st.keys[:, slots] = knew.transpose(0, 1).reshape(B, -1, self.D)  # (L, B, Hk, C, D) -> (B, F C, D)
+        st.values[:, slots] = vnew.transpose(0, 1).reshape(B, -1, self.D)
         st.pos[:, slots] = pos.repeat(st.F)
         st.tag[:, slots] = st.pair.repeat_interleave(C)
         st._sync_block_masks()
