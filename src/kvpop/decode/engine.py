@@ -915,8 +915,9 @@ class DecodeEngine:
                         "pool": torch.cuda.graph_pool_handle() if self.compiled else None}
         cg = self._cg
         cg["x"][0].copy_(x)
-        for name in ("cos", "sin", "qpos"):
-            cg[name].copy_(cos if name == "cos" else sin if name == "sin" else entries["qpos"])
+        cg["cos"].copy_(cos)
+        cg["sin"].copy_(sin)
+        cg["qpos"].copy_(entries["qpos"])
         for i in range(L):
             w = entries["width"][i]
             if w not in cg["ehl"]:
