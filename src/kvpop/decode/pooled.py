@@ -562,7 +562,7 @@ class PoolStore:
         for qb in range(q0, q0 + n, self.decay_block):
             nb = min(self.decay_block, q0 + n - qb)
             here = valid & (e == NEVER) & (arrive < qb + nb)  # (B, N) present at some query of the block
-            first = torch.maximum(arrive, torch.full_like(arrive, qb))
+            first = arrive.clamp(min=qb)  # (B, N) its first query in the block
             r0, r1 = (first - pos).double() * lb, (qb + nb - 1 - pos).double() * lb  # (B, N) ranks at its first and the last query
             lo, hi = torch.where(here, torch.minimum(r0, r1), inf), torch.where(here & (arrive <= qb), torch.maximum(r0, r1), inf)
             k = F + F * nb
