@@ -126,22 +126,23 @@ def test_a_prompt_of_the_budget_is_decoded_as_the_chunked_forward(llama):
     assert cache.max_prefill == LAYOUT.slots < NOMINAL.budget
 
 
-def test_greedy_generation_is_the_chunked_forwards_argmax(llama):
-    """kvpop.decode.generate runs kvpop_pool (the reference path: OnePoolCache, the prompt past its slots fed one
-    token at a time): each greedy token is the argmax of the chunked forward's logits over the generated text
-    (a path check: the tiny model's argmax hardly depends on the pattern; the decoding twin above checks it)."""
-    from kvpop.decode import generate
+@pytest.mark.parametrize("path", ["engine", "reference"])
+def test_greedy_generation_is_the_chunked_forwards_argmax(llama, path):
+    """kvpop.decode.generate runs kvpop_pool on the pooled engine (each layer's mLSTM state read out at j + d;
+    prefill chunks of window - d; twins: tests/test_pooled.py) and on the reference path (OnePoolCache, the prompt
+    past its slots fed one token at a time): each greedy token is the argmax of the chunked forward's logits over
+    the generated text (a path check: the tiny model's argmax hardly depends on the pattern; the decoding twins
+    check it)."""
+    from kvpop.decode import engine_refusal, generate
 
     class Tok:
         pad_token_id, eos_token_id = 0, llama.generation_config.eos_token_id
 
     policy = mlstm_pool(seed=15)
     prompt = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(16))
-    from kvpop.decode import engine_refusal
-
-    assert "recurrent state" in engine_refusal(llama, policy)  # the pooled engine has no mLSTM read-out at j + d
-    new, stats = generate(llama, Tok(), policy, prompt, layout=NOMINAL, max_new_tokens=16)
-    assert stats.path == "reference" and new.shape == (1, 16)
+    assert engine_refusal(llama, policy) is None
+    new, stats = generate(llama, Tok(), policy, prompt, layout=NOMINAL, max_new_tokens=16, path=path)
+    assert stats.path == path and new.shape == (1, 16)
     full = torch.cat([prompt, new], 1)
     _, logits = pool_chunked(llama, policy, full, layout=LAYOUT, keep_logits=True)
     want = logits[0, 29:-1].argmax(-1)  # (16,) the prediction after each prefix

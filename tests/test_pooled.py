@@ -52,6 +52,14 @@ def make(name: str, tie_policy):
         return policy
     if name == "kvpop_mlp_pool":
         return random_weights(make_policy("kvpop_mlp_pool", **shape), 2)
+    if name == "kvpop_pool":  # the delayed mLSTM: read out at j + d, d = window // 4 (prefill chunks of window - d)
+        policy = make_policy("kvpop_pool", num_layers=2, num_kv_heads=2, head_dim=16, scorer_dk=4, scorer_dv=4)
+        torch.manual_seed(4)
+        with torch.no_grad():
+            for cell in policy.scorer.layers:  # gates and read-out that depend on the tokens
+                cell.w_gate.normal_(std=0.3)
+                cell.w_o.mul_(3.0)
+        return policy
     if name == "one_pool_ties":  # static priorities with three levels: ties broken by the newer token, then the lower pair
         rule = tie_policy(per_head_shift=True, name="ties")
         type(rule).learned = True  # OnePool ranks learned (or oracle) priorities
@@ -59,7 +67,7 @@ def make(name: str, tie_policy):
     return OnePool(random_weights(make_policy("kvpop_mlp", **shape), 3))
 
 
-NAMES = ["dbtrimkv", "dbtrimkv_tied", "one_pool_mlp", "one_pool_ties", "kvpop_mlp_pool"]
+NAMES = ["dbtrimkv", "dbtrimkv_tied", "one_pool_mlp", "one_pool_ties", "kvpop_mlp_pool", "kvpop_pool"]
 
 
 def ids(B=2, n=S, seed=1):
@@ -152,7 +160,7 @@ def test_the_engine_holds_the_reference_entries(model, name, tie_policy):
     want = reference_held(reference_cache(model, policy, x))
     assert held(eng) == want
     occ = eng.store.occupancy()  # (B, L, Hk)
-    assert (occ.sum((1, 2)) == 2 * 2 * BUDGET).all()
+    assert (occ.sum((1, 2)) == 2 * 2 * eng.layout.slots).all()  # kvpop_pool: a slot of each head holds its state
     assert torch.equal(occ, torch.tensor([[[len(h) for h in layer] for layer in row] for row in want]))
     st = eng.store  # the lists are dense: layer l's entries at logical [0, n_l), on its pages
     for b in range(2):

@@ -15,7 +15,7 @@ from test_engine import engine_logits
 
 SINKS, WINDOW, K = 4, 16, 12
 LAYOUT = CacheLayout(SINKS + WINDOW + K, SINKS, WINDOW)
-NAMES = ["dense", "streaming_llm", "kvpop_mlp", "kvpop", "dbtrimkv", "kvpop_mlp_pool", "one_pool_mlp"]
+NAMES = ["dense", "streaming_llm", "kvpop_mlp", "kvpop", "dbtrimkv", "kvpop_mlp_pool", "kvpop_pool", "one_pool_mlp"]
 EOS = torch.tensor([], dtype=torch.long)  # no EOS: every answer runs to its max_new_tokens
 
 

@@ -12,7 +12,7 @@ captured once as a CUDA graph that every later step replays) are separate functi
   takes it iff it ranks at least as high. Same rule, same tie-break, same results as
   :class:`kvpop.decode.cache.BoundedLayer` (the slow twin that tests compare against);
 * ``dense`` -- a static cache of ``max_len`` slots (the dense baseline in the same engine);
-* ``pooled`` -- the ``one_pool`` policies (``dbtrimkv``, ``OnePool(...)``, ``kvpop_mlp_pool``): one pool of
+* ``pooled`` -- the ``one_pool`` policies (``dbtrimkv``, ``OnePool(...)``, ``kvpop_mlp_pool``, ``kvpop_pool``): one pool of
   ``L x Hk x k`` long-range entries for the whole model (:mod:`kvpop.decode.pooled`,
   :class:`kvpop.decode.pooled.PoolStore`): every layer's rings and the pool's pages in one store per row
   (B, NS, D), each layer's entries dense on its own pages. The step's head runs the pool's competition for
@@ -24,7 +24,11 @@ captured once as a CUDA graph that every later step replays) are separate functi
   chunk of competitions in closed form, a decaying rule's on a candidate list, its queries one CUDA graph:
   :mod:`kvpop.decode.pooled`); each layer's chunk attends with SDPA to its heads' entries gathered apart
   (every pair's entries grouped once per chunk), its projections, MLP and the leavers' scores compiled on
-  CUDA. Same results as :class:`kvpop.decode.one_pool.OnePoolCache` (tests/test_pooled.py).
+  CUDA. A delayed rule (``kvpop_pool``, :meth:`Policy.read_delay` ``d``) keeps each layer's recurrent state: the
+  step reads the token into it and reads token ``p - d`` out into its ring slot's priority
+  (:meth:`DecodeEngine._pool_read_out`), a prefill chunk of at most ``window - d`` tokens does the same in the
+  chunkwise form (:meth:`DecodeEngine._pool_chunk_read_out`). Same results as
+  :class:`kvpop.decode.one_pool.OnePoolCache` (tests/test_pooled.py).
 
 Attention of the step is FlexAttention's decoding kernel on CUDA (split over the KV length,
 fp32 accumulation, GQA), and SDPA with the same mask evaluated densely on CPU; one
@@ -207,8 +211,6 @@ def engine_refusal(model, policy: Policy | None) -> str | None:
         return f"policy {policy.name!r} is an oracle (it reads the trace's future): teacher-forced evaluation only"
     if policy is not None and policy.needs_attention:
         return f"policy {policy.name!r} needs attention weights: decode it with kvpop.decode.BoundedCache"
-    if policy is not None and policy.one_pool and type(policy).read_delay is not Policy.read_delay:  # kvpop_pool: read out at j + d
-        return f"policy {policy.name!r} ranks with one pool and reads a token's score out of a recurrent state: decode it with kvpop.decode.OnePoolCache"
     if policy is not None and policy.one_pool and policy.scores_on_exit:
         return f"policy {policy.name!r} ranks with one pool and scores a token when it leaves: decode it with kvpop.decode.OnePoolCache"
     if policy is not None and policy.one_pool:
@@ -286,6 +288,10 @@ class DecodeEngine:
             chunk = 2048 if self.device.type == "cuda" else min(2048, max(2 * BLOCK, -(-self.slots // BLOCK) * BLOCK))
         self.chunk = chunk
         self.delayed = self.policy is not None and self.policy.scores_on_exit
+        # the pooled kind's delayed rule (kvpop_pool): token j's score read out of each layer's recurrent state at j + d,
+        # d < window (Policy.read_delay); its prefill chunks are window - d tokens (kvpop.policies.kvpop_pool)
+        self.pool_delay = self.policy.read_delay(self.window) if self.kind == "pooled" else None
+        self.pool_chunk = self.window - (self.pool_delay or 0)  # the pooled prefill's whole chunk
         # (weight, bias) of each layer's q/k/v and gate/up projections, packed into one matrix each
         # (after every check above: a refused engine leaves the model as it was)
         self._wqkv = [pack_linears(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj) for l in self.layers]
@@ -300,7 +306,7 @@ class DecodeEngine:
         self.values = [torch.zeros(B, Hk, T, D, dtype=self.dtype, device=dev) for _ in range(L)] if per_head else []
         self.pos = [torch.full((B, Hk, T), -1, dtype=torch.int64, device=dev) for _ in range(L)] if per_head else []
         self.prio = [torch.full((B, Hk, T), NEG_INF, dtype=torch.float64, device=dev) for _ in range(L)] if self.kind == "bounded" else []
-        self.state = [self.policy.init_state(i, B, dev) for i in range(L)] if self.delayed else []
+        self.state = [self.policy.init_state(i, B, dev) for i in range(L)] if self.delayed or self.pool_delay is not None else []
         self.p = torch.zeros((), dtype=torch.int64, device=dev)  # tokens seen = position of the next token
         self.tok = torch.zeros(B, 1, dtype=torch.int64, device=dev)  # the step's input token
         self.seen = 0  # host mirror of p (the step never reads it)
@@ -331,7 +337,8 @@ class DecodeEngine:
         self.compiled = compile
         # each layer's rule and the layer index it is called with: the policy and i, or (per-layer
         # compile) the layer's one-layer view and 0, so that no Python int tells the layers apart
-        views = [self.policy.for_layer(i) for i in range(L)] if self.kind == "bounded" and compile_mode == "layer" else None
+        per_layer_rule = self.kind == "bounded" or self.pool_delay is not None
+        views = [self.policy.for_layer(i) for i in range(L)] if per_layer_rule and compile_mode == "layer" else None
         if views is not None and any(v is None for v in views):
             compile_mode, views = "step", None  # a rule without one-layer views: the whole step is compiled
         self.compile_mode: CompileMode | None = compile_mode if compile else None
@@ -378,8 +385,8 @@ class DecodeEngine:
         self._compete_graph: torch.cuda.CUDAGraph | None = None  # pooled, compiled: a prefill chunk's competition
         # pooled: a full prefill chunk's layers on static buffers, each layer one CUDA graph per width bucket (compiled);
         # on the CPU the same buffers and padding run eagerly (the twin). Opt-in until measured on a GPU (issue 33)
-        if chunk_graphs and self.kind != "pooled":
-            raise ValueError("chunk_graphs serves the pooled kind's prefill (a one_pool policy)")
+        if chunk_graphs and (self.kind != "pooled" or self.pool_delay is not None):
+            raise ValueError("chunk_graphs serves the pooled kind's prefill (a one_pool policy with static priorities, not a delayed one)")
         self.chunk_graphs = chunk_graphs
         self.chunk_bucket = 4 * self.store.page if self.store is not None else 0  # entry places of a layer's head: a multiple of this
         self._layer_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -662,13 +669,16 @@ class DecodeEngine:
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1].input_layernorm if i + 1 < L else self.model.model.norm
             x, h = self._layer_step(self, layer, nxt, self._wqkv[i], self._wgu[i], self._layer_index[i], st.bm_num[i], st.bm_idx[i],
-                                    x, h, cos, sin, at)
+                                    x, h, cos, sin, at, self._rules[i], self._rule_index[i], self.state[i] if self.state else ())
         return self._step_tail(self, h)
 
     def _leaver_prio(self, j: Tensor) -> Tensor:
         """Priorities (B, F, n) float64 of tokens j (n,) (non-sinks, in their rings) in every layer and KV
-        head, scored from their stored keys and values: the number they got when they entered (a static rule)."""
+        head, scored from their stored keys and values: the number they got when they entered (a static rule);
+        a delayed one's (kvpop_pool) were read out into their ring slots' priorities at ``j + d``."""
         st, B = self.store, self.B
+        if self.pool_delay is not None:
+            return st.prio[:, st.ring_base[:, None] + st.home_slot(j)[None, :]]  # (B, F, n)
         out = []
         for i in range(len(self.layers)):
             slots = st.ring_slots(i, j)  # (Hk, n)
@@ -696,7 +706,7 @@ class DecodeEngine:
         return x, self.layers[0].input_layernorm(x), cos, sin, at
 
     def _pool_layer(self, layer, nxt, wqkv, wgu, li: Tensor, bm_num: Tensor, bm_idx: Tensor, x: Tensor, h: Tensor, cos: Tensor,
-                    sin: Tensor, at: Tensor) -> tuple[Tensor, Tensor]:
+                    sin: Tensor, at: Tensor, rule: Policy | None = None, ri: int = 0, state: tuple[Tensor, ...] = ()) -> tuple[Tensor, Tensor]:
         """One decoder layer of the pooled step (as :meth:`_layer`): the token enters its ring slot in
         every head of layer ``li`` (0-d int64), then the layer's H query heads attend to its ring and pool
         entries. Compiled: FlexAttention's decoding kernel over the layer's pages (``bm_num`` (B, 1, 1),
@@ -710,6 +720,8 @@ class DecodeEngine:
         st.values.index_put_((bi, slot), v.reshape(B * Hk, -1))
         st.pos.index_put_((bi, slot), self.p.expand(B * Hk))
         st.tag.index_put_((bi, slot), li * Hk + hi)
+        if self.pool_delay is not None:  # kvpop_pool: layer li's state reads the token, then token p - d is read out
+            self._pool_read_out(rule, ri, li, state, k[:, :, 0], v[:, :, 0])
         if self.compiled:
             from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -731,6 +743,40 @@ class DecodeEngine:
         x = self._finish_layer(layer, wgu, x, out)
         return x, nxt(x)
 
+    def _pool_read_out(self, rule: Policy, ri: int, li: Tensor, state: tuple[Tensor, ...], k: Tensor, v: Tensor) -> None:
+        """A delayed pooled rule's step in layer ``li`` (0-d): its state (``rule`` called with index ``ri``) reads the
+        token's k, v (B, Hk, D), then token ``j = p - d`` (still in the ring: ``d < window``) gets its priority from
+        it, into its ring slots' priorities, ``window - d`` steps before it leaves (as
+        :meth:`kvpop.decode.one_pool.PoolLayer._read_out`). A ``j`` below ``sinks`` (which never compete) writes
+        to the dump slot."""
+        st, B, Hk, D = self.store, self.B, self.Hk, self.D
+        for buf, new in zip(state, rule.step(ri, state, k, v), strict=True):
+            buf.copy_(new)
+        j = self.p - self.pool_delay  # 0-d
+        slot = li * st.RS + torch.arange(Hk, device=self.device) * st.R + st.home_slot(j.clamp(min=0))  # (Hk,)
+        slot = torch.where(j >= self.sinks, slot, st.dump)[self._bh[1]]  # (B * Hk,)
+        bi = self._bh[0]
+        kj, vj = st.keys[bi, slot].view(B, Hk, D), st.values[bi, slot].view(B, Hk, D)
+        st.prio.index_put_((bi, slot), rule.exit_scores(ri, state, kj, vj, j).reshape(-1).double())
+
+    def _pool_chunk_read_out(self, i: int, k: Tensor, v: Tensor, c0: int) -> tuple[Tensor, Tensor]:
+        """A delayed pooled rule in a prefill chunk: layer i's state reads the chunk's k, v (B, Hk, C, D) and the
+        tokens ``j`` with ``j + d`` in the chunk are read out at ``j + d`` (the chunked form of
+        :meth:`_pool_read_out`, :meth:`Policy.prefill_chunk`) -> (their positions (R,), priorities (B, Hk, R)
+        float64), which enter their ring slots once the chunk has (:meth:`_pool_prefill_chunk`). Their keys:
+        the ring's for ``j < c0`` (written by earlier chunks: ``j > c0 - window``), else the chunk's."""
+        st, d, dev = self.store, self.pool_delay, self.device
+        C = k.shape[2]
+        rpos = torch.arange(max(self.sinks, c0 - d), max(self.sinks, c0 + C - d), device=dev)  # (R,)
+        ring = st.ring_base[i * self.Hk : (i + 1) * self.Hk, None] + st.home_slot(rpos)[None, :]  # (Hk, R) layer i's ring slots
+        old = (rpos < c0)[None, None, :, None]
+        idx = (rpos - c0).clamp(min=0)
+        rk, rv = (torch.where(old, buf[:, ring], new[:, :, idx]) for buf, new in ((st.keys, k), (st.values, v)))  # (B, Hk, R, D)
+        prio, state = self._rules[i].prefill_chunk(self._rule_index[i], self.state[i], k, v, rk, rv, rpos, rpos + d - c0)
+        for buf, new in zip(self.state[i], state, strict=True):
+            buf.copy_(new)
+        return rpos, prio.double()
+
     def _pool_prefill_chunk(self, ids: Tensor) -> Tensor:
         """A chunk ids (B, C) of at most ``window`` tokens into the pooled cache -> logits (B, V) of its last.
 
@@ -748,9 +794,9 @@ class DecodeEngine:
         snap = (st.tag.clone(), st.pos.clone())  # the tags and positions at the chunk's start
         q0 = max(c0, self.sinks + self.window)  # the first query whose leaver competes
         orig = e = None
-        fns = self._chunk_fns if C == self.window else {}
+        fns = self._chunk_fns if C == self.pool_chunk else {}
         if q0 < c1:
-            leaver_prio = fns["prio"] if c1 - q0 == self.window and fns else self._leaver_prio
+            leaver_prio = fns["prio"] if c1 - q0 == self.pool_chunk and fns else self._leaver_prio
             prio = leaver_prio(torch.arange(q0 - self.window, c1 - self.window, device=dev))  # (B, F, c1 - q0)
             if self.pool_closed_form:  # static priorities: the chunk's competitions in one pass; decaying: on a candidate list
                 orig, e = st.compete_decaying(q0, prio) if st.decays else st.compete_static(q0, prio)
@@ -761,17 +807,20 @@ class DecodeEngine:
         pos = torch.arange(c0, c1, device=dev)
         x = self.model.model.embed_tokens(ids)
         cos, sin = self.model.model.rotary_emb(x, pos.expand(B, C))
-        static = self.chunk_graphs and C == self.window
+        static = self.chunk_graphs and C == self.pool_chunk
         entries = self._pool_chunk_entries(snap, e, pos, bucket=self.chunk_bucket if static else st.page)
         if static:  # every layer on static buffers (one CUDA graph each when compiled)
             x, kv = self._pool_chunk_layers_static(x, cos, sin, entries)
             knew, vnew = kv[:, 0], kv[:, 1]  # (L, B, Hk, C, D) each
         else:
-            ks, vs = [], []
+            ks, vs, read = [], [], []
             for i in range(len(self.layers)):
                 x, k, v = self._pool_chunk_layer(i, x, cos, sin, self._layer_entries(entries, i), entries["qpos"], fns)
                 ks.append(k)
                 vs.append(v)
+                if self.pool_delay is not None:
+                    rpos, prio = self._pool_chunk_read_out(i, k, v, c0)
+                    read.append(prio)
             knew, vnew = torch.stack(ks), torch.stack(vs)  # (L, B, Hk, C, D) each
         if orig is not None:  # the pool's entries where the bookkeeping put them
             idx = orig[..., None].expand(-1, -1, self.D)
@@ -783,6 +832,8 @@ class DecodeEngine:
         st.values[:, slots] = vnew.transpose(0, 1).reshape(B, -1, self.D)
         st.pos[:, slots] = pos.repeat(st.F)
         st.tag[:, slots] = st.pair.repeat_interleave(C)
+        if self.pool_delay is not None and rpos.numel():  # the read-out priorities into their ring slots, every layer's
+            st.prio[:, (st.ring_base[:, None] + st.home_slot(rpos)[None, :]).view(-1)] = torch.stack(read, 1).view(B, -1)  # (B, L, Hk, R)
         st._sync_block_masks()
         self.seen = c1
         self.p.fill_(c1)
@@ -962,8 +1013,8 @@ class DecodeEngine:
                 self.tok.copy_(ids[:, t : t + 1])
                 logits = self.step().clone()
             return logits
-        if self.kind == "pooled":  # chunks of at most `window` tokens: exact (kvpop.pool)
-            chunk = min(self.chunk, self.window)
+        if self.kind == "pooled":  # chunks of at most `window` tokens (a delayed rule's: window - d): exact (kvpop.pool)
+            chunk = min(self.chunk, self.pool_chunk)
             for c0 in range(0, ids.shape[1], chunk):
                 logits = self._pool_prefill_chunk(ids[:, c0 : c0 + chunk])
             self.tok.copy_(logits.argmax(-1, keepdim=True))
