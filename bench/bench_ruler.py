@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvpop.provenance import write_result
+from kvpop.provenance import read_provenance, write_result
 from kvpop.ruler import configuration, table
 
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     prov = None
     if args.provenance:
         try:
-            prov = json.loads(Path(args.provenance).read_text())
+            prov = read_provenance(args.provenance)
         except (OSError, ValueError) as err:
             print(f"error: --provenance {args.provenance}: {err}", file=sys.stderr)
             return 2

@@ -28,9 +28,14 @@ from pathlib import Path
 import yaml
 
 from kvpop.evaluate import twin_of
-from kvpop.provenance import envelope, write_result
+from kvpop.provenance import envelope, read_provenance, write_result
 
 QUOTE_BAR = {"4k": 0.95, "8k": 0.90}
+
+
+def quote_bar(config: str) -> float:
+    """The quote bar of a configuration (``4k``, ``8k``, or a variant ``4k+...``; others 0.95)."""
+    return QUOTE_BAR.get(config.split("+")[0], 0.95)
 
 
 def bars(policies: dict, other: dict, quote_bar: float) -> dict:
@@ -85,8 +90,7 @@ def merged(earlier: dict, new: dict, *, trained: set[str], run: dict) -> dict:
     out["train"] = {**out.get("train", {}), **new.get("train", {})}
     out["per_policy"] = {**(out.get("per_policy") or {}), **{n: v for n, v in (new.get("per_policy") or {}).items() if n in trained}}
     out["runs"] = [*out.get("runs", []), run]
-    out["bars"] = bars(out["policies"], out.get("other_text", {}), out["bars"]["quote_bar"] if out.get("bars") else QUOTE_BAR.get(
-        out["config"].split("+")[0], 0.95))
+    out["bars"] = bars(out["policies"], out.get("other_text", {}), out["bars"]["quote_bar"] if out.get("bars") else quote_bar(out["config"]))
     return out
 
 
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ev = json.loads(Path(args.eval).read_text())
         params = yaml.safe_load(Path(args.params).read_text())
-        prov = json.loads(Path(args.provenance).read_text()) if args.provenance else None
+        prov = read_provenance(args.provenance) if args.provenance else None
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -127,13 +131,13 @@ def main(argv: list[str] | None = None) -> int:
               "sinks": params.get("sinks"), "window": params.get("window"), "steps": tr.get("steps"), "per_policy": tr.get("per_policy", {}),
               "target": tr.get("target"), **({"note": args.note} if args.note else {}), "policies": policies, "other_text": other,
               "train": train, "eval": {k: ev[k] for k in ("budget", "eval_tokens", "eval_traces", "mean_trace_tokens") if k in ev},
-              "bars": bars(policies, other, QUOTE_BAR.get(args.config.split("+")[0], 0.95))}
+              "bars": bars(policies, other, quote_bar(args.config))}
     out = Path(args.out)
     doc = json.loads(out.read_text()) if out.is_file() else {}
     old = doc.get("configurations", [])
     for c in old:  # a configuration written before "runs" existed: the file's provenance is its run's
         c.setdefault("runs", [{"policies": sorted(c.get("policies", {})), "provenance": doc.get("provenance")}])
-    ran = sorted(n for n in policies if n in tr.get("policies", [])) if args.merge else sorted(policies)  # this run's rows
+    ran = sorted(n for n in policies if twin_of(n) in tr.get("policies", [])) if args.merge else sorted(policies)  # this run's rows (twins too)
     run = {"policies": ran, "provenance": prov or envelope(), **({"note": args.note} if args.note else {})}
     if args.merge:
         earlier = next((c for c in old if c.get("config") == args.config), None)

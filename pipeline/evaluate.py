@@ -63,6 +63,7 @@ def candidates(p, base: str, exports: Path, precision: str, device: str, only: s
     tok = AutoTokenizer.from_pretrained(base)
     shape = {k: v for k, v in model_shape(teacher).items() if k != "num_heads"}
     out = []
+    wanted = None if only is None else {twin_of(n) for n in only}  # the exports to load
     for name in p.evaluate.policies:
         # rules that need each step's attention are decoded token by token: a few traces only
         decode_only = policy_class(name).needs_attention
@@ -71,7 +72,7 @@ def candidates(p, base: str, exports: Path, precision: str, device: str, only: s
             pol.configure(target=p.train.target)
         out.append(Candidate(name, teacher, pol, max_traces=p.evaluate.decode_traces if decode_only else None))
     for name in p.train.policies:
-        if only is not None and name not in {twin_of(n) for n in only}:
+        if wanted is not None and name not in wanted:
             continue
         try:
             model, _, pol, meta = load_export(exports / name, precision)

@@ -319,7 +319,7 @@ def test_bench_ruler_gathers_runs_with_their_provenance(tmp_path, capsys):
     section = {"tasks": ["vt"], "seq_len": 4096, "budget": 512, "samples": 25, "seed": 42, "fingerprint": "f",
                "policies": {"dense": acc, "oracle_target": {"accuracy": {}, "teacher_forced": {"vt": 1.0, "mean": 1.0}}}}
     (tmp_path / "eval.json").write_text(json.dumps({"policies": {}, "ruler": section}))
-    prov = {"command": "run_stages", "git_commit": "abc", "device": "NVIDIA H200", "versions": {}, "date": "2026-12-05"}
+    prov = {"command": "run_stages", "git_commit": "a" * 40, "device": "NVIDIA H200", "versions": {"torch": "2.11.0"}, "date": "2026-12-05"}
     (tmp_path / "prov.json").write_text(json.dumps(prov))
     out = tmp_path / "h200.json"
     assert bench.main(["--eval", f"4k={tmp_path / 'eval.json'}", "--provenance", str(tmp_path / "prov.json"), "--out", str(out)]) == 0
@@ -334,3 +334,6 @@ def test_bench_ruler_gathers_runs_with_their_provenance(tmp_path, capsys):
     assert "no 'ruler' section" in capsys.readouterr().err
     assert bench.main(["--eval", f"4k={tmp_path / 'eval.json'}", "--provenance", str(tmp_path / "missing.json"), "--out", str(out)]) == 2
     assert "--provenance" in capsys.readouterr().err and json.loads(out.read_text())["provenance"] == prov  # nothing overwritten
+    (tmp_path / "partial.json").write_text(json.dumps({"device": "NVIDIA H200"}))  # not an envelope: what it lacks is named
+    assert bench.main(["--eval", f"4k={tmp_path / 'eval.json'}", "--provenance", str(tmp_path / "partial.json"), "--out", str(out)]) == 2
+    assert "provenance.git_commit missing" in capsys.readouterr().err and json.loads(out.read_text())["provenance"] == prov

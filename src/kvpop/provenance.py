@@ -113,6 +113,19 @@ def check_envelope(doc: object) -> list[str]:
     return problems
 
 
+def read_provenance(path: str | Path) -> dict:
+    """The provenance in a JSON file (a run made on another machine: ``command``, ``git_commit``, ``device``,
+    ``versions``, ``date``), checked as :func:`check_envelope` checks a result's; ValueError naming the file and
+    what it lacks (OSError where it cannot be read)."""
+    try:
+        env = json.loads(Path(path).read_text())
+    except ValueError as err:
+        raise ValueError(f"{path}: not JSON ({err})") from err
+    if problems := check_envelope({"provenance": env}):
+        raise ValueError(f"{path}: not a provenance: " + "; ".join(problems))
+    return env
+
+
 def script_summary() -> str | None:
     """The first line of the running script's docstring (``__main__``), or None."""
     doc = getattr(sys.modules.get("__main__"), "__doc__", None) or ""

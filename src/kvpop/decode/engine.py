@@ -678,7 +678,7 @@ class DecodeEngine:
         a delayed one's (kvpop_pool) were read out into their ring slots' priorities at ``j + d``."""
         st, B = self.store, self.B
         if self.pool_delay is not None:
-            return st.prio[:, st.ring_base[:, None] + st.home_slot(j)[None, :]]  # (B, F, n)
+            return st.prio[:, st.pair_slots(j)]  # (B, F, n)
         out = []
         for i in range(len(self.layers)):
             slots = st.ring_slots(i, j)  # (Hk, n)
@@ -753,7 +753,7 @@ class DecodeEngine:
         for buf, new in zip(state, rule.step(ri, state, k, v), strict=True):
             buf.copy_(new)
         j = self.p - self.pool_delay  # 0-d
-        slot = li * st.RS + torch.arange(Hk, device=self.device) * st.R + st.home_slot(j.clamp(min=0))  # (Hk,)
+        slot = st.ring_slots(li, j.clamp(min=0).view(1))[:, 0]  # (Hk,)
         slot = torch.where(j >= self.sinks, slot, st.dump)[self._bh[1]]  # (B * Hk,)
         bi = self._bh[0]
         kj, vj = st.keys[bi, slot].view(B, Hk, D), st.values[bi, slot].view(B, Hk, D)
@@ -768,7 +768,7 @@ class DecodeEngine:
         st, d, dev = self.store, self.pool_delay, self.device
         C = k.shape[2]
         rpos = torch.arange(max(self.sinks, c0 - d), max(self.sinks, c0 + C - d), device=dev)  # (R,)
-        ring = st.ring_base[i * self.Hk : (i + 1) * self.Hk, None] + st.home_slot(rpos)[None, :]  # (Hk, R) layer i's ring slots
+        ring = st.ring_slots(i, rpos)  # (Hk, R)
         old = (rpos < c0)[None, None, :, None]
         idx = (rpos - c0).clamp(min=0)
         rk, rv = (torch.where(old, buf[:, ring], new[:, :, idx]) for buf, new in ((st.keys, k), (st.values, v)))  # (B, Hk, R, D)
@@ -827,13 +827,13 @@ class DecodeEngine:
             st.keys.copy_(st.keys.gather(1, idx))
             st.values.copy_(st.values.gather(1, idx))
         # the chunk enters every layer's rings at once: pair f = layer * Hk + head, its slots (F, C)
-        slots = (st.ring_base[:, None] + st.home_slot(pos)[None, :]).view(-1)  # (F C,)
+        slots = st.pair_slots(pos).view(-1)  # (F C,)
         st.keys[:, slots] = knew.transpose(0, 1).reshape(B, -1, self.D)  # (L, B, Hk, C, D) -> (B, F C, D)
         st.values[:, slots] = vnew.transpose(0, 1).reshape(B, -1, self.D)
         st.pos[:, slots] = pos.repeat(st.F)
         st.tag[:, slots] = st.pair.repeat_interleave(C)
         if self.pool_delay is not None and rpos.numel():  # the read-out priorities into their ring slots, every layer's
-            st.prio[:, (st.ring_base[:, None] + st.home_slot(rpos)[None, :]).view(-1)] = torch.stack(read, 1).view(B, -1)  # (B, L, Hk, R)
+            st.prio[:, st.pair_slots(rpos).view(-1)] = torch.stack(read, 1).view(B, -1)  # (B, L, Hk, R)
         st._sync_block_masks()
         self.seen = c1
         self.p.fill_(c1)

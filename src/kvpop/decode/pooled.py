@@ -90,6 +90,32 @@ def block_index_dtype(store_elements: int) -> torch.dtype:
     return torch.int64 if store_elements > torch.iinfo(torch.int32).max else torch.int32
 
 
+def can_go(pos: Tensor, prio: Tensor, present: Tensor, arrive: Tensor, q0: int | Tensor, n: int, *, F: int, decays: bool) -> Tensor:
+    """The candidates that can be among the lowest-ranked at some query of ``q0 .. q0 + n - 1``: pos, prio (B, N)
+    (a static priority, or ``log beta`` of a decaying rank ``(q - pos) * log beta``), present (B, N) bool (there
+    at some of those queries), arrive (B, N) the first query each competes at -> (B, N) bool; the others stay
+    through those queries, whatever enters.
+
+    Over the queries candidate ``y``'s rank lies in ``[lo_y, hi_y]``, its ranks at its first query there
+    (``max(q0, arrive)``) and at the last (a decaying rank is linear in ``q``; float64 rounding is monotone,
+    so the bounds hold as computed), or its static priority. At most ``F`` candidates go at a query, ``F n`` in
+    all; with ``tau`` the ``(F + F n)``-th smallest ``hi`` of those present from ``q0`` on, a candidate with
+    ``lo > tau`` has, at every one of those queries, at least ``F`` of them still there that rank strictly
+    below it, so it stays. Used by the decode step's list (:meth:`PoolStore.refresh_list`, the pool from ``q0``)
+    and the decaying prefill's blocks (:meth:`PoolStore.compete_decaying`, pool and leavers)."""
+    B, N = pos.shape
+    inf = torch.tensor(float("inf"), dtype=torch.float64, device=pos.device)
+    if decays:
+        r0, r1 = (arrive.clamp(min=q0) - pos).double() * prio, (q0 + n - 1 - pos).double() * prio  # (B, N)
+        lo, hi = torch.minimum(r0, r1), torch.maximum(r0, r1)
+    else:
+        lo = hi = prio.double()
+    lo, hi = torch.where(present, lo, inf), torch.where(present & (arrive <= q0), hi, inf)
+    k = F + F * n
+    tau = hi.topk(k, dim=1, largest=False).values[:, -1:] if k <= N else inf.expand(B, 1)  # (B, 1)
+    return present & (lo <= tau)
+
+
 def _listed_first(can: Tensor, m: int) -> Tensor:
     """The places of a list can (B, N) bool, first ``m`` of them: (B, m) int64, the listed in order, then the
     unlisted as ``N + place`` (distinct: ``% N`` names them) where a row lists fewer than ``m``."""
@@ -225,6 +251,11 @@ class PoolStore:
         """Store slots of positions pos (C,) in every head of ``layer``'s ring -> (Hk, C)."""
         heads = torch.arange(self.Hk, device=pos.device)[:, None]
         return layer * self.RS + heads * self.R + self.home_slot(pos)[None]
+
+    def pair_slots(self, pos: Tensor) -> Tensor:
+        """Store slots of positions pos (n,) in every pair's ring (sinks and window tokens) -> (F, n), pair
+        ``f = layer * Hk + head`` (:meth:`ring_slots` of every layer at once)."""
+        return self.ring_base[:, None] + self.home_slot(pos)[None, :]
 
     def pages(self, layer: int) -> Tensor:
         """Pages in use by layer's pool list (B,) int64."""
@@ -416,33 +447,12 @@ class PoolStore:
 
     def can_go(self, q0: Tensor | int, n: int) -> Tensor:
         """The pool's entries that can be among the lowest-ranked at some query of ``q0 .. q0 + n - 1`` -> (B, NP)
-        bool over the pool's slots (the others stay through those queries, whatever enters): :meth:`rank_bound`."""
-        return self.rank_bound(q0, n)[0]
-
-    def rank_bound(self, q0: Tensor | int, n: int) -> tuple[Tensor, Tensor]:
-        """:meth:`can_go` and the bound ``tau`` (B, 1) float64 it cuts at: any candidate whose rank stays above
-        ``tau`` through the queries (an entering leaver too) stays, as the unlisted pool entries do.
-
-        Over those queries entry ``y``'s rank lies in ``[lo_y, hi_y]``: its ranks at the first and the last
-        query (a rank ``(q - i) * log beta`` is linear in ``q``; float64 rounding is monotone, so the bounds
-        hold as computed), or its static priority. At most ``F`` entries go at a query, ``M = F x n`` in all;
-        with ``tau`` the ``(F + M)``-th smallest ``hi``, an entry with ``lo > tau`` has, at every one of those
-        queries, at least ``F`` entries still in the pool that rank strictly below it, so it stays. Used by the
-        decaying prefill's chunk (:meth:`compete_decaying`) and the decode step's list (:meth:`refresh_list`)."""
-        B, F, NP, PS0, dev = self.B, self.F, self.NP, self.PS0, self.device
-        pprio = self.prio[:, PS0 : PS0 + NP]  # (B, NP)
-        valid = self.tag[:, PS0 : PS0 + NP] >= 0
-        inf = torch.tensor(float("inf"), dtype=torch.float64, device=dev)
-        if self.decays:
-            age = (q0 - self.pos[:, PS0 : PS0 + NP]).double()
-            r0, r1 = age * pprio, (age + (n - 1)) * pprio  # (B, NP) the ranks at the first and the last query
-            lo, hi = torch.minimum(r0, r1), torch.maximum(r0, r1)
-        else:
-            lo = hi = pprio
-        lo, hi = torch.where(valid, lo, inf), torch.where(valid, hi, inf)
-        k = F + F * n
-        tau = hi.topk(k, dim=1, largest=False).values[:, -1:] if k <= NP else inf.expand(B, 1)  # (B, 1)
-        return valid & (lo <= tau), tau
+        bool over the pool's slots (the others stay through those queries, whatever enters): :func:`can_go` over
+        the pool, every entry present from ``q0``."""
+        PS0, NP = self.PS0, self.NP
+        pos = self.pos[:, PS0 : PS0 + NP]
+        return can_go(pos, self.prio[:, PS0 : PS0 + NP], self.tag[:, PS0 : PS0 + NP] >= 0, torch.full_like(pos, 0) + q0, q0, n, F=self.F,
+                      decays=self.decays)
 
     def before_step(self, q: Tensor) -> None:
         """Before the decode step at query ``q`` (0-d int64): a fresh candidate list every ``list_steps`` steps
@@ -540,7 +550,7 @@ class PoolStore:
         the survivors laid out afresh as there. prio (B, F, n): the leavers' ``log beta``.
 
         The queries run in blocks of :attr:`decay_block`; each block's list holds the candidates that can go
-        within it, by :meth:`rank_bound`'s argument over the candidates present then (the pool's entries and
+        within it, by :func:`can_go`'s argument over the candidates present then (the pool's entries and
         the leavers not yet gone, the leavers that arrive within the block): a rank is linear in ``q``, so over
         the block it lies between its values at the candidate's first query there (a leaver's arrival, ``window``
         old) and the block's last; with ``tau`` the ``(F + F b)``-th smallest highest rank among those present at
@@ -557,17 +567,11 @@ class PoolStore:
         arrive = torch.cat([torch.full((B, NP), q0, dtype=torch.int64, device=dev), pos[:, NP:] + self.window], 1)  # (B, N) first query
         e = torch.full((B, N), NEVER, dtype=torch.int64, device=dev)  # eviction times by candidate
         count = self.count.sum(1)  # (B,) the pool's entries before the block's first query
-        inf = torch.tensor(float("inf"), dtype=torch.float64, device=dev)
         self.chunk_lists = []  # (listed, present) per block: a diagnostic
         for qb in range(q0, q0 + n, self.decay_block):
             nb = min(self.decay_block, q0 + n - qb)
             here = valid & (e == NEVER) & (arrive < qb + nb)  # (B, N) present at some query of the block
-            first = arrive.clamp(min=qb)  # (B, N) its first query in the block
-            r0, r1 = (first - pos).double() * lb, (qb + nb - 1 - pos).double() * lb  # (B, N) ranks at its first and the last query
-            lo, hi = torch.where(here, torch.minimum(r0, r1), inf), torch.where(here & (arrive <= qb), torch.maximum(r0, r1), inf)
-            k = F + F * nb
-            tau = hi.topk(k, dim=1, largest=False).values[:, -1:] if k <= N else inf.expand(B, 1)  # (B, 1)
-            can = here & (lo <= tau)  # (B, N)
+            can = can_go(pos, lb, here, arrive, qb, nb, F=F, decays=True)  # (B, N)
             m, present = (int(x) for x in torch.stack([can.sum(1).max(), here.sum(1).max()]).tolist())  # one host sync per block
             self.chunk_lists.append((m, present))
             if dev.type == "cuda":  # the list padded to a power of two: few shapes, each block's query loop a CUDA graph (_decaying_queries)
@@ -658,7 +662,7 @@ class PoolStore:
             "score": torch.cat([self.prio[:, PS0 : PS0 + NP], prio.reshape(B, F * n).to(torch.float64)], 1),
             "pos": torch.cat([self.pos[:, PS0 : PS0 + NP], j.repeat(F).expand(B, -1)], 1),
             "tag": torch.cat([ptag, self.pair.repeat_interleave(n).expand(B, -1)], 1),
-            "src": torch.cat([PS0 + torch.arange(NP, device=dev), (self.ring_base[:, None] + self.home_slot(j)[None, :]).reshape(F * n)]),
+            "src": torch.cat([PS0 + torch.arange(NP, device=dev), self.pair_slots(j).reshape(F * n)]),
         }
 
     def _relayout(self, c: dict[str, Tensor], ec: Tensor) -> tuple[Tensor, Tensor]:
