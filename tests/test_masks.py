@@ -1,9 +1,9 @@
-"""One pattern, two executors: the dense boolean mask and the BlockMask agree, and the budget holds."""
+"""One pattern, three executors: the dense boolean mask, the BlockMask and a chunk's factored rows agree, and the budget holds."""
 
 import pytest
 import torch
 
-from kvpop.masks import block_mask_from_eviction_times, dense_mask, make_eviction_mask_mod
+from kvpop.masks import ChunkRows, block_mask_from_eviction_times, dense_mask, make_eviction_mask_mod
 from kvpop.selection import NEVER, eviction_times
 
 from conftest import packed_toy
@@ -13,6 +13,23 @@ def _evict(B, Hk, S, doc, pos, sinks, window, k, seed=0, ties=False):
     g = torch.Generator().manual_seed(seed)
     prio = torch.randint(0, 3, (B, Hk, S), generator=g).double() if ties else torch.randn(B, Hk, S, generator=g, dtype=torch.float64)
     return eviction_times(prio, doc, pos, sinks=sinks, window=window, long_range=k)
+
+
+@pytest.mark.parametrize("start,length", [(0, 7), (13, 5), (40, 8)])
+@pytest.mark.parametrize("group", [1, 2])
+def test_a_chunks_factored_rows_are_the_dense_masks(start, length, group):
+    """ChunkRows (what every layer shares, once; each layer's eviction times added) against the predicate on the
+    chunk's rows, for packed rows with padding, sinks, evicted and never-evicted tokens and several layers' times."""
+    B, Hk, S = 2, 2, 48
+    _, doc, pos = packed_toy(B, S)
+    rows = ChunkRows(doc, pos, start=start, length=length, kv_len=start + length, sinks=2)
+    for seed in range(3):  # three layers' times on the same rows
+        evict = _evict(B, Hk, S, doc, pos, sinks=2, window=5, k=4, seed=seed)
+        mm = make_eviction_mask_mod(doc, pos, evict, sinks=2, group=group)
+        want = dense_mask(lambda b, h, q, kv, mm=mm: mm(b, h, q + start, kv), B, Hk * group, length, "cpu", kv_len=start + length, group=group)
+        got = rows.allowed(evict, group)
+        assert got.shape == want.shape and torch.equal(got, want)
+        assert (~got).any() and (evict < S).any()  # the rows hold refused pairs and evicted tokens
 
 
 @pytest.mark.parametrize("block", [4, 8, 16])

@@ -93,6 +93,75 @@ def test_it_refuses_a_chunk_longer_than_the_window_and_a_per_head_policy(llama):
         pool_chunked(llama, scorer(), ids, layout=LAYOUT)
 
 
+def mlp_pool(seed=12):
+    """A kvpop_mlp_pool with test_one_pool's scorer weights (scores that differ per token)."""
+    policy = make_policy("kvpop_mlp_pool", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
+    policy.load_state_dict(scorer(seed=seed).state_dict())
+    return policy
+
+
+def delayed_pool():
+    from test_pool_mlstm import LAYOUT as MLSTM_LAYOUT
+    from test_pool_mlstm import mlstm_pool
+
+    return mlstm_pool(delay=3, seed=13), MLSTM_LAYOUT
+
+
+STACKED = {"kvpop_mlp, one pool": lambda: (OnePool(scorer(seed=4)), LAYOUT), "dbtrimkv": lambda: (dbtrimkv(), LAYOUT),
+           "kvpop_mlp_pool": lambda: (mlp_pool(), LAYOUT), "kvpop_pool": delayed_pool}
+
+
+@pytest.mark.parametrize("name", STACKED)
+def test_every_layer_stacked_scores_as_each_layer_alone(name):
+    """Policy.all_layers: layer 0 of the view on every layer's keys and values stacked along the heads gives each
+    layer's own priorities (the delayed mLSTM: its stream, fed in chunks)."""
+    policy, layout = STACKED[name]()
+    g = torch.Generator().manual_seed(14)
+    decay = getattr(getattr(getattr(policy, "policy", policy), "scorer", None), "decay", None)
+    if decay is not None:  # a decay per (layer, head): the view must keep each head's own
+        decay.logit.data.normal_(generator=g)
+    L, B, Hk, S, D = 2, 2, 2, 30, 16
+    k, v = torch.randn(L, B, Hk, S, D, generator=g), torch.randn(L, B, Hk, S, D, generator=g)
+    doc = torch.tensor([[0] * 18 + [1] * 12, [0] * 30])
+    pos = torch.stack([torch.cat([torch.arange(18), torch.arange(12)]), torch.arange(30)])
+    view = policy.all_layers()
+    stack = lambda t: t.transpose(0, 1).reshape(B, L * Hk, *t.shape[3:])  # noqa: E731  (L, B, Hk, ..) -> (B, L x Hk, ..)
+    with torch.no_grad():
+        if policy.read_delay(layout.window) is None:
+            want = torch.stack([policy.scores(i, k[i], v[i], pos, doc_ids=doc, window=layout.window).prio for i in range(L)])
+            got = view.scores(0, stack(k), stack(v), pos, doc_ids=doc, window=layout.window).prio
+        else:  # each layer's stream and the stacked one, fed the same chunks
+
+            def streamed(pol, layer, kk, vv):
+                stream, out = pol.score_stream(layer, doc, pos, window=layout.window), torch.zeros(*kk.shape[:-1], dtype=torch.float64)
+                for c in range(0, S, 4):
+                    p, r0, read = stream.feed(kk[..., c : c + 4, :], vv[..., c : c + 4, :])
+                    dst = out[..., r0 : r0 + p.shape[-1]]
+                    dst.copy_(torch.where(read[:, None], p, dst))
+                return out
+
+            want = torch.stack([streamed(policy, i, k[i], v[i]) for i in range(L)])
+            got = streamed(view, 0, stack(k), stack(v))
+    assert got.shape == (B, L * Hk, S)
+    assert torch.equal(got, stack(want))  # bitwise here; the chunked forward needs equal ties
+    assert (want[0] - want[1]).abs().max() > 1e-3  # the layers score differently: the test tells them apart
+
+
+@pytest.mark.parametrize("name", STACKED)
+def test_the_stacked_chunked_forward_is_the_layer_by_layer_one(llama, name):
+    """pool_chunked's every-layer scoring (stack_layers, the default) against its twin that scores each layer as
+    it runs: the same times and logits, on two packed rows."""
+    from conftest import packed_toy
+
+    policy, layout = STACKED[name]()
+    ids, doc, pos = packed_toy(B=2, S=48, seed=15)
+    want, want_logits = pool_chunked(llama, policy, ids, layout=layout, doc_ids=doc, pos=pos, keep_logits=True, stack_layers=False)
+    got, logits = pool_chunked(llama, policy, ids, layout=layout, doc_ids=doc, pos=pos, keep_logits=True)
+    assert torch.equal(got, want)
+    assert (logits - want_logits).abs().max() < 1e-5
+    assert (got[..., 4:] < 48).any()  # the pool evicted: the test says something
+
+
 # --- the pool's boundary labels --------------------------------------------------------------------
 def brute_pool_labels(prio, S, layout):
     """Every decision literally: at query j + window, E = every (pair, token <= j) past the sinks, ordered by

@@ -16,7 +16,11 @@ FlexAttention ``mask_mod``. Two executors consume it:
   and the reference in tests;
 * :func:`block_mask_from_eviction_times` builds a FlexAttention ``BlockMask`` from per-block bounds
   of ``evict`` in O((S/128)^2) per head, never materializing S x S, and keeps the same ``mask_mod``
-  for the partial blocks.
+  for the partial blocks;
+* :class:`ChunkRows` evaluates it on the rows of a chunk of queries, factored into what every layer
+  shares (documents, causality, sinks, the diagonal), once per chunk, and one comparison per layer
+  with that layer's ``evict`` (the chunked pool forward, :mod:`kvpop.pool`, whose 30-odd layers would
+  otherwise evaluate the whole predicate each).
 
 Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, S sequence.
 """
@@ -66,6 +70,33 @@ def dense_mask(
     if group == 1:
         return mask
     return mask[:, :, None].expand(B, H // group, group, S, N).reshape(B, H, S, N)
+
+
+class ChunkRows:
+    """The pattern's rows of queries ``[start, start + length)`` over keys ``[0, kv_len)`` of packed rows
+    doc_ids, pos (B, S), factored (module docstring): ``allowed = (q < evict[kv] & live) | always`` with
+
+        live   = kv <= q  &  doc[q] == doc[kv] >= 0                       (what eviction can remove)
+        always = (live  &  pos[kv] < sinks)  |  q == kv                   (what it cannot)
+
+    both (B, 1, length, kv_len), built once; :meth:`allowed` adds one layer's eviction times. The same
+    predicate as :func:`make_eviction_mask_mod` (tests prove it equal to :func:`dense_mask` of it)."""
+
+    def __init__(self, doc_ids: Tensor, pos: Tensor, *, start: int, length: int, kv_len: int, sinks: int):
+        dev = doc_ids.device
+        self.kv_len = kv_len
+        self.q = torch.arange(start, start + length, device=dev).view(1, 1, length, 1)  # (1, 1, C, 1)
+        kv = torch.arange(kv_len, device=dev).view(1, 1, 1, kv_len)
+        doc_kv = doc_ids[:, None, None, :kv_len]  # (B, 1, 1, N)
+        self.live = (kv <= self.q) & (doc_ids[:, None, start : start + length, None] == doc_kv) & (doc_kv >= 0)  # (B, 1, C, N)
+        self.always = (self.live & (pos[:, None, None, :kv_len] < sinks)) | (self.q == kv)
+
+    def allowed(self, evict: Tensor, group: int) -> Tensor:
+        """evict (B, Hk, S) of one layer -> (B, Hk x group, C, N) bool (True = attend), each KV head's rows repeated
+        for its ``group`` query heads."""
+        m = ((self.q < evict[:, :, None, : self.kv_len]) & self.live) | self.always  # (B, Hk, C, N)
+        B, Hk, C, N = m.shape
+        return m if group == 1 else m[:, :, None].expand(B, Hk, group, C, N).reshape(B, Hk * group, C, N)
 
 
 def block_mask_from_eviction_times(

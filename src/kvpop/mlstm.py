@@ -75,7 +75,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from kvpop.geometry import CacheLayout, check_budget
-from kvpop.scorer import LearnedDecay, one_layer_scorer
+from kvpop.scorer import LearnedDecay, all_layers_scorer, one_layer_scorer
 from kvpop.selection import document_spans
 
 ForgetGate = Literal["sigmoid", "exp"]
@@ -496,6 +496,10 @@ class MLSTMScorer(nn.Module):
     def one_layer(self, layer: int) -> MLSTMScorer:
         """Layer ``layer`` as the only layer (index 0) of a view (:func:`kvpop.scorer.layer_view`)."""
         return one_layer_scorer(self, layer)
+
+    def all_layers(self) -> MLSTMScorer:
+        """Every layer as one layer of ``L x Hk`` heads (:func:`kvpop.scorer.all_layers_scorer`)."""
+        return all_layers_scorer(self)
 
 
 def state_numbers(d_k: int, d_v: int) -> int:

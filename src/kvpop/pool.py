@@ -32,13 +32,20 @@ state carried from chunk to chunk), and a token's priority is written when the c
 runs; until then its entry is a placeholder, which no query of a chunk that reads it can see (the
 closed form is right for queries ``< c - d + window``, at least ``c + C``). A longer chunk is refused.
 
+No query of a chunk reads the priorities its own tokens fix, so a chunk's keys and values are scored after
+the chunk, every layer's in one call (:meth:`~kvpop.policies.Policy.all_layers`: each layer's scorer network
+stacked along the heads; the mLSTM streamed as one stream of ``L x Hk`` heads) instead of one call per layer:
+a chunk's scorer operations no longer grow with the layers. ``stack_layers=False`` scores each layer as it runs
+(the twin the tests hold it equal to).
+
 The forward is ``S / C`` model calls of ``C`` tokens (one forward's work plus the prefix's keys, and the
 simulation once over the sequence), against the fixed point's up to ``(S - budget) / window + 1`` full
 forwards. It runs without gradients: training takes its eviction times and runs one differentiable
 forward under them (``global_evict`` of :class:`kvpop.attention.SparseContext`), the same pattern.
 
-Attention of a chunk runs through SDPA with the boolean mask of :func:`kvpop.masks.make_eviction_mask_mod`
-(the one definition of the pattern), its query index shifted by ``c``: ``C x (c + C)`` per head.
+Attention of a chunk runs through SDPA with the boolean mask of the one definition of the pattern
+(:func:`kvpop.masks.make_eviction_mask_mod`), evaluated as :class:`kvpop.masks.ChunkRows`: ``C x (c + C)`` per head,
+what the layers share built once per chunk, one comparison per layer.
 
 Shapes: B batch, H query heads, Hk KV heads, L layers, S sequence, C chunk, D head dim.
 """
@@ -53,7 +60,7 @@ from torch.nn import functional as F
 from torch.profiler import record_function
 
 from kvpop.geometry import CacheLayout
-from kvpop.masks import dense_mask, make_eviction_mask_mod
+from kvpop.masks import ChunkRows
 from kvpop.modeling import model_shape
 from kvpop.policies import Policy
 from kvpop.selection import NEVER, global_decaying_eviction_times, global_eviction_times
@@ -63,19 +70,27 @@ from kvpop.selection import NEVER, global_decaying_eviction_times, global_evicti
 class ChunkContext:
     """The attention hook's context for one chunked pass (``kvpop_ctx`` of the model's forward): every
     layer's keys and values so far, the policy's priorities of every token written, and the chunk's
-    eviction times. :func:`pool_chunked` drives it; ``attend`` is what each layer calls."""
+    eviction times. :func:`pool_chunked` drives it; ``attend`` is what each layer calls.
+
+    ``stacked``: the policy's :meth:`~kvpop.policies.Policy.all_layers` view, or None. With it each layer
+    only keeps its chunk's keys and values, and :meth:`score_chunk` scores every layer's after the chunk in
+    one call (no query of the chunk reads them: module docstring); without it (or ``stack_layers=False``,
+    the reference twin) each layer scores its own as it runs."""
 
     policy: Policy
     doc_ids: Tensor  # (B, S) int, -1 on padding
     pos: Tensor  # (B, S) position inside the document
     layout: CacheLayout
     num_layers: int
+    stacked: Policy | None = None
     start: int = 0  # the chunk's first query
     evict: Tensor | None = None  # (L, B, Hk, S) eviction times, right for the chunk's queries
     prio: Tensor | None = None  # (L, B, Hk, S) float64 priorities of the tokens written so far (0 beyond)
     keys: dict[int, Tensor] = field(default_factory=dict)  # layer -> (B, Hk, start + C, D)
     values: dict[int, Tensor] = field(default_factory=dict)
-    streams: dict[int, object] = field(default_factory=dict)  # a delayed scorer (read_delay): layer -> its score stream
+    streams: dict[int, object] = field(default_factory=dict)  # a delayed scorer (read_delay): layer -> its score stream (-1: the stacked one)
+    pending: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # stacked: layer -> the chunk's (k, v) float32 (B, Hk, C, D)
+    rows: ChunkRows | None = None  # the chunk's mask, factored (kvpop.masks.ChunkRows); None until its first layer
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """q (B, H, C, D), k, v (B, Hk, C, D) of the chunk -> attention output (B, C, H, D)."""
@@ -84,33 +99,64 @@ class ChunkContext:
         S = self.doc_ids.shape[1]
         if self.prio is None:
             self.prio = torch.zeros(self.num_layers, B, Hk, S, dtype=torch.float64, device=k.device)
-        with torch.autocast(device_type=k.device.type, enabled=False), record_function("pool/scores"):  # scorers compute in fp32
-            if self.policy.read_delay(self.layout.window) is None:  # fixed from the token itself
-                prio = self.policy.scores(layer, k.float(), v.float(), self.pos[:, c : c + C], doc_ids=self.doc_ids[:, c : c + C],
-                                          window=self.layout.window).prio  # (B, Hk, C)
-                self.prio[layer, :, :, c : c + C] = prio.detach().double()
-            else:  # delayed: the tokens whose read-out time falls in this chunk (module docstring)
-                if layer not in self.streams:
-                    self.streams[layer] = self.policy.score_stream(layer, self.doc_ids, self.pos, window=self.layout.window)
-                prio, r0, read = self.streams[layer].feed(k.float(), v.float())  # (B, Hk, R) tokens r0 .., (B, R)
-                dst = self.prio[layer, :, :, r0 : r0 + prio.shape[-1]]
-                dst.copy_(torch.where(read[:, None], prio.detach().double(), dst))
+        if self.stacked is not None:
+            self.pending[layer] = (k.float(), v.float())
+        else:
+            with torch.autocast(device_type=k.device.type, enabled=False), record_function("pool/scores"):  # scorers compute in fp32
+                p, r0, read = self._score(self.policy, layer, k.float(), v.float())
+                self._write(self.prio[layer], p, r0, read)
         if c:
             k = torch.cat([self.keys[layer], k], 2)
             v = torch.cat([self.values[layer], v], 2)
         self.keys[layer], self.values[layer] = k, v  # (B, Hk, c + C, D)
         evict = self.evict[layer] if self.evict is not None else torch.full((B, Hk, S), NEVER, dtype=torch.int64, device=k.device)
         with record_function("pool/mask"):
-            mm = make_eviction_mask_mod(self.doc_ids, self.pos, evict, sinks=self.layout.sinks, group=H // Hk)
-            allowed = dense_mask(lambda b, h, qi, kv: mm(b, h, qi + c, kv), B, H, C, k.device, kv_len=c + C, group=H // Hk)  # (B, H, C, c + C)
+            if self.rows is None:  # the chunk's first layer: what every layer shares
+                self.rows = ChunkRows(self.doc_ids, self.pos, start=c, length=C, kv_len=c + C, sinks=self.layout.sinks)
+            allowed = self.rows.allowed(evict, H // Hk)  # (B, H, C, c + C)
         with record_function("pool/attention"):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
         return out.transpose(1, 2).contiguous()
 
+    def score_chunk(self) -> None:
+        """``stacked``: score the chunk's keys and values of every layer in one call (module docstring), into ``prio``."""
+        if self.stacked is None:
+            return
+        L = self.num_layers
+        B, Hk, C, D = self.pending[0][0].shape
+        with torch.autocast(device_type=self.prio.device.type, enabled=False), record_function("pool/scores"):
+            k = torch.stack([self.pending[i][0] for i in range(L)], 1).view(B, L * Hk, C, D)  # (B, L x Hk, C, D), layer by layer
+            v = torch.stack([self.pending[i][1] for i in range(L)], 1).view(B, L * Hk, C, D)
+            p, r0, read = self._score(self.stacked, -1, k, v)  # (B, L x Hk, R)
+            self._write(self.prio.permute(1, 0, 2, 3), p.view(B, L, Hk, -1), r0, read)  # prio as (B, L, Hk, S)
+        self.pending.clear()
+
+    def _score(self, policy: Policy, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, int, Tensor | None]:
+        """The priorities that the chunk's keys and values k, v (B, h, C, D) fix: (prio (B, h, R) float64 of tokens
+        ``r0 .. r0 + R - 1``, r0, read (B, R) bool or None: all of them). A score fixed from the token itself: the
+        chunk's tokens; a delayed one: the tokens whose read-out time falls in the chunk, ``read`` (module docstring).
+        ``layer`` -1: the stacked view (its layer 0, every layer's heads)."""
+        c, C, index = self.start, k.shape[2], max(layer, 0)
+        if self.policy.read_delay(self.layout.window) is None:  # fixed from the token itself
+            p = policy.scores(index, k, v, self.pos[:, c : c + C], doc_ids=self.doc_ids[:, c : c + C], window=self.layout.window).prio
+            return p.detach().double(), c, None
+        if layer not in self.streams:
+            self.streams[layer] = policy.score_stream(index, self.doc_ids, self.pos, window=self.layout.window)
+        p, r0, read = self.streams[layer].feed(k, v)
+        return p.detach().double(), r0, read
+
+    @staticmethod
+    def _write(prio: Tensor, p: Tensor, r0: int, read: Tensor | None) -> None:
+        """prio (B, ..., S) a view of the priorities; p (B, ..., R) those of tokens ``r0 ..``; read (B, R): which to write (None: all)."""
+        dst = prio[..., r0 : r0 + p.shape[-1]]
+        if read is not None:
+            p = torch.where(read.view(read.shape[0], *[1] * (p.dim() - 2), read.shape[1]), p, dst)
+        dst.copy_(p)
+
 
 @torch.no_grad()
 def pool_chunked(model, policy: Policy, input_ids: Tensor, *, layout: CacheLayout, doc_ids: Tensor | None = None,
-                 pos: Tensor | None = None, chunk: int | None = None, keep_logits: bool = False) -> tuple[Tensor, Tensor | None]:
+                 pos: Tensor | None = None, chunk: int | None = None, keep_logits: bool = False, stack_layers: bool = True) -> tuple[Tensor, Tensor | None]:
     """(Eviction times (L, B, Hk, S) int64, logits (B, S, V) float32 under them if ``keep_logits``, else None)
     of a ``one_pool`` policy whose priorities are fixed when a token enters (or ``d < window`` tokens later,
     :meth:`~kvpop.policies.Policy.read_delay`), on B rows (B, S): the fixed
@@ -118,7 +164,9 @@ def pool_chunked(model, policy: Policy, input_ids: Tensor, *, layout: CacheLayou
 
     ``doc_ids``, ``pos`` (B, S): packed rows (a new document empties its row's pool); default one
     document per row. ``chunk``: at most ``layout.window - d`` (the default), ``d`` the policy's
-    :meth:`~kvpop.policies.Policy.read_delay` (0 for a score fixed when its token enters)."""
+    :meth:`~kvpop.policies.Policy.read_delay` (0 for a score fixed when its token enters). ``stack_layers``: score
+    a chunk's layers in one call where the policy has an :meth:`~kvpop.policies.Policy.all_layers` view (False: layer
+    by layer, the reference twin; the same priorities)."""
     if not policy.one_pool:
         raise ValueError(f"pool_chunked runs one_pool policies, not {policy.name!r}")
     if policy.scores_on_exit or policy.needs_attention:
@@ -134,7 +182,7 @@ def pool_chunked(model, policy: Policy, input_ids: Tensor, *, layout: CacheLayou
         pos = torch.arange(S, device=input_ids.device).expand(B, S)
     if doc_ids is None:
         doc_ids = torch.zeros_like(pos)
-    ctx = ChunkContext(policy, doc_ids, pos, layout, num_layers=model_shape(model)["num_layers"])
+    ctx = ChunkContext(policy, doc_ids, pos, layout, num_layers=model_shape(model)["num_layers"], stacked=policy.all_layers() if stack_layers else None)
     run, logits = None, []
     geo = dict(sinks=layout.sinks, window=layout.window, long_range=layout.long_range)
 
@@ -149,9 +197,10 @@ def pool_chunked(model, policy: Policy, input_ids: Tensor, *, layout: CacheLayou
     for c in range(0, S, C):
         if ctx.prio is not None:  # the chunk's queries compete over tokens < c only: their priorities are in
             ctx.evict = times(c + C)
-        ctx.start = c
+        ctx.start, ctx.rows = c, None
         out = model(input_ids=input_ids[:, c : c + C], position_ids=pos[:, c : c + C], kvpop_ctx=ctx, use_cache=False,
                     **({} if keep_logits else {"logits_to_keep": 1}))
+        ctx.score_chunk()
         if keep_logits:
             logits.append(out.logits.float())
     return times(None).long(), (torch.cat(logits, 1) if keep_logits else None)  # every query's (the last ones included)

@@ -116,6 +116,10 @@ class LearnedDecay(nn.Module):
         """Layer ``layer`` as the only layer (index 0) of a view: :func:`layer_view`."""
         return layer_view(self, parameters={"logit": self.logit[layer : layer + 1]})
 
+    def all_layers(self) -> LearnedDecay:
+        """Every layer as one layer of ``L x Hk`` heads (layer ``l``'s at ``l Hk .. (l + 1) Hk - 1``): :func:`all_layers_scorer`."""
+        return layer_view(self, parameters={"logit": self.logit.reshape(1, -1)})
+
     def priority(self, layer: int, r_hat: Tensor, pos: Tensor) -> Tensor:
         """The static priority (B, Hk, S) float64 of raw scores r_hat (B, Hk, S) at positions pos (B, S),
         detached: what the selection, the masks and the caches rank by."""
@@ -143,12 +147,38 @@ class MLPScorer(nn.Module):
         """Layer ``layer`` as the only layer (index 0) of a view: :func:`layer_view`."""
         return one_layer_scorer(self, layer)
 
+    def all_layers(self) -> MLPScorer:
+        """Every layer as one layer of ``L x Hk`` heads: :func:`all_layers_scorer`."""
+        return all_layers_scorer(self)
+
 
 def one_layer_scorer(scorer: nn.Module, layer: int) -> nn.Module:
     """A scorer of per-layer ``layers`` and a :class:`LearnedDecay` (``MLPScorer``, ``MLSTMScorer``) as a
     one-layer view: its layer ``layer`` is the view's layer 0 (:func:`layer_view`)."""
     view = layer_view(scorer, modules={"layers": nn.ModuleList([scorer.layers[layer]]), "decay": scorer.decay.one_layer(layer)})
     view.config = {**scorer.config, "num_layers": 1}
+    return view
+
+
+def stack_heads(modules: list[nn.Module]) -> nn.Module:
+    """Per-head modules of every layer (parameters with the KV head as their first dim: :class:`HeadwiseMLP`,
+    :class:`kvpop.mlstm.HeadwiseMLSTM`) as one module of ``L x Hk`` heads, layer ``l``'s at ``l Hk .. (l + 1) Hk - 1``:
+    a :func:`layer_view` of the first whose parameters are the layers' concatenated along dim 0 (copies, without
+    gradient: a no-grad pass builds it once and drops it)."""
+    first = modules[0]
+    return layer_view(first, parameters={name: torch.cat([m._parameters[name] for m in modules]) for name in first._parameters})
+
+
+def all_layers_scorer(scorer: nn.Module) -> nn.Module:
+    """A scorer of per-layer ``layers`` (and a :class:`LearnedDecay`, if it has one) as a view of one layer of
+    ``L x Hk`` KV heads, layer ``l``'s heads at ``l Hk .. (l + 1) Hk - 1`` (:func:`stack_heads`): its layer 0 scores
+    the keys and values (B, L x Hk, S, D) of every layer stacked that way in one call, each head with its own layer's
+    network, as layer ``l`` would score its own (the chunked pool forward, :mod:`kvpop.pool`)."""
+    modules = {"layers": nn.ModuleList([stack_heads(list(scorer.layers))])}
+    if isinstance(getattr(scorer, "decay", None), LearnedDecay):
+        modules["decay"] = scorer.decay.all_layers()
+    view = layer_view(scorer, modules=modules)
+    view.config = {**scorer.config, "num_layers": 1, "num_kv_heads": scorer.config["num_layers"] * scorer.config["num_kv_heads"]}
     return view
 
 

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from kvpop.geometry import CacheLayout
 from kvpop.policies.base import Policy, Scores
+from kvpop.scorer import layer_view
 
 #: what a policy ranked with one pool adds to its name (``"kvpop_mlp, one pool"``)
 ONE_POOL_SUFFIX = ", one pool"
@@ -83,6 +84,10 @@ class OnePool(Policy):
 
     def long_range_slots(self, layout: CacheLayout, *, head_dim: int) -> int:
         return self.policy.long_range_slots(layout, head_dim=head_dim)
+
+    def all_layers(self) -> Policy | None:
+        inner = self.policy.all_layers()
+        return None if inner is None else layer_view(self, modules={"policy": inner})
 
     def scores(self, layer: int, keys: Tensor, values: Tensor, pos: Tensor, **kw) -> Scores:
         return Scores(prio=self.policy.scores(layer, keys, values, pos, **kw).prio.detach())  # (B, Hk, S) float64
