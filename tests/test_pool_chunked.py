@@ -162,6 +162,46 @@ def test_the_stacked_chunked_forward_is_the_layer_by_layer_one(llama, name):
     assert (got[..., 4:] < 48).any()  # the pool evicted: the test says something
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("name", ["kvpop_mlp_pool", "kvpop_pool"])
+def test_the_training_forwards_deferred_scorers_are_each_layers_own(tiny_model, name, checkpointing):
+    """A pool policy's training forward under given times scores every layer once after the forward
+    (SparseContext.stack_scorers, the default) against its twin that scores each layer as it runs: the same
+    logits, recorded priorities, loss, statistics and gradients of every scorer parameter, with activation
+    checkpointing too."""
+    from kvpop.attention import ScorerTraining, SparseContext
+
+    model = enable(tiny_model("llama"))
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    policy, layout = STACKED[name]()
+    policy.scorer.decay.logit.data.normal_(generator=torch.Generator().manual_seed(18))  # each (layer, head) its own decay
+    ids = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(17))
+    pos = torch.arange(48).expand(2, 48)
+    doc = torch.zeros_like(pos)
+    evict, _ = pool_chunked(model, policy, ids, layout=layout)
+    runs = []
+    for stack in (True, False):
+        policy.zero_grad(set_to_none=True)
+        ctx = SparseContext.for_rows(policy, doc, pos, layout, scorer_training=ScorerTraining(weighting="uniform"), global_evict=evict,
+                                     stack_scorers=stack)
+        logits = model(input_ids=ids, position_ids=pos, kvpop_ctx=ctx, use_cache=False).logits
+        (loss,) = ctx.finish_scorer_losses()
+        (loss + logits.float().square().mean()).backward()  # the model's backward too: checkpointing recomputes the layers
+        grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
+        prio = torch.stack([ctx.global_prio[i] for i in range(2)])
+        runs.append((logits.detach(), prio, loss.detach(), ctx.stats[0], grads, ctx.scored_layers))
+    (lg, pr, ls, st, gr, n), (lg2, pr2, ls2, st2, gr2, n2) = runs
+    assert torch.equal(lg, lg2) and torch.equal(pr, pr2) and n == n2 == 2
+    torch.testing.assert_close(ls, ls2, rtol=1e-6, atol=1e-9)
+    assert st["decisions"] == st2["decisions"] > 0
+    assert gr.keys() == gr2.keys() and len(gr) > 2
+    for key in gr:
+        torch.testing.assert_close(gr[key], gr2[key], rtol=1e-5, atol=1e-9, msg=key)
+        assert gr[key].abs().sum() > 0, key
+
+
 # --- the pool's boundary labels --------------------------------------------------------------------
 def brute_pool_labels(prio, S, layout):
     """Every decision literally: at query j + window, E = every (pair, token <= j) past the sinks, ordered by

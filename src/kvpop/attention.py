@@ -250,6 +250,12 @@ class SparseContext:
     global_evict: Tensor | None = None
     global_prio: dict[int, Tensor] = field(default_factory=dict)
     _pending: list[tuple[Tensor, Tensor, Tensor]] = field(default_factory=list)  # (r_hat, r_tgt, log_gamma) awaiting the model-wide pool
+    #: a ``one_pool`` policy trained under given times: every layer's scorer runs once, after the forward (:meth:`_deferred_scores`);
+    #: False scores each layer as it runs (the twin the tests hold it equal to)
+    stack_scorers: bool = True
+    _stacked: Policy | None = None  # the policy's all_layers(graph=True) view, once per forward
+    _kv: Tensor | None = None  # (2, B, L, Hk, S, D) float32: the deferred layers' keys and values (detached)
+    _targets: dict[int, Tensor] = field(default_factory=dict)  # deferred layer -> its target r_tgt (B, Hk, S)
     scored_layers: int = 0  # layers whose scorer loss was added (one_pool: one loss for all of them)
     _cache: dict = field(default_factory=dict)
     _layers: dict[int, _LayerRecord] = field(default_factory=dict)  # first call of each layer
@@ -263,6 +269,13 @@ class SparseContext:
         B, Hk, S, _ = k.shape
         if self.policy.layer_independent and "evict" in self._cache:
             return self._cache["evict"], None
+        if self._defers():  # the pool's pattern is given and the scores feed only the pool's loss: scored after the forward
+            if self._kv is None:
+                L = len(self.global_evict)
+                self._kv = torch.empty(2, B, L, Hk, S, k.shape[-1], dtype=torch.float32, device=k.device)
+            self._kv[0, :, layer] = k.detach()
+            self._kv[1, :, layer] = v.detach()
+            return self.global_evict[layer], None
         with torch.autocast(device_type=k.device.type, enabled=False):  # scorers compute in fp32
             scores = self.policy.scores(layer, k.float(), v.float(), self.pos, doc_ids=self.doc_ids, window=self.layout.window)
         if scores is not None and self.policy.one_pool:  # the pool's pattern needs every layer's scores: given
@@ -278,6 +291,37 @@ class SparseContext:
         if self.policy.layer_independent:
             self._cache["evict"] = evict
         return evict, scores
+
+    def _defers(self) -> bool:
+        """Whether the scorers wait for the end of the forward: a ``one_pool`` policy trained under given eviction times
+        (``global_evict``), whose scores no layer's pattern reads, with an :meth:`~kvpop.policies.Policy.all_layers` view
+        (then one call scores every layer, :meth:`_deferred_scores`, instead of one per layer)."""
+        if not (self.stack_scorers and self.policy.one_pool and self.policy.learned and not self.policy.gated
+                and self.global_evict is not None and self.scorer_training is not None):
+            return False
+        if self._stacked is None:
+            self._stacked = self.policy.all_layers(graph=True)
+            if self._stacked is None:
+                self.stack_scorers = False
+                return False
+        return True
+
+    def _deferred_scores(self) -> None:
+        """Every deferred layer's scores in one call of the stacked view (with the graph to each layer's scorer), then
+        each layer's loss term as :meth:`add_scorer_loss` takes it and its priorities in :attr:`global_prio`."""
+        if self._kv is None:
+            return
+        _, B, L, Hk, S, D = self._kv.shape
+        if sorted(self._targets) != list(range(L)):
+            raise RuntimeError(f"a pool policy's training forward scored layers {sorted(self._targets)} of {L}: the pool's loss needs every layer")
+        with _kept_saved_tensors(), torch.autocast(device_type=self._kv.device.type, enabled=False):
+            sc = self._stacked.scores(0, self._kv[0].view(B, L * Hk, S, D), self._kv[1].view(B, L * Hk, S, D), self.pos,
+                                      doc_ids=self.doc_ids, window=self.layout.window)
+        r_hat, prio, log_gamma = sc.r_hat.view(B, L, Hk, S), sc.prio.view(B, L, Hk, S), sc.log_gamma.view(L, Hk)
+        for layer in range(L):
+            self.global_prio[layer] = prio[:, layer]
+            self.add_scorer_loss(r_hat[:, layer], self._targets[layer], log_gamma[layer])
+        self._kv, self._targets = None, {}
 
     def _pattern(self, evict: Tensor, H: int, layer_key: object, keep: bool):
         """The executor's pattern: a BlockMask (flex) or a dense (B, H, S, S) mask (sdpa).
@@ -324,7 +368,8 @@ class SparseContext:
             return self._attend_gated(layer, q, k, v, scale, key)
         with _kept_saved_tensors():
             evict, scores = self.evictions(layer, k, v)
-        train = self.scorer_training is not None and scores is not None and scores.r_hat is not None
+        deferred = self._kv is not None  # its scores come after the forward (_defers)
+        train = self.scorer_training is not None and (deferred or (scores is not None and scores.r_hat is not None))
         out, lse = self.run(q, k, v, evict, scale, need_lse=train, layer_key=key)
         self._layers[layer] = _LayerRecord(evict=evict, need_lse=train, grad_enabled=torch.is_grad_enabled())
         if train:
@@ -338,7 +383,10 @@ class SparseContext:
                     q.detach(), k.detach(), lse.detach(), self.doc_ids, window=self.layout.window, scale=scale, impl=impl,
                     kind=st.target.kind, beta=st.target.beta,
                 )
-            self.add_scorer_loss(scores.r_hat, r_tgt, scores.log_gamma)
+            if deferred:
+                self._targets[layer] = r_tgt
+            else:
+                self.add_scorer_loss(scores.r_hat, r_tgt, scores.log_gamma)
         return out.transpose(1, 2).contiguous()
 
     def _attend_gated(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, key: object) -> Tensor:
@@ -395,7 +443,9 @@ class SparseContext:
 
         Under target scope ``"model"`` or ``"blend"`` a layer's target depends on every layer's, so those losses are
         computed here, once the forward has seen all layers; call it before reading ``losses``. A ``one_pool``
-        policy's loss is one for the whole model (:meth:`_pool_scorer_loss`)."""
+        policy's loss is one for the whole model (:meth:`_pool_scorer_loss`), its scorers run here where they were deferred
+        (:meth:`_defers`)."""
+        self._deferred_scores()
         if self._pending:
             spec = self.scorer_training.target
             scoped = scope_targets([t for _, t, _ in self._pending], spec.scope, spec.blend)

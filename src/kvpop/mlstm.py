@@ -497,9 +497,9 @@ class MLSTMScorer(nn.Module):
         """Layer ``layer`` as the only layer (index 0) of a view (:func:`kvpop.scorer.layer_view`)."""
         return one_layer_scorer(self, layer)
 
-    def all_layers(self) -> MLSTMScorer:
+    def all_layers(self, graph: bool = False) -> MLSTMScorer:
         """Every layer as one layer of ``L x Hk`` heads (:func:`kvpop.scorer.all_layers_scorer`)."""
-        return all_layers_scorer(self)
+        return all_layers_scorer(self, graph)
 
 
 def state_numbers(d_k: int, d_v: int) -> int:

@@ -81,12 +81,16 @@ def has_recency(policy: nn.Module) -> bool:
     return isinstance(getattr(getattr(policy, "scorer", None), "decay", None), LearnedDecay)
 
 
-def layer_view(module: nn.Module, *, parameters: dict[str, Tensor] | None = None, modules: dict[str, nn.Module] | None = None) -> nn.Module:
+def layer_view(module: nn.Module, *, parameters: dict[str, Tensor] | None = None, modules: dict[str, nn.Module] | None = None,
+               graph: bool = False) -> nn.Module:
     """A shallow copy of ``module`` whose own parameters and children are replaced by the given ones
     (the others are shared): the one-layer views below and :meth:`kvpop.policies.Policy.for_layer`, whose parameters are views of the original's
-    storage (no copy; they follow in-place updates such as ``load_state_dict``) and carry no gradient."""
+    storage (no copy; they follow in-place updates such as ``load_state_dict``) and carry no gradient.
+    ``graph``: the given tensors stay as they are, with their autograd graph (a training forward's view whose
+    gradients reach the original's parameters: :func:`all_layers_scorer`); they are then not ``nn.Parameter``s."""
+    given = {k: t if graph else nn.Parameter(t.detach(), requires_grad=False) for k, t in (parameters or {}).items()}
     view = copy.copy(module)
-    object.__setattr__(view, "_parameters", {**module._parameters, **{k: nn.Parameter(t.detach(), requires_grad=False) for k, t in (parameters or {}).items()}})
+    object.__setattr__(view, "_parameters", {**module._parameters, **given})
     object.__setattr__(view, "_modules", {**module._modules, **(modules or {})})
     return view
 
@@ -116,9 +120,9 @@ class LearnedDecay(nn.Module):
         """Layer ``layer`` as the only layer (index 0) of a view: :func:`layer_view`."""
         return layer_view(self, parameters={"logit": self.logit[layer : layer + 1]})
 
-    def all_layers(self) -> LearnedDecay:
+    def all_layers(self, graph: bool = False) -> LearnedDecay:
         """Every layer as one layer of ``L x Hk`` heads (layer ``l``'s at ``l Hk .. (l + 1) Hk - 1``): :func:`all_layers_scorer`."""
-        return layer_view(self, parameters={"logit": self.logit.reshape(1, -1)})
+        return layer_view(self, parameters={"logit": self.logit.reshape(1, -1)}, graph=graph)
 
     def priority(self, layer: int, r_hat: Tensor, pos: Tensor) -> Tensor:
         """The static priority (B, Hk, S) float64 of raw scores r_hat (B, Hk, S) at positions pos (B, S),
@@ -147,9 +151,9 @@ class MLPScorer(nn.Module):
         """Layer ``layer`` as the only layer (index 0) of a view: :func:`layer_view`."""
         return one_layer_scorer(self, layer)
 
-    def all_layers(self) -> MLPScorer:
+    def all_layers(self, graph: bool = False) -> MLPScorer:
         """Every layer as one layer of ``L x Hk`` heads: :func:`all_layers_scorer`."""
-        return all_layers_scorer(self)
+        return all_layers_scorer(self, graph)
 
 
 def one_layer_scorer(scorer: nn.Module, layer: int) -> nn.Module:
@@ -160,23 +164,24 @@ def one_layer_scorer(scorer: nn.Module, layer: int) -> nn.Module:
     return view
 
 
-def stack_heads(modules: list[nn.Module]) -> nn.Module:
+def stack_heads(modules: list[nn.Module], graph: bool = False) -> nn.Module:
     """Per-head modules of every layer (parameters with the KV head as their first dim: :class:`HeadwiseMLP`,
     :class:`kvpop.mlstm.HeadwiseMLSTM`) as one module of ``L x Hk`` heads, layer ``l``'s at ``l Hk .. (l + 1) Hk - 1``:
-    a :func:`layer_view` of the first whose parameters are the layers' concatenated along dim 0 (copies, without
-    gradient: a no-grad pass builds it once and drops it)."""
+    a :func:`layer_view` of the first whose parameters are the layers' concatenated along dim 0 (copies, built once
+    per pass; ``graph``: with the graph back to each layer's parameters, else without gradient)."""
     first = modules[0]
-    return layer_view(first, parameters={name: torch.cat([m._parameters[name] for m in modules]) for name in first._parameters})
+    return layer_view(first, parameters={name: torch.cat([m._parameters[name] for m in modules]) for name in first._parameters}, graph=graph)
 
 
-def all_layers_scorer(scorer: nn.Module) -> nn.Module:
+def all_layers_scorer(scorer: nn.Module, graph: bool = False) -> nn.Module:
     """A scorer of per-layer ``layers`` (and a :class:`LearnedDecay`, if it has one) as a view of one layer of
     ``L x Hk`` KV heads, layer ``l``'s heads at ``l Hk .. (l + 1) Hk - 1`` (:func:`stack_heads`): its layer 0 scores
     the keys and values (B, L x Hk, S, D) of every layer stacked that way in one call, each head with its own layer's
-    network, as layer ``l`` would score its own (the chunked pool forward, :mod:`kvpop.pool`)."""
-    modules = {"layers": nn.ModuleList([stack_heads(list(scorer.layers))])}
+    network, as layer ``l`` would score its own (the chunked pool forward, :mod:`kvpop.pool`; with ``graph``, the
+    training forward's pool loss, :class:`kvpop.attention.SparseContext`, whose gradients reach every layer's network)."""
+    modules = {"layers": nn.ModuleList([stack_heads(list(scorer.layers), graph)])}
     if isinstance(getattr(scorer, "decay", None), LearnedDecay):
-        modules["decay"] = scorer.decay.all_layers()
+        modules["decay"] = scorer.decay.all_layers(graph)
     view = layer_view(scorer, modules=modules)
     view.config = {**scorer.config, "num_layers": 1, "num_kv_heads": scorer.config["num_layers"] * scorer.config["num_kv_heads"]}
     return view

@@ -185,14 +185,15 @@ class Policy(nn.Module):
             return layer_view(self, modules={"scorer": one_layer(layer)})
         return self if self.layer_independent else None
 
-    def all_layers(self) -> Policy | None:
+    def all_layers(self, graph: bool = False) -> Policy | None:
         """This rule's every layer as one layer of ``L x Hk`` KV heads, layer ``l``'s at ``l Hk .. (l + 1) Hk - 1``,
         to be called with layer index 0 on every layer's keys and values stacked that way (B, L x Hk, S, D); None
         if it has no such form. The chunked pool forward (:mod:`kvpop.pool`) scores a chunk's layers in one call with
-        it, instead of one per layer; a learned rule's view shares everything but its ``scorer``, whose
+        it, and a pool policy's training forward its every layer once the forward has run (``graph``: its gradients
+        reach each layer's parameters); a learned rule's view shares everything but its ``scorer``, whose
         ``all_layers`` stacks the layers' networks (:func:`kvpop.scorer.all_layers_scorer`: copies of the parameters)."""
         all_layers = getattr(getattr(self, "scorer", None), "all_layers", None)
-        return layer_view(self, modules={"scorer": all_layers()}) if all_layers is not None else None
+        return layer_view(self, modules={"scorer": all_layers(graph)}) if all_layers is not None else None
 
     def read_delay(self, window: int) -> int | None:
         """How many tokens after token ``j`` its static priority reads, at this ``window``: None (every

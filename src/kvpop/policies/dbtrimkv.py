@@ -59,11 +59,11 @@ class TiedRetentionGate(nn.Module):
         h = F.silu(torch.einsum("bhsi,hif->bhsf", x, self.w1[layer]) + self.b1[layer][:, None])  # (B, Hk, S, F)
         return h @ self.w2 + self.b2
 
-    def all_layers(self) -> TiedRetentionGate:
+    def all_layers(self, graph: bool = False) -> TiedRetentionGate:
         """Every layer as one layer of ``L x Hk`` heads, layer ``l``'s at ``l Hk .. (l + 1) Hk - 1`` (a view: the
         hidden layers reshaped, the tied output shared), as :func:`kvpop.scorer.all_layers_scorer` makes them."""
         L, Hk, fan_in, hidden = self.w1.shape
-        view = layer_view(self, parameters={"w1": self.w1.reshape(1, L * Hk, fan_in, hidden), "b1": self.b1.reshape(1, L * Hk, hidden)})
+        view = layer_view(self, parameters={"w1": self.w1.reshape(1, L * Hk, fan_in, hidden), "b1": self.b1.reshape(1, L * Hk, hidden)}, graph=graph)
         view.config = {**self.config, "num_layers": 1, "num_kv_heads": L * Hk}
         return view
 

@@ -85,8 +85,8 @@ class OnePool(Policy):
     def long_range_slots(self, layout: CacheLayout, *, head_dim: int) -> int:
         return self.policy.long_range_slots(layout, head_dim=head_dim)
 
-    def all_layers(self) -> Policy | None:
-        inner = self.policy.all_layers()
+    def all_layers(self, graph: bool = False) -> Policy | None:
+        inner = self.policy.all_layers(graph)
         return None if inner is None else layer_view(self, modules={"policy": inner})
 
     def scores(self, layer: int, keys: Tensor, values: Tensor, pos: Tensor, **kw) -> Scores:
