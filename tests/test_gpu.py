@@ -411,6 +411,50 @@ def test_delayed_mlstm_pool_chunked_equals_the_flex_fixed_point_decoding_and_the
     assert torch.equal(again.long(), got_p) and bool((got_p < 160).any())
 
 
+@pytest.mark.parametrize("policy_name", ["kvpop_mlp_pool", "kvpop_pool"])
+def test_stacked_scorers_equal_the_layer_by_layer_twins_on_cuda(policy_name, tiny_model):
+    """On CUDA, as training runs them (FlexAttention, bf16 autocast): the chunked pass that scores a chunk's every
+    layer in one call (Policy.all_layers) gives its layer-by-layer twin's times on packed rows, and the training
+    forward whose scorers run once after the forward (SparseContext.stack_scorers) its twin's logits, loss and
+    gradients."""
+    from kvpop.decode import enable
+    from kvpop.policies import make_policy
+    from kvpop.pool import pool_chunked
+
+    dev = torch.device("cuda")
+    model = enable(tiny_model("llama").to(dev))
+    torch.manual_seed(0)
+    extra = dict(scorer_dk=4, scorer_dv=4, scorer_delay=3) if policy_name == "kvpop_pool" else dict(scorer_hidden=8)
+    policy = make_policy(policy_name, num_layers=2, num_kv_heads=2, head_dim=16, **extra)
+    with torch.no_grad():
+        policy.scorer.decay.logit.normal_()
+        for cell in policy.scorer.layers:
+            for p in cell.parameters():
+                p.normal_(std=0.3)
+    policy.to(dev)
+    layout = CacheLayout(21, 2, 8).for_policy(policy, head_dim=16)
+    ids, doc, pos = (t.to(dev) for t in packed_toy(2, 160, seed=4))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        evict, _ = pool_chunked(model, policy, ids, layout=layout, doc_ids=doc, pos=pos)
+        twin, _ = pool_chunked(model, policy, ids, layout=layout, doc_ids=doc, pos=pos, stack_layers=False)
+    assert torch.equal(evict, twin) and bool((evict < 160).any())
+    runs = []
+    for stack in (True, False):
+        policy.zero_grad(set_to_none=True)
+        ctx = SparseContext.for_rows(policy, doc, pos, layout, executor="flex", scorer_training=ScorerTraining(weighting="uniform"),
+                                     global_evict=evict, stack_scorers=stack)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(input_ids=ids, position_ids=pos, kvpop_ctx=ctx, use_cache=False).logits.float()
+            (loss,) = ctx.finish_scorer_losses()
+        loss.backward()
+        runs.append((logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in policy.named_parameters()}))
+    (lg, ls, gr), (lg2, ls2, gr2) = runs
+    assert torch.equal(lg, lg2)
+    assert abs(float(ls - ls2)) <= 1e-5 * max(1.0, abs(float(ls2)))
+    for name in gr:
+        assert _maxdiff(gr[name], gr2[name]) <= 1e-4 * max(1.0, float(gr2[name].abs().max())), name
+
+
 def random_policy(name: str):
     """``name`` on the tiny models (2 layers, 2 KV heads, head dim 16) with random weights, seeded; dbtrimkv's
     retentions around logsigmoid(2), so that some tokens decay fast and some slowly."""

@@ -62,3 +62,11 @@ def test_the_checks_fail_on_bad_files(tmp_path):
         assert any(p.startswith(rel + ":") for p in problems), rel
     assert any("git_commit" in p for p in problems) and any('"what"' in p for p in problems)
     assert main(["--root", str(tmp_path), "--check"]) == 1
+
+
+def test_the_index_names_each_folders_script_where_it_lies():
+    from kvpop.results_index import script_of
+
+    assert script_of("bench_decode") == "`bench/bench_decode.py`"
+    assert script_of("profile_pool_train") == "`bench/kernels/profile_pool_train.py`"
+    assert (RESULTS.parent / "bench" / "kernels" / "profile_pool_train.py").exists()

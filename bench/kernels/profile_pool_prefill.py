@@ -18,53 +18,18 @@ views not counted; eagerly each is about one kernel launch on CUDA, the host's c
 from __future__ import annotations
 
 import argparse
-import collections
-import functools
 import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
-from kvpop.benchmarking import default_out, pooled_policy, qwen3_4b_config, random_ids, sync
+from kvpop.benchmarking import OpCount, default_out, pooled_policy, qwen3_4b_config, random_ids, sync
 from kvpop.decode.engine import DecodeEngine
 from kvpop.geometry import CacheLayout
 from kvpop.policies import make_policy
 from kvpop.provenance import write_result
-
-
-class OpCount(TorchDispatchMode):
-    """Counts the aten operations that run under it, views aside, by the part of the chunk they run in
-    (:meth:`part`: methods of the engine and its store wrapped to name their part; the rest is ``"other"``)."""
-
-    VIEWS = {"view", "_unsafe_view", "expand", "reshape", "slice", "select", "t", "transpose", "permute", "unsqueeze", "squeeze",
-             "alias", "as_strided", "detach", "split", "split_with_sizes", "unbind", "lift_fresh", "_reshape_alias"}
-
-    def __init__(self):
-        super().__init__()
-        self.counts: collections.Counter = collections.Counter()
-        self.stack = ["other"]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.__name__.split(".")[0] not in self.VIEWS:
-            self.counts[self.stack[-1]] += 1
-        return func(*args, **(kwargs or {}))
-
-    def part(self, obj, name: str, label: str) -> None:
-        """Count what ``obj.name`` runs (an instance attribute shadows the method) under ``label``."""
-        fn = getattr(obj, name)
-
-        @functools.wraps(fn)
-        def counted(*a, **k):
-            self.stack.append(label)
-            try:
-                return fn(*a, **k)
-            finally:
-                self.stack.pop()
-
-        setattr(obj, name, counted)
 
 
 def count_ops(eng: DecodeEngine, ids: torch.Tensor) -> dict[str, int]:

@@ -19,6 +19,8 @@ results go through :func:`kvpop.provenance.write_result`.
 
 from __future__ import annotations
 
+import collections
+import functools
 import os
 import statistics
 import subprocess
@@ -30,12 +32,46 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 #: the folder every result goes under (relative to the repository root, where the scripts run)
 RESULTS = Path("results")
 #: this checkout's ``src/`` (the folder that holds the ``kvpop`` package)
 SRC = Path(__file__).resolve().parents[1]
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the aten operations that run under it, views aside, by the part of the chunk they run in
+    (:meth:`part`: the methods of the code under study wrapped to name their part; the rest is ``"other"``; a
+    profiling tool for the eager CPU path, where a GPU would launch one kernel per operation)."""
+
+    VIEWS = {"view", "_unsafe_view", "expand", "reshape", "slice", "select", "t", "transpose", "permute", "unsqueeze", "squeeze",
+             "alias", "as_strided", "detach", "split", "split_with_sizes", "unbind", "lift_fresh", "_reshape_alias"}
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+        self.stack = ["other"]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] not in self.VIEWS:
+            self.counts[self.stack[-1]] += 1
+        return func(*args, **(kwargs or {}))
+
+    def part(self, obj, name: str, label: str) -> None:
+        """Count what ``obj.name`` runs (an instance attribute shadows the method) under ``label``."""
+        fn = getattr(obj, name)
+
+        @functools.wraps(fn)
+        def counted(*a, **k):
+            self.stack.append(label)
+            try:
+                return fn(*a, **k)
+            finally:
+                self.stack.pop()
+
+        setattr(obj, name, counted)
 
 
 def sync(dev: torch.device | str) -> None:

@@ -59,7 +59,12 @@ class Entry:
 
 
 def script_of(benchmark: str) -> str:
-    return SCRIPTS.get(benchmark, f"`bench/{benchmark}.py`")
+    """The script that writes ``benchmark``'s folder: :data:`SCRIPTS`' entry, else ``bench/<benchmark>.py``, or
+    ``bench/kernels/<benchmark>.py`` where that is the one this checkout holds."""
+    if benchmark in SCRIPTS:
+        return SCRIPTS[benchmark]
+    kernels = ROOT.parent / "bench" / "kernels" / f"{benchmark}.py"
+    return f"`bench/kernels/{benchmark}.py`" if kernels.exists() else f"`bench/{benchmark}.py`"
 
 
 def problems_of(rel: str, doc: object) -> list[str]:
