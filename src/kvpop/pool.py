@@ -89,7 +89,7 @@ class ChunkContext:
     keys: dict[int, Tensor] = field(default_factory=dict)  # layer -> (B, Hk, start + C, D)
     values: dict[int, Tensor] = field(default_factory=dict)
     streams: dict[int, object] = field(default_factory=dict)  # a delayed scorer (read_delay): layer -> its score stream (-1: the stacked one)
-    pending: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # stacked: layer -> the chunk's (k, v) float32 (B, Hk, C, D)
+    pending: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # stacked: layer -> the chunk's (k, v) (B, Hk, C, D)
     rows: ChunkRows | None = None  # the chunk's mask, factored (kvpop.masks.ChunkRows); None until its first layer
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
@@ -100,7 +100,7 @@ class ChunkContext:
         if self.prio is None:
             self.prio = torch.zeros(self.num_layers, B, Hk, S, dtype=torch.float64, device=k.device)
         if self.stacked is not None:
-            self.pending[layer] = (k.float(), v.float())
+            self.pending[layer] = (k, v)
         else:
             with torch.autocast(device_type=k.device.type, enabled=False), record_function("pool/scores"):  # scorers compute in fp32
                 p, r0, read = self._score(self.policy, layer, k.float(), v.float())
@@ -125,8 +125,8 @@ class ChunkContext:
         L = self.num_layers
         B, Hk, C, D = self.pending[0][0].shape
         with torch.autocast(device_type=self.prio.device.type, enabled=False), record_function("pool/scores"):
-            k = torch.stack([self.pending[i][0] for i in range(L)], 1).view(B, L * Hk, C, D)  # (B, L x Hk, C, D), layer by layer
-            v = torch.stack([self.pending[i][1] for i in range(L)], 1).view(B, L * Hk, C, D)
+            k = torch.stack([self.pending[i][0] for i in range(L)], 1).view(B, L * Hk, C, D).float()  # (B, L x Hk, C, D), layer by layer
+            v = torch.stack([self.pending[i][1] for i in range(L)], 1).view(B, L * Hk, C, D).float()
             p, r0, read = self._score(self.stacked, -1, k, v)  # (B, L x Hk, R)
             self._write(self.prio.permute(1, 0, 2, 3), p.view(B, L, Hk, -1), r0, read)  # prio as (B, L, Hk, S)
         self.pending.clear()
