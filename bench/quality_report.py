@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from kvpop.evaluate import twin_of
+from kvpop.evaluate import ranked_policy
 from kvpop.provenance import envelope, read_provenance, write_result
 
 QUOTE_BAR = {"4k": 0.95, "8k": 0.90}
@@ -83,7 +83,7 @@ def merged(earlier: dict, new: dict, *, trained: set[str], run: dict) -> dict:
             if a is not None and b is not None and abs(a - b) > SAME_ROW_TOL:
                 raise ValueError(f"not the same rows: {name}'s {key} is {b} here, {a} in the file")
     out = copy.deepcopy(earlier)
-    add = {n for n in new["policies"] if twin_of(n) in trained}  # the one-pool twins too
+    add = {n for n in new["policies"] if ranked_policy(n) in trained}  # the one-pool twins too
     out["policies"] = dict(sorted({**out["policies"], **{n: new["policies"][n] for n in add}}.items()))
     for kind, rows in new.get("other_text", {}).items():
         out.setdefault("other_text", {}).setdefault(kind, {}).update({n: m for n, m in rows.items() if n in add})
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     old = doc.get("configurations", [])
     for c in old:  # a configuration written before "runs" existed: the file's provenance is its run's
         c.setdefault("runs", [{"policies": sorted(c.get("policies", {})), "provenance": doc.get("provenance")}])
-    ran = sorted(n for n in policies if twin_of(n) in tr.get("policies", [])) if args.merge else sorted(policies)  # this run's rows (twins too)
+    ran = sorted(n for n in policies if ranked_policy(n) in tr.get("policies", [])) if args.merge else sorted(policies)  # this run's rows (twins too)
     run = {"policies": ran, "provenance": prov or envelope(), **({"note": args.note} if args.note else {})}
     if args.merge:
         earlier = next((c for c in old if c.get("config") == args.config), None)

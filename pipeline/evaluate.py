@@ -36,8 +36,8 @@ from kvpop.evaluate import (
     keep_map,
     one_pool_twin,
     pad_records,
+    ranked_policy,
     score_positions,
-    twin_of,
 )
 from kvpop.export import CheckpointError, load_export
 from kvpop.filter import read_jsonl
@@ -63,7 +63,7 @@ def candidates(p, base: str, exports: Path, precision: str, device: str, only: s
     tok = AutoTokenizer.from_pretrained(base)
     shape = {k: v for k, v in model_shape(teacher).items() if k != "num_heads"}
     out = []
-    wanted = None if only is None else {twin_of(n) for n in only}  # the exports to load
+    wanted = None if only is None else {ranked_policy(n) for n in only}  # the exports to load
     for name in p.evaluate.policies:
         # rules that need each step's attention are decoded token by token: a few traces only
         decode_only = policy_class(name).needs_attention
@@ -216,13 +216,13 @@ def ruler_keys(p, names: list[str], base: str, exports: Path, device: str, sampl
         common.update(f.relative_to(src).as_posix().encode() + f.read_bytes())
     files(Path(base), common)
     weights = {}  # a trained policy's export, hashed once (its one-pool twin shares it)
-    for t in {twin_of(n) for n in names} & set(p.train.policies):
+    for t in {ranked_policy(n) for n in names} & set(p.train.policies):
         weights[t] = hashlib.sha256()
         files(exports / t, weights[t])
     out = {}
     for name in names:
         h = common.copy()
-        h.update(name.encode() + (weights[twin_of(name)].digest() if twin_of(name) in weights else b""))
+        h.update(name.encode() + (weights[ranked_policy(name)].digest() if ranked_policy(name) in weights else b""))
         out[name] = RULER_CACHE / f"{h.hexdigest()[:32]}.json"
     return out
 

@@ -69,7 +69,7 @@ def one_pool_twin(c: Candidate) -> Candidate | None:
     return Candidate(c.name + ONE_POOL_SUFFIX, c.model, OnePool(c.policy), c.max_traces) if OnePool.accepts(c.policy) else None
 
 
-def twin_of(name: str) -> str:
+def ranked_policy(name: str) -> str:
     """The policy a candidate ranks: ``name`` itself, or the policy of a one-pool twin (``"kvpop_mlp, one pool"``:
     ``kvpop_mlp``), whose export, training and weights it shares."""
     return name.removesuffix(ONE_POOL_SUFFIX)
