@@ -65,10 +65,10 @@ def time_competitions(eng: DecodeEngine) -> tuple[float, float]:
 def chunk_list(st) -> tuple[int, int, str]:
     """The last chunk's candidate list: ``(listed, of, what)``: a static rule's pool entries of the pool's slots
     (its leavers all listed), decaying ranks' longest list of one block, of the candidates present in it."""
+    m, of = max(st.chunk_lists)
     if st.decays:
-        m, present = max(st.chunk_lists)
-        return m, present, f"candidates present (the longest of {len(st.chunk_lists)} blocks of {st.decay_block} queries)"
-    return st.chunk_listed[0], st.chunk_listed[1], "pool slots, and every leaver"
+        return m, of, f"candidates present (the longest of {len(st.chunk_lists)} blocks of {st.decay_block} queries)"
+    return m, of, "pool slots, and every leaver"
 
 
 def main() -> None:

@@ -287,7 +287,7 @@ def test_closed_form_competitions_equal_the_replay(model, name, page, long_range
             twin.update(torch.tensor(q), prio[:, :, q - c0], move_kv=False, track=(orig, e))
         before = copy.deepcopy(st)
         got_orig, got_e = (st.compete_decaying if st.decays else st.compete_static)(c0, prio)
-        pruned |= st.decays or st.chunk_listed[0] < int((before.tag[:, st.PS0 :] >= 0).sum(1).min())  # the list left pool entries out
+        pruned |= st.decays or st.chunk_lists[0][0] < int((before.tag[:, st.PS0 :] >= 0).sum(1).min())  # the list left pool entries out
         blocks |= st.decays and len(st.chunk_lists) > 1 and any(m < h for m, h in st.chunk_lists)  # blocks whose lists left some out
         assert torch.equal(got_e[:, : st.dump], e[:, : st.dump]), c0  # the replay writes its no-ops' times to the dump slot
         assert pool_entries(st, got_orig) == pool_entries(twin, orig), c0

@@ -179,6 +179,10 @@ class PoolStore:
         self.list_left = 0  # steps the list still serves (host); 0: refresh before the next step
         self._query_graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, dict[str, Tensor]]] = {}  # compete_decaying's loops
         self.decay_block = decay_block  # compete_decaying's queries per candidate list
+        #: the last prefill chunk's candidate lists, (listed, of) each (a diagnostic, bench_pool_prefill.py): the static closed
+        #: form's one (pool entries listed, of the pool's slots; every leaver is listed too), decaying ranks' one per block
+        #: (candidates listed, of those present in it)
+        self.chunk_lists: list[tuple[int, int]] = []
         self.listed = False  # the next step's candidates: the list (True) or the whole pool
         nc = self.C if self.list_steps else 0
         self.cand = torch.zeros(B, nc + 1, dtype=torch.int64, device=device)  # store slots of the listed entries; column C: junk
@@ -532,7 +536,7 @@ class PoolStore:
         M = F * (n + 1)
         leavers = NP + torch.arange(F * n, device=dev).expand(B, -1)  # (B, F n)
         if M >= NP:
-            self.chunk_listed = (NP, NP)
+            self.chunk_lists = [(NP, NP)]
             pick = torch.cat([torch.arange(NP, device=dev).expand(B, -1), leavers], 1)
             return pick, torch.zeros(B, 1, dtype=torch.int64, device=dev)
         inf = torch.tensor(float("inf"), dtype=torch.float64, device=dev)
@@ -541,7 +545,7 @@ class PoolStore:
         # empty slots rank highest: priority inf, distinct ties above every key (select_lowest's ties must be distinct)
         low = select_lowest(torch.where(pvalid, score[:, :NP], inf), torch.where(pvalid, key[:, :NP], I64_MAX - 1 - NP + slot), M)  # (B, M), its M-th last
         extra = (pvalid.sum(1, keepdim=True) - M).clamp(min=0)  # (B, 1) U
-        self.chunk_listed = (M, NP)  # the last chunk's pool entries listed, of the pool's slots (a diagnostic)
+        self.chunk_lists = [(M, NP)]  # the chunk's one list: pool entries listed, of the pool's slots (chunk_lists)
         return torch.cat([low, leavers], 1), extra
 
     def compete_decaying(self, q0: int, prio: Tensor) -> tuple[Tensor, Tensor]:
@@ -567,7 +571,7 @@ class PoolStore:
         arrive = torch.cat([torch.full((B, NP), q0, dtype=torch.int64, device=dev), pos[:, NP:] + self.window], 1)  # (B, N) first query
         e = torch.full((B, N), NEVER, dtype=torch.int64, device=dev)  # eviction times by candidate
         count = self.count.sum(1)  # (B,) the pool's entries before the block's first query
-        self.chunk_lists = []  # (listed, present) per block: a diagnostic
+        self.chunk_lists = []  # (listed, present) per block (chunk_lists)
         for qb in range(q0, q0 + n, self.decay_block):
             nb = min(self.decay_block, q0 + n - qb)
             here = valid & (e == NEVER) & (arrive < qb + nb)  # (B, N) present at some query of the block
