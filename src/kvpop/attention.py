@@ -254,7 +254,7 @@ class SparseContext:
     #: False scores each layer as it runs (the twin the tests hold it equal to)
     stack_scorers: bool = True
     _stacked: Policy | None = None  # the policy's all_layers(graph=True) view, once per forward
-    _kv: Tensor | None = None  # (2, B, L, Hk, S, D) float32: the deferred layers' keys and values (detached)
+    _kv: Tensor | None = None  # (2, B, L, Hk, S, D) the deferred layers' keys and values, detached, in the forward's dtype
     _targets: dict[int, Tensor] = field(default_factory=dict)  # deferred layer -> its target r_tgt (B, Hk, S)
     scored_layers: int = 0  # layers whose scorer loss was added (one_pool: one loss for all of them)
     _cache: dict = field(default_factory=dict)
@@ -272,7 +272,7 @@ class SparseContext:
         if self._defers():  # the pool's pattern is given and the scores feed only the pool's loss: scored after the forward
             if self._kv is None:
                 L = len(self.global_evict)
-                self._kv = torch.empty(2, B, L, Hk, S, k.shape[-1], dtype=torch.float32, device=k.device)
+                self._kv = torch.empty(2, B, L, Hk, S, k.shape[-1], dtype=k.dtype, device=k.device)  # the forward's dtype: float32 when scored
             self._kv[0, :, layer] = k.detach()
             self._kv[1, :, layer] = v.detach()
             return self.global_evict[layer], None
@@ -315,13 +315,15 @@ class SparseContext:
         if sorted(self._targets) != list(range(L)):
             raise RuntimeError(f"a pool policy's training forward scored layers {sorted(self._targets)} of {L}: the pool's loss needs every layer")
         with _kept_saved_tensors(), torch.autocast(device_type=self._kv.device.type, enabled=False):
-            sc = self._stacked.scores(0, self._kv[0].view(B, L * Hk, S, D), self._kv[1].view(B, L * Hk, S, D), self.pos,
-                                      doc_ids=self.doc_ids, window=self.layout.window)
+            k, v = (self._kv[i].view(B, L * Hk, S, D).float() for i in (0, 1))
+            self._kv = None  # the scorer keeps what its backward needs; the forward's copy goes before the backward
+            sc = self._stacked.scores(0, k, v, self.pos, doc_ids=self.doc_ids, window=self.layout.window)
+            del k, v
         r_hat, prio, log_gamma = sc.r_hat.view(B, L, Hk, S), sc.prio.view(B, L, Hk, S), sc.log_gamma.view(L, Hk)
         for layer in range(L):
             self.global_prio[layer] = prio[:, layer]
             self.add_scorer_loss(r_hat[:, layer], self._targets[layer], log_gamma[layer])
-        self._kv, self._targets = None, {}
+        self._targets = {}
 
     def _pattern(self, evict: Tensor, H: int, layer_key: object, keep: bool):
         """The executor's pattern: a BlockMask (flex) or a dense (B, H, S, S) mask (sdpa).
