@@ -29,7 +29,7 @@ from kvpop.config import ParamsError, load_params
 from kvpop.probe import CacheError, ProbeError, make_variant, mix_records, read_records, run_probe, split_overrides
 
 USAGE = ("scorer_fit.py [--params P] [--variant K=V[,K=V...]]... [--epochs N] [--train-traces N] [--eval-traces N] [--one-pool] "
-         "[--mix N] [--cache FILE] [--out NAME] [--device DEV] [--base DIR] [--data DIR]")
+         "[--mix N] [--other-text N] [--cache FILE] [--out NAME] [--device DEV] [--base DIR] [--data DIR]")
 
 
 def whole(least: int):
@@ -59,6 +59,8 @@ def parser() -> argparse.ArgumentParser:
                     "the whole model (kvpop.evaluate.one_pool_twin)")
     ap.add_argument("--mix", type=whole(0), default=0, help="also train on N pieces each of code and prose (kvpop.data.other_text, "
                     "as filter.other_text), at most filter.max_tokens tokens each")
+    ap.add_argument("--other-text", type=whole(0), default=0, help="also score every row on N held-out pieces each of code and prose "
+                    "(kvpop.data.other_text.held_out_records, at most filter.max_tokens tokens each; KL to the dense teacher)")
     ap.add_argument("--cache", type=Path, default=None, help="the teacher cache file (default .cache/scorer_fit/teacher-<key>.pt)")
     ap.add_argument("--out", default="scorer_fit", help="the result's name: results/scorer_fit/<name>.json")
     ap.add_argument("--device", default=None, help="where the teacher, the cache and the fits live (default: cuda where there is one)")
@@ -102,18 +104,26 @@ def main(argv: list[str] | None = None) -> int:
         if cache is None:
             key = hashlib.sha256(f"{args.base.resolve()}|{args.data.resolve()}|{len(train)}|{args.mix}|{params.window}".encode()).hexdigest()
             cache = Path(".cache/scorer_fit") / f"teacher-{key[:12]}.pt"
+        other = None
+        if args.other_text:
+            from kvpop.data.other_text import KINDS, held_out_records, token_ids
+
+            other = {kind: held_out_records(token_ids(tok), kind, args.other_text, max_tokens=params.filter.max_tokens) for kind in KINDS}
         doc = run_probe(teacher, params, variants, train, evals, epochs=args.epochs, one_pool=args.one_pool, cache=cache, device=device,
-                        log=lambda s: print(f"[scorer_fit] {s}", file=sys.stderr, flush=True))
-        doc = {"params": str(args.params), "base": str(args.base), "data": str(args.data), "mix": args.mix, **doc}
+                        log=lambda s: print(f"[scorer_fit] {s}", file=sys.stderr, flush=True), other_text=other)
+        doc = {"params": str(args.params), "base": str(args.base), "data": str(args.data), "mix": args.mix, "other_text_pieces": args.other_text,
+               **doc}
         out = write_result(Path("results/scorer_fit") / f"{args.out}.json", doc)
     except (ProbeError, ParamsError, CacheError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"budget {params.budget} (sinks {params.sinks}, window {params.window}); {doc['train_traces']} training traces x "
           f"{args.epochs} epochs, frozen teacher; {doc['eval_traces']} held-out traces")
-    print(f"{'row':<64}{'KL':>10}{'top-1':>8}{'quote acc':>10}")
+    kinds = list(doc.get("other_text", {}))
+    print(f"{'row':<64}{'KL':>10}{'top-1':>8}{'quote acc':>10}" + "".join(f"{'KL, ' + k:>12}" for k in kinds))
     for name, m in doc["rows"].items():
-        print(f"{name:<64}{m['kl']:>10.4f}{m['top1_agreement']:>8.3f}{m['quote_accuracy']:>10.3f}")
+        other = "".join(f"{doc['other_text'][k][name]['kl']:>12.4f}" if name in doc["other_text"][k] else f"{'-':>12}" for k in kinds)
+        print(f"{name:<64}{m['kl']:>10.4f}{m['top1_agreement']:>8.3f}{m['quote_accuracy']:>10.3f}" + other)
     print(f"written: {out}")
     return 0
 

@@ -130,8 +130,9 @@ def test_a_fit_lowers_the_boundary_loss(teacher, params, traces):
 def test_run_probe_rows(teacher, params, tmp_path):
     vocab = teacher.config.vocab_size
     variants = [make_variant(params), make_variant(params, ["train.target=max.layer", "train.scorer_calibration=1"])]
+    other = {"code": records(2, 7, vocab, lengths=(40, 48)), "prose": records(1, 8, vocab, lengths=(40, 48))}
     doc = run_probe(teacher, params, variants, records(3, 3, vocab), records(2, 4, vocab, quotes=True, lengths=(36, 44)), one_pool=True,
-                    cache=tmp_path / "c.pt")
+                    cache=tmp_path / "c.pt", other_text=other)
     fits = ["kvpop_mlp [params]", "kvpop_mlp [train.target=max.layer, train.scorer_calibration=1]"]
     ranked = ["oracle_sources", "oracle_target (max)", "oracle_target (max.layer)", *fits]  # static priorities: OnePool takes them
     want = {"dense", "streaming_llm", *ranked, *(f"{f}, one pool" for f in ranked)}
@@ -140,6 +141,12 @@ def test_run_probe_rows(teacher, params, tmp_path):
         assert set(row) == set(ROW_KEYS) and row["traces"] == 2
     assert set(doc["fits"]) == set(fits) and doc["fits"][fits[1]]["target"] == "max.layer"
     assert doc["rows"]["dense"]["kl"] == 0
+    # the held-out code and prose: every row but the oracles, against the dense teacher
+    assert set(doc["other_text"]) == {"code", "prose"}
+    for kind, n in (("code", 2), ("prose", 1)):
+        rows = doc["other_text"][kind]
+        assert set(rows) == {r for r in want if not r.startswith("oracle")} and all(m["pieces"] == n for m in rows.values())
+        assert rows["dense"]["kl"] == 0 and rows["streaming_llm"]["kl"] > 0
 
 
 def test_bad_overrides_name_the_key(params):
@@ -185,11 +192,13 @@ def test_cli_writes_the_result_and_names_bad_inputs(tiny_llama_dir, tmp_path, mo
     assert "train.tau" in capsys.readouterr().err
     assert main([*base, "--params", "nope.yaml"]) == 2
     assert "nope.yaml" in capsys.readouterr().err
-    assert main([*base, "--variant", "train.target=max.model", "--out", "tiny"]) == 0
+    assert main([*base, "--variant", "train.target=max.model", "--out", "tiny", "--other-text", "1"]) == 0
     files = {str(p) for p in Path(".").rglob("*") if p.is_file()} - {"params.yaml", "data/filtered/train.jsonl", "data/filtered/eval.jsonl"}
     assert len(files) == 2 and "results/scorer_fit/tiny.json" in files and any(f.startswith(".cache/scorer_fit/teacher-") for f in files)
     doc = json.loads(Path("results/scorer_fit/tiny.json").read_text())
     assert list(doc)[0] == "provenance" and "kvpop_mlp [train.target=max.model]" in doc["rows"]
+    assert doc["other_text_pieces"] == 1 and all(m["pieces"] == 1 for kind in ("code", "prose") for m in doc["other_text"][kind].values())
+    assert "KL, code" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:
         main([*base, "--epochs", "0"])
     assert exc.value.code == 2 and "--epochs" in capsys.readouterr().err

@@ -50,7 +50,7 @@ from torch import Tensor
 
 from kvpop.attention import SparseContext
 from kvpop.config import Params, ParamsError, parse_params
-from kvpop.evaluate import Candidate, TargetCapture, evaluate_fidelity, one_pool_twin
+from kvpop.evaluate import Candidate, TargetCapture, evaluate_fidelity, evaluate_other_text, one_pool_twin
 from kvpop.filter import iter_jsonl
 from kvpop.geometry import CacheLayout
 from kvpop.policies import Dense, Policy, make_policy, policy_class
@@ -446,11 +446,14 @@ def evaluate(teacher, records: Sequence[dict], cands: Sequence[Candidate], param
 def run_probe(
     teacher, params: Params, variants: Sequence[Variant], train_records: Sequence[dict], eval_records: Sequence[dict], *,
     epochs: int = 1, one_pool: bool = False, cache: str | Path | None = None, device: str | torch.device = "cpu",
-    log: Callable[[str], None] = lambda s: None,
+    log: Callable[[str], None] = lambda s: None, other_text: Mapping[str, Sequence[dict]] | None = None,
 ) -> dict:
     """The whole probe on a loaded, frozen ``teacher``: cache the teacher on ``train_records`` (traces and
     any pieces of other text), fit every variant's scorers, evaluate every row on ``eval_records``; the
-    result document (geometry, fits, rows)."""
+    result document (geometry, fits, rows). ``other_text`` ``{kind: records}``: held-out pieces of code and prose
+    (:func:`kvpop.data.other_text.held_out_records`), on which every row but the oracles is also scored against the
+    dense teacher (:func:`kvpop.evaluate.evaluate_other_text`: ``"other_text": {kind: {row: {"kl", "top1_agreement",
+    "pieces"}}}``)."""
     from kvpop.modeling import model_shape
 
     teacher.eval().requires_grad_(False)
@@ -462,10 +465,14 @@ def run_probe(
     t0 = time.monotonic()
     rows = evaluate(teacher, eval_records, cands, params, device=device,
                     progress=lambda i, n: log(f"eval trace {i}/{n} ({time.monotonic() - t0:.0f} s)"))
+    other = {}
+    if other_text:
+        other = {"other_text": evaluate_other_text(other_text, teacher, cands, layout=params.layout, device=device,
+                                                   progress=lambda kind, i, n: log(f"{kind} piece {i}/{n} ({time.monotonic() - t0:.0f} s)"))}
     return {
         "model": "frozen dense teacher (no fine-tune)", "budget": params.budget, "sinks": params.sinks, "window": params.window,
         "train_traces": len(train_records), "eval_traces": len(eval_records), "epochs": epochs,
         "train_sources": [t.source for t in traces],
         "variants": [{"name": v.name, "overrides": list(v.overrides)} for v in variants],
-        "fits": {f.name: f.log for f in fits}, "rows": rows,
+        "fits": {f.name: f.log for f in fits}, "rows": rows, **other,
     }
