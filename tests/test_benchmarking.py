@@ -60,3 +60,30 @@ def test_fill_cache_holds_what_a_prefill_holds(tiny_model, ctx):
         assert fixed <= got and fixed <= want and len(got) == len(want)
         assert all(SINKS <= p < ctx - WINDOW for p in got - fixed)
     assert torch.isfinite(eng.step()).all()
+
+
+def test_op_count_counts_by_part_and_restores_what_it_wrapped():
+    import torch
+
+    from kvpop.benchmarking import OpCount
+
+    class Thing:
+        def inner(self, x):
+            return (x + 1) * 2  # two operations
+
+        def outer(self, x):
+            return self.inner(x) - 1  # one more
+
+    thing = Thing()
+    counter = OpCount()
+    counter.part(thing, "inner", "inner")  # an instance's shadow
+    counter.part(Thing, "outer", "outer")  # a class's method, replaced
+    x = torch.ones(3)
+    with counter:
+        thing.outer(x)
+    assert dict(counter.counts) == {"inner": 2, "outer": 1}
+    counter.restore()
+    assert "inner" not in vars(thing) and Thing.outer.__qualname__.endswith("Thing.outer")
+    with OpCount() as again:
+        thing.outer(x)
+    assert dict(again.counts) == {"other": 3}

@@ -42,12 +42,11 @@ def count_ops(eng: DecodeEngine, ids: torch.Tensor) -> dict[str, int]:
                              (eng, "_pool_chunk_attend", "attention"), (eng, "_chunk_qkv", "projections"),
                              (eng, "_finish_layer", "mlp"), (eng, "_leaver_prio", "leaver_scores")]:
         counter.part(obj, name, label)
-    with counter:
-        eng.prefill(ids)
-    for name in ("compete_static", "compete_decaying"):
-        del st.__dict__[name]
-    for name in ("_pool_competitions", "_pool_chunk_entries", "_pool_chunk_attend", "_chunk_qkv", "_finish_layer", "_leaver_prio"):
-        del eng.__dict__[name]
+    try:
+        with counter:
+            eng.prefill(ids)
+    finally:
+        counter.restore()
     return {**dict(counter.counts), "total": sum(counter.counts.values())}
 
 

@@ -116,18 +116,16 @@ def main() -> None:
 def count_pass(model, policy, ids, layout, *, stack_layers: bool) -> dict[str, float]:
     """Operations of one pool_chunked pass per chunk, by part: each layer's scores (or the stacked call), its mask,
     its attention, the closed form's times, the rest (the model's own layers)."""
-    counter, saved = OpCount(), []
+    counter = OpCount()
     for obj, name, label in [(pool_module.ChunkContext, "_score", "scores"), (ChunkRows, "__init__", "mask"), (ChunkRows, "allowed", "mask"),
                              (pool_module.F, "scaled_dot_product_attention", "attention"), (pool_module, "global_eviction_times", "times"),
                              (pool_module, "global_decaying_eviction_times", "times")]:
-        saved.append((obj, name, getattr(obj, name)))
         counter.part(obj, name, label)
     try:
         with counter:
             pool_chunked(model, policy, ids, layout=layout, stack_layers=stack_layers)
     finally:
-        for obj, name, fn in saved:
-            setattr(obj, name, fn)
+        counter.restore()
     delay = policy.read_delay(layout.window)
     chunks = -(-ids.shape[1] // (layout.window - (delay or 0)))
     per = {k: round(v / chunks, 1) for k, v in counter.counts.items()}
@@ -135,19 +133,25 @@ def count_pass(model, policy, ids, layout, *, stack_layers: bool) -> dict[str, f
 
 
 def count_training(model, policy, ids, layout, *, stack: bool) -> dict[str, int]:
-    """Operations of the training forward and backward (model frozen, so the backward is the scorers') under
-    pool_chunked's times: in all, and those of the scorers and their loss (``SparseContext.stack_scorers``)."""
+    """Operations of the training forward and backward under pool_chunked's times, in all (the model frozen for it,
+    so the backward is the scorers' and their loss's; ``SparseContext.stack_scorers`` says how they run): the two
+    forms differ only in the scorers' work."""
     pos = torch.arange(ids.shape[1], device=ids.device)[None]
     evict, _ = pool_chunked(model, policy, ids, layout=layout)
+    trainable = [p for p in model.parameters() if p.requires_grad]
     model.requires_grad_(False)
     counter = OpCount()
-    with counter:
-        ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, layout, scorer_training=ScorerTraining(weighting="uniform"),
-                                     global_evict=evict, stack_scorers=stack)
-        model(input_ids=ids, position_ids=pos, kvpop_ctx=ctx, use_cache=False, logits_to_keep=1)
-        (loss,) = ctx.finish_scorer_losses()
-        loss.backward()
-    policy.zero_grad(set_to_none=True)
+    try:
+        with counter:
+            ctx = SparseContext.for_rows(policy, torch.zeros_like(pos), pos, layout, scorer_training=ScorerTraining(weighting="uniform"),
+                                         global_evict=evict, stack_scorers=stack)
+            model(input_ids=ids, position_ids=pos, kvpop_ctx=ctx, use_cache=False, logits_to_keep=1)
+            (loss,) = ctx.finish_scorer_losses()
+            loss.backward()
+    finally:
+        policy.zero_grad(set_to_none=True)
+        for p in trainable:
+            p.requires_grad_(True)
     return {"total": sum(counter.counts.values())}
 
 

@@ -53,6 +53,7 @@ class OpCount(TorchDispatchMode):
         super().__init__()
         self.counts: collections.Counter = collections.Counter()
         self.stack = ["other"]
+        self._patched: list[tuple[object, str, object]] = []  # (obj, name, what obj.__dict__ held: _ABSENT if nothing)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.__name__.split(".")[0] not in self.VIEWS:
@@ -60,8 +61,10 @@ class OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def part(self, obj, name: str, label: str) -> None:
-        """Count what ``obj.name`` runs (an instance attribute shadows the method) under ``label``."""
+        """Count what ``obj.name`` runs (an instance attribute shadows the method; a class's or module's attribute is
+        replaced) under ``label``, until :meth:`restore`."""
         fn = getattr(obj, name)
+        self._patched.append((obj, name, vars(obj).get(name, _ABSENT)))
 
         @functools.wraps(fn)
         def counted(*a, **k):
@@ -72,6 +75,18 @@ class OpCount(TorchDispatchMode):
                 self.stack.pop()
 
         setattr(obj, name, counted)
+
+    def restore(self) -> None:
+        """Undo every :meth:`part`: each object's own attribute as it was (or none, where it had none)."""
+        for obj, name, old in reversed(self._patched):
+            if old is _ABSENT:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+        self._patched.clear()
+
+
+_ABSENT = object()
 
 
 def sync(dev: torch.device | str) -> None:

@@ -759,15 +759,13 @@ class DecodeEngine:
         kj, vj = st.keys[bi, slot].view(B, Hk, D), st.values[bi, slot].view(B, Hk, D)
         st.prio.index_put_((bi, slot), rule.exit_scores(ri, state, kj, vj, j).reshape(-1).double())
 
-    def _pool_chunk_read_out(self, i: int, k: Tensor, v: Tensor, c0: int) -> tuple[Tensor, Tensor]:
+    def _pool_chunk_read_out(self, i: int, k: Tensor, v: Tensor, c0: int, rpos: Tensor) -> Tensor:
         """A delayed pooled rule in a prefill chunk: layer i's state reads the chunk's k, v (B, Hk, C, D) and the
-        tokens ``j`` with ``j + d`` in the chunk are read out at ``j + d`` (the chunked form of
-        :meth:`_pool_read_out`, :meth:`Policy.prefill_chunk`) -> (their positions (R,), priorities (B, Hk, R)
-        float64), which enter their ring slots once the chunk has (:meth:`_pool_prefill_chunk`). Their keys:
-        the ring's for ``j < c0`` (written by earlier chunks: ``j > c0 - window``), else the chunk's."""
-        st, d, dev = self.store, self.pool_delay, self.device
-        C = k.shape[2]
-        rpos = torch.arange(max(self.sinks, c0 - d), max(self.sinks, c0 + C - d), device=dev)  # (R,)
+        tokens ``rpos`` (R,), those ``j`` with ``j + d`` in the chunk, are read out at ``j + d`` (the chunked form
+        of :meth:`_pool_read_out`, :meth:`Policy.prefill_chunk`) -> their priorities (B, Hk, R) float64, which enter
+        their ring slots once the chunk has (:meth:`_pool_prefill_chunk`). Their keys: the ring's for ``j < c0``
+        (written by earlier chunks: ``j > c0 - window``), else the chunk's."""
+        st, d = self.store, self.pool_delay
         ring = st.ring_slots(i, rpos)  # (Hk, R)
         old = (rpos < c0)[None, None, :, None]
         idx = (rpos - c0).clamp(min=0)
@@ -775,7 +773,7 @@ class DecodeEngine:
         prio, state = self._rules[i].prefill_chunk(self._rule_index[i], self.state[i], k, v, rk, rv, rpos, rpos + d - c0)
         for buf, new in zip(self.state[i], state, strict=True):
             buf.copy_(new)
-        return rpos, prio.double()
+        return prio.double()
 
     def _pool_prefill_chunk(self, ids: Tensor) -> Tensor:
         """A chunk ids (B, C) of at most ``window`` tokens into the pooled cache -> logits (B, V) of its last.
@@ -814,13 +812,15 @@ class DecodeEngine:
             knew, vnew = kv[:, 0], kv[:, 1]  # (L, B, Hk, C, D) each
         else:
             ks, vs, read = [], [], []
+            if self.pool_delay is not None:  # the tokens whose j + d the chunk holds (sinks never compete)
+                d = self.pool_delay
+                rpos = torch.arange(max(self.sinks, c0 - d), max(self.sinks, c1 - d), device=dev)  # (R,)
             for i in range(len(self.layers)):
                 x, k, v = self._pool_chunk_layer(i, x, cos, sin, self._layer_entries(entries, i), entries["qpos"], fns)
                 ks.append(k)
                 vs.append(v)
                 if self.pool_delay is not None:
-                    rpos, prio = self._pool_chunk_read_out(i, k, v, c0)
-                    read.append(prio)
+                    read.append(self._pool_chunk_read_out(i, k, v, c0, rpos))
             knew, vnew = torch.stack(ks), torch.stack(vs)  # (L, B, Hk, C, D) each
         if orig is not None:  # the pool's entries where the bookkeeping put them
             idx = orig[..., None].expand(-1, -1, self.D)

@@ -90,11 +90,11 @@ def block_index_dtype(store_elements: int) -> torch.dtype:
     return torch.int64 if store_elements > torch.iinfo(torch.int32).max else torch.int32
 
 
-def can_go(pos: Tensor, prio: Tensor, present: Tensor, arrive: Tensor, q0: int | Tensor, n: int, *, F: int, decays: bool) -> Tensor:
+def can_go(pos: Tensor, prio: Tensor, present: Tensor, arrive: Tensor | None, q0: int | Tensor, n: int, *, F: int, decays: bool) -> Tensor:
     """The candidates that can be among the lowest-ranked at some query of ``q0 .. q0 + n - 1``: pos, prio (B, N)
     (a static priority, or ``log beta`` of a decaying rank ``(q - pos) * log beta``), present (B, N) bool (there
-    at some of those queries), arrive (B, N) the first query each competes at -> (B, N) bool; the others stay
-    through those queries, whatever enters.
+    at some of those queries), arrive (B, N) the first query each competes at (None: every one from ``q0``)
+    -> (B, N) bool; the others stay through those queries, whatever enters.
 
     Over the queries candidate ``y``'s rank lies in ``[lo_y, hi_y]``, its ranks at its first query there
     (``max(q0, arrive)``) and at the last (a decaying rank is linear in ``q``; float64 rounding is monotone,
@@ -106,11 +106,12 @@ def can_go(pos: Tensor, prio: Tensor, present: Tensor, arrive: Tensor, q0: int |
     B, N = pos.shape
     inf = torch.tensor(float("inf"), dtype=torch.float64, device=pos.device)
     if decays:
-        r0, r1 = (arrive.clamp(min=q0) - pos).double() * prio, (q0 + n - 1 - pos).double() * prio  # (B, N)
+        first = q0 - pos if arrive is None else arrive.clamp(min=q0) - pos  # (B, N) its age at its first query there
+        r0, r1 = first.double() * prio, (q0 + n - 1 - pos).double() * prio  # (B, N)
         lo, hi = torch.minimum(r0, r1), torch.maximum(r0, r1)
     else:
         lo = hi = prio.double()
-    lo, hi = torch.where(present, lo, inf), torch.where(present & (arrive <= q0), hi, inf)
+    lo, hi = torch.where(present, lo, inf), torch.where(present if arrive is None else present & (arrive <= q0), hi, inf)
     k = F + F * n
     tau = hi.topk(k, dim=1, largest=False).values[:, -1:] if k <= N else inf.expand(B, 1)  # (B, 1)
     return present & (lo <= tau)
@@ -453,10 +454,8 @@ class PoolStore:
         """The pool's entries that can be among the lowest-ranked at some query of ``q0 .. q0 + n - 1`` -> (B, NP)
         bool over the pool's slots (the others stay through those queries, whatever enters): :func:`can_go` over
         the pool, every entry present from ``q0``."""
-        PS0, NP = self.PS0, self.NP
-        pos = self.pos[:, PS0 : PS0 + NP]
-        return can_go(pos, self.prio[:, PS0 : PS0 + NP], self.tag[:, PS0 : PS0 + NP] >= 0, torch.full_like(pos, 0) + q0, q0, n, F=self.F,
-                      decays=self.decays)
+        pool = slice(self.PS0, self.PS0 + self.NP)
+        return can_go(self.pos[:, pool], self.prio[:, pool], self.tag[:, pool] >= 0, None, q0, n, F=self.F, decays=self.decays)
 
     def before_step(self, q: Tensor) -> None:
         """Before the decode step at query ``q`` (0-d int64): a fresh candidate list every ``list_steps`` steps
