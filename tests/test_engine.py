@@ -356,3 +356,32 @@ def test_per_layer_compile_traces_one_layer_for_all(model, name, tie_policy):
         got.append(eng._decode_step().clone())
     assert (torch.stack(got, 1) - want).abs().max() < 1e-4
     assert len(graphs) == 1, f"{len(graphs)} graphs for {len(eng.layers)} layers"
+
+
+def test_a_last_chunk_attends_padded_to_the_chunk_and_compiles_once(tiny_model):
+    """A prompt's last chunk on the compiled path (``DecodeEngine._attend_any_length``, CUDA's route; FlexAttention
+    compiled with symbolic lengths runs on the CPU too) is padded to the full chunk's queries: equal to SDPA under the
+    same mask_mod for last chunks of 1, 77, 128 and 200 queries over two KV lengths, and one compile serves them all
+    once the first has run. Unpadded, a chunk of one query (dynamo specializes sizes 0 and 1) and one query block
+    compiled apart: the H200 recompiled for last chunks of 1 and 128 (tests/test_gpu.py, any_length)."""
+    from kvpop.decode.engine import slot_mask_mod
+    from kvpop.masks import dense_mask
+
+    model = enable(tiny_model("qwen3"))
+    eng = DecodeEngine(model, None, layout=LAYOUT, batch_size=1, max_len=800, chunk=256, compile=False)
+    B, H, Hk, D = 1, eng.H, eng.Hk, eng.D
+    g = torch.Generator().manual_seed(0)
+    for i, (Q, N) in enumerate([(88, 300), (1, 300), (77, 250), (128, 500), (200, 900), (1, 129)]):
+        q, k, v = (torch.randn(B, h, n, D, generator=g) for h, n in ((H, Q), (Hk, N), (Hk, N)))
+        kv_pos = torch.arange(N).expand(B, Hk, N).clone()
+        kv_pos[:, :, N - Q - 3 : N - Q] = -1  # empty slots
+        q0 = N - Q
+        mm = slot_mask_mod(kv_pos, q0, eng.G)
+        Qb = -(-Q // 128)
+        kv_blocks = torch.full((Qb,), -(-N // 128), dtype=torch.int32)
+        with torch._dynamo.config.patch(error_on_recompile=i >= 1):
+            got = eng._attend_any_length(q, k, v, mm, kv_blocks, None)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(mm, B, H, Q, q.device, kv_len=N, group=eng.G),
+                                                               scale=eng.scale, enable_gqa=True)
+        assert got.shape == (B, H, Q, D)
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)

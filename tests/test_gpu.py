@@ -515,11 +515,11 @@ def test_compiled_engine_equals_bounded_cache(policy_name, tiny_model):
 @pytest.mark.parametrize("policy_name", ["kvpop_mlp", "dense"])
 def test_compiled_engine_prefills_prompts_of_any_length_without_recompiling(policy_name, tiny_model):
     """A prompt's last prefill chunk has a new length for almost every prompt (RULER's samples, ``kvpop generate``):
-    FlexAttention compiled with symbolic lengths serves them all. Before, each new length compiled anew and, past
-    torch's recompile limit (8), ran eagerly. Chunks of 256: the first two prompts compile every shape (a full chunk
-    on an empty and on a filled cache; last chunks of one and of two 128-wide blocks), then 12 more lengths run under
-    ``error_on_recompile`` (one whose last chunk is a single token, which ran eagerly before), every prompt's last
-    logits equal the reference cache's, and the symbolic compile never fell back to the per-shape one."""
+    FlexAttention compiled with symbolic lengths serves them all. Chunks of 256: the first two prompts compile every shape (a full
+    chunk on an empty and on a filled cache; a last chunk, padded to the chunk's 256 queries, over each KV block count the
+    rule's candidates take), then 12 more lengths run under ``error_on_recompile``: among them last chunks of a single token
+    and of 128 (one query block), which compiled anew before the padding (H200, 2026-12-05); every prompt's last logits
+    equal the reference cache's, and the symbolic compile never fell back to the per-shape one."""
     from kvpop.attention import ANY_LENGTH_FAILED
     from kvpop.decode import enable, teacher_forced_logits
     from kvpop.decode.engine import DecodeEngine

@@ -101,7 +101,8 @@ def _compiled_flex_any_length():
     """``flex(q, k, v, block_mask, scale)`` (GQA) compiled once with symbolic lengths: for shapes that do not
     repeat (a prompt's last prefill chunk), which would otherwise compile once each, then fall back to eager
     FlexAttention. Its own function, so that its compiled code and guards are apart from :func:`_compiled_flex`'s.
-    Inductor guards on fewer / at least 128 queries, so it compiles twice at most."""
+    Dynamo specializes sizes 0 and 1 and inductor guards on fewer / at least 128 queries, so the engine pads a last
+    chunk's queries to the full chunk's (:meth:`kvpop.decode.engine.DecodeEngine._attend_any_length`): one query length."""
     return torch.compile(_flex_gqa_any_length, dynamic=True)
 
 

@@ -189,12 +189,12 @@ def slot_mask_mod(kv_pos: Tensor, q_pos0: Tensor | int, group: int, sinks: int =
 def block_mask(mask_mod, kv_blocks: Tensor, Q: int, N: int, kv_indices: Tensor | None = None):
     """A forward-only BlockMask whose query block ``i`` visits KV blocks ``[0, kv_blocks[i])``, all
     as partial blocks (the mask_mod decides per element): kv_blocks (Qb,) int32; ``kv_indices``
-    (1, 1, Qb, Kb) int32 ``arange(Kb)`` rows, if already at hand."""
+    the int32 row ``arange(Kb)`` (any shape holding just it, e.g. (1, 1, 1, Kb)), if already at hand."""
     from torch.nn.attention.flex_attention import BlockMask
 
     Qb, Kb = kv_blocks.shape[0], -(-N // BLOCK)
-    if kv_indices is None:
-        kv_indices = torch.arange(Kb, device=kv_blocks.device, dtype=torch.int32).expand(1, 1, Qb, Kb)
+    row = torch.arange(Kb, device=kv_blocks.device, dtype=torch.int32) if kv_indices is None else kv_indices.reshape(Kb)
+    kv_indices = row.expand(1, 1, Qb, Kb)  # (1, 1, Qb, Kb): one layout whatever the caller had (compiled code guards on strides)
     return BlockMask.from_kv_blocks(
         kv_blocks.view(1, 1, Qb).to(torch.int32), kv_indices, BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(Q, N), compute_q_blocks=False
     )
@@ -481,17 +481,33 @@ class DecodeEngine:
         if q.is_cuda:
             from torch.nn.attention.flex_attention import flex_attention
 
-            from kvpop.attention import _compiled_flex, flex_any_length
+            from kvpop.attention import _compiled_flex
 
-            bm = block_mask(mask_mod, kv_blocks, Q, N, kv_indices)
             if torch.compiler.is_compiling():  # the compiled step: compiled as a whole
-                return flex_attention(q, k, v, block_mask=bm, scale=self.scale, enable_gqa=True)
-            if Q != self.chunk and not (Q == 1 and not self.compiled):  # a prompt's last chunk: a new length from prompt to prompt
-                return flex_any_length(q, k, v, bm, self.scale)
+                return flex_attention(q, k, v, block_mask=block_mask(mask_mod, kv_blocks, Q, N, kv_indices), scale=self.scale, enable_gqa=True)
+            if Q < self.chunk and not (Q == 1 and not self.compiled):  # a prompt's last chunk: a new length from prompt to prompt
+                return self._attend_any_length(q, k, v, mask_mod, kv_blocks, kv_indices)
+            bm = block_mask(mask_mod, kv_blocks, Q, N, kv_indices)
             return _compiled_flex()(q, k, v, block_mask=bm, scale=self.scale, enable_gqa=True)  # full chunks; the uncompiled step
         if allowed is None:
             allowed = dense_mask(mask_mod, B, H, Q, q.device, kv_len=N, group=self.G)  # (B, H, Q, N)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale, enable_gqa=True)
+
+    def _attend_any_length(self, q: Tensor, k: Tensor, v: Tensor, mask_mod, kv_blocks: Tensor, kv_indices: Tensor | None) -> Tensor:
+        """A chunk of Q < ``chunk`` queries q (B, H, Q, D) (a prompt's last; its length changes from prompt to prompt) over
+        k, v (B, Hk, N, D) -> (B, H, Q, D), through FlexAttention compiled with symbolic lengths
+        (:func:`kvpop.attention.flex_any_length`). Its queries are padded with zero rows to the full chunk's count and the
+        padded rows' outputs dropped (the mask_mod reads a query only as the position ``q_pos0 + q_idx``; the padded
+        query blocks visit the last real block's KV blocks), so the compiled function sees one query length: else a
+        length of 1 and one query block compile apart (dynamo specializes sizes 0 and 1) and, on CUDA, so do fewer than
+        128 queries (the decoding kernel's guard; the H200 recompiled for last chunks of 1 and of 128 queries before)."""
+        from kvpop.attention import flex_any_length
+
+        Q, N, C = q.shape[2], k.shape[2], self.chunk
+        qb = -(-C // BLOCK)
+        q = F.pad(q, (0, 0, 0, C - Q))  # (B, H, C, D)
+        kv_blocks = torch.cat([kv_blocks, kv_blocks[-1:].expand(qb - kv_blocks.shape[0])])  # (qb,)
+        return flex_any_length(q, k, v, block_mask(mask_mod, kv_blocks, C, N, kv_indices), self.scale)[:, :, :Q]
 
     # --- the decode step ----------------------------------------------------------------------
     def step(self) -> Tensor:
