@@ -122,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     kinds = list(doc.get("other_text", {}))
     print(f"{'row':<64}{'KL':>10}{'top-1':>8}{'quote acc':>10}" + "".join(f"{'KL, ' + k:>12}" for k in kinds))
     for name, m in doc["rows"].items():
-        other = "".join(f"{doc['other_text'][k][name]['kl']:>12.4f}" if name in doc["other_text"][k] else f"{'-':>12}" for k in kinds)
-        print(f"{name:<64}{m['kl']:>10.4f}{m['top1_agreement']:>8.3f}{m['quote_accuracy']:>10.3f}" + other)
+        cols = "".join(f"{doc['other_text'][k][name]['kl']:>12.4f}" if name in doc["other_text"][k] else f"{'-':>12}" for k in kinds)
+        print(f"{name:<64}{m['kl']:>10.4f}{m['top1_agreement']:>8.3f}{m['quote_accuracy']:>10.3f}" + cols)
     print(f"written: {out}")
     return 0
 
