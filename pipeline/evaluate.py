@@ -33,6 +33,7 @@ from kvpop.evaluate import (
     Candidate,
     evaluate_fidelity,
     evaluate_other_text,
+    floor_twin,
     keep_map,
     one_pool_twin,
     pad_records,
@@ -86,6 +87,7 @@ def candidates(p, base: str, exports: Path, precision: str, device: str, only: s
         out.append(Candidate(name, model.to(device).eval(), pol.to(device)))
         if p.evaluate.one_pool and (twin := one_pool_twin(out[-1])):  # its own priorities, one pool for the whole model
             out.append(twin)
+    out += [floor_twin(c, f) for c in list(out) if c.policy.one_pool for f in p.evaluate.pool_floors]  # no head below f long-range entries
     return teacher, tok, out if only is None else [c for c in out if c.name in only]
 
 

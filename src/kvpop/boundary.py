@@ -186,6 +186,9 @@ def pool_boundary_labels(prio_tgt: Tensor, doc_ids: Tensor, pos: Tensor, *, layo
     (newer index wins), and E(q) is a prefix of it, so the two order statistics per token come from one
     :func:`kvpop.order.prefix_kth_smallest` over the teacher's ranks, as in :func:`boundary_labels`."""
     sinks, window, k = layout.sinks, layout.window, layout.long_range
+    if layout.floor:
+        raise NotImplementedError(f"the pool's boundary labels under a per-head floor ({layout.floor}) are not defined here: a floor ranks a pool-trained "
+                                  "scorer at evaluation (evaluate.pool_floors), not in training")
     B, Fp, S = prio_tgt.shape
     P, N, dev = Fp * k, Fp * S, prio_tgt.device
     flat = prio_tgt.flip(1).transpose(1, 2).reshape(B, 1, N)  # (B, 1, N): n = t * F + (F - 1 - f)

@@ -389,6 +389,11 @@ class EvaluateConfig(_Section):
         description="also rank every trained kvpop_mlp's priorities with one pool of slots for the whole model "
         "(kvpop.policies.OnePool): a '<name>, one pool' row, decoded by the reference pool cache",
     )
+    pool_floors: list[int] = Field(
+        default_factory=list,
+        description="per-head floors (long-range entries each layer's KV head keeps at least) under which every evaluated one-pool "
+        "policy is also ranked: a '<name>, floor <f>' row each (kvpop.selection.global_eviction_times; decoded by the reference pool cache)",
+    )
     other_text: OtherTextEvalConfig = Field(
         OtherTextEvalConfig(),
         description="pieces of held-out code and prose on which every evaluated policy (not the oracles) is scored "
@@ -435,6 +440,16 @@ class Params(_Section):
                                  f"{ruler_min_seq_len('qa_1')} tokens, the others {ruler_min_seq_len('vt')}); set evaluate.benchmarks.ruler.seq_len")
         if self.evaluate.one_pool and not any(OnePool.accepts(policy_class(n)) for n in self.train.policies):  # class attributes only
             raise ValueError(f"evaluate.one_pool ranks a trained kvpop_mlp with one pool; train.policies {self.train.policies} has none")
+        if floors := self.evaluate.pool_floors:
+            k = self.budget - self.sinks - self.window
+            if bad := [f for f in floors if not 1 <= f <= k]:
+                raise ValueError(f"evaluate.pool_floors {bad}: a per-head floor is in [1, budget - sinks - window = {k}]")
+            if len(set(floors)) != len(floors):
+                raise ValueError(f"evaluate.pool_floors {floors} names a floor twice")
+            pooled = [n for n in self.train.policies if policy_class(n).one_pool] + [n for n in self.evaluate.policies if policy_class(n).one_pool]
+            if not pooled and not self.evaluate.one_pool:
+                raise ValueError("evaluate.pool_floors ranks one-pool policies under a per-head floor; neither train.policies nor evaluate.policies "
+                                 "has one (and evaluate.one_pool is off)")
         return self
 
     @property

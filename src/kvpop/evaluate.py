@@ -29,6 +29,7 @@ trace runs anyway (:class:`TargetCapture`, no extra forward).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -40,9 +41,12 @@ from kvpop.geometry import CacheLayout
 from kvpop.modeling import model_shape
 from kvpop.policies import Dense, OnePool, Policy
 from kvpop.policies.one_pool import ONE_POOL_SUFFIX
-from kvpop.pool import pool_chunked
+from kvpop.pool import check_floor, pool_chunked
 from kvpop.selection import NEVER, global_decaying_eviction_times
 from kvpop.target import TargetKind, future_attention_target
+
+#: what a per-head floor adds to a one-pool row's name, before the floor (``"kvpop_mlp_pool, floor 32"``)
+FLOOR_SUFFIX = ", floor "
 
 TargetKey = tuple[str, float]  # (kind, beta) of a TargetSpec (train.target): what future_attention_target computes
 
@@ -69,10 +73,16 @@ def one_pool_twin(c: Candidate) -> Candidate | None:
     return Candidate(c.name + ONE_POOL_SUFFIX, c.model, OnePool(c.policy), c.max_traces) if OnePool.accepts(c.policy) else None
 
 
+def floor_twin(c: Candidate, floor: int) -> Candidate:
+    """``c``'s ``one_pool`` policy ranked with a per-head ``floor`` (:meth:`kvpop.policies.Policy.with_floor`: no layer's KV
+    head keeps fewer than ``floor`` long-range entries), on the same model, named ``"<name>, floor <floor>"``."""
+    return Candidate(f"{c.name}{FLOOR_SUFFIX}{floor}", c.model, c.policy.with_floor(floor), c.max_traces)
+
+
 def ranked_policy(name: str) -> str:
-    """The policy a candidate ranks: ``name`` itself, or the policy of a one-pool twin (``"kvpop_mlp, one pool"``:
-    ``kvpop_mlp``), whose export, training and weights it shares."""
-    return name.removesuffix(ONE_POOL_SUFFIX)
+    """The policy a candidate ranks: ``name`` itself, or the policy of a one-pool or floor twin (``"kvpop_mlp, one pool"``:
+    ``kvpop_mlp``; ``"kvpop_mlp_pool, floor 32"``: ``kvpop_mlp_pool``), whose export, training and weights it shares."""
+    return re.sub(rf"{FLOOR_SUFFIX}\d+$", "", name).removesuffix(ONE_POOL_SUFFIX)
 
 
 @dataclass
@@ -208,6 +218,7 @@ def pool_fixed_point(model, policy: Policy, input_ids: Tensor, *, layout: CacheL
     The simulation is sequential over queries and costs about as much for 16 rows as for one, so
     batching the traces divides the fixed point's cost by about B (without ``keep_logits`` the
     forwards skip the vocabulary projection but the last position's: :func:`forward_under` then)."""
+    check_floor(policy, layout)
     B, S = input_ids.shape
     pos = torch.arange(S, device=input_ids.device).expand(B, S)
     doc = torch.zeros_like(pos)
@@ -217,7 +228,7 @@ def pool_fixed_point(model, policy: Policy, input_ids: Tensor, *, layout: CacheL
         ctx, logits = _pool_forward(model, policy, input_ids, evict, layout=layout, logits=keep_logits)  # records each layer's scores
         prio = torch.stack([ctx.global_prio[i] for i in sorted(ctx.global_prio)])  # (L, B, Hk, S) log beta
         new, run = global_decaying_eviction_times(prio, doc, pos, sinks=layout.sinks, window=layout.window, long_range=layout.long_range, previous=run,
-                                                  keep_run=True, decays=policy.decays)
+                                                  keep_run=True, decays=policy.decays, floor=layout.floor)
         unchanged = bool((new >= S).all()) if evict is None else torch.equal(new, evict)  # first pass: nothing was evicted
         if unchanged:
             return new, logits  # the last forward ran under exactly these times

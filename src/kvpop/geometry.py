@@ -54,6 +54,7 @@ class CacheLayout:
     sinks: int
     window: int
     long_range: int | None = None  # long-range slots k; None: budget - sinks - window
+    floor: int = 0  # one pool (one_pool policies): long-range entries each KV head keeps at least, of its k; per-head caches ignore it
 
     def __post_init__(self):
         check_budget(self.budget, self.sinks, self.window, min_long_range=0)
@@ -61,6 +62,9 @@ class CacheLayout:
             object.__setattr__(self, "long_range", self.budget - self.sinks - self.window)
         if self.long_range < 0:
             raise ValueError(f"long_range must be >= 0; got {self.long_range}")
+        if not 0 <= self.floor <= self.long_range:
+            raise ValueError(f"floor (long-range entries each KV head keeps at least under one pool) must be in [0, long_range = {self.long_range}]; "
+                             f"got {self.floor}")
 
     @classmethod
     def of(cls, *, sinks: int, window: int, long_range: int) -> CacheLayout:
@@ -72,12 +76,15 @@ class CacheLayout:
         long_range = policy.long_range_slots(self.nominal, head_dim=head_dim)
         if not 0 <= long_range <= self.budget - self.sinks - self.window:
             raise ValueError(f"policy {policy.name!r} asks for {long_range} long-range slots at budget {self.budget}")
-        return replace(self, long_range=long_range)
+        floor = policy.pool_floor
+        if floor > long_range:
+            raise ValueError(f"policy {policy.name!r} has a per-head floor of {floor} long-range entries, more than its {long_range} at budget {self.budget}")
+        return replace(self, long_range=long_range, floor=floor)
 
     @property
     def nominal(self) -> CacheLayout:
-        """The layout at this budget with every remaining slot long-range."""
-        return replace(self, long_range=None)
+        """The layout at this budget with every remaining slot long-range (no floor)."""
+        return replace(self, long_range=None, floor=0)
 
     @property
     def slots(self) -> int:

@@ -154,6 +154,14 @@ class ChunkContext:
         dst.copy_(p)
 
 
+def check_floor(policy: Policy, layout: CacheLayout) -> None:
+    """A ValueError where ``layout`` is not ranked with ``policy``'s per-head floor (a nominal layout passed for a
+    floored policy: :meth:`kvpop.geometry.CacheLayout.for_policy` gives the one it runs with)."""
+    if layout.floor != policy.pool_floor:
+        raise ValueError(f"policy {policy.name!r} ranks with a per-head floor of {policy.pool_floor}, the layout with {layout.floor}: "
+                         "pass layout.for_policy(policy, head_dim=...)")
+
+
 @torch.no_grad()
 def pool_chunked(model, policy: Policy, input_ids: Tensor, *, layout: CacheLayout, doc_ids: Tensor | None = None,
                  pos: Tensor | None = None, chunk: int | None = None, keep_logits: bool = False, stack_layers: bool = True) -> tuple[Tensor, Tensor | None]:
@@ -171,6 +179,7 @@ def pool_chunked(model, policy: Policy, input_ids: Tensor, *, layout: CacheLayou
         raise ValueError(f"pool_chunked runs one_pool policies, not {policy.name!r}")
     if policy.scores_on_exit or policy.needs_attention:
         raise ValueError(f"{policy.name!r} does not fix a token's priority when it enters: the chunked pool forward does not apply")
+    check_floor(policy, layout)
     B, S = input_ids.shape
     delay = policy.read_delay(layout.window)
     reach = layout.window - (delay or 0)  # the longest exact chunk
@@ -184,7 +193,7 @@ def pool_chunked(model, policy: Policy, input_ids: Tensor, *, layout: CacheLayou
         doc_ids = torch.zeros_like(pos)
     ctx = ChunkContext(policy, doc_ids, pos, layout, num_layers=model_shape(model)["num_layers"], stacked=policy.all_layers() if stack_layers else None)
     run, logits = None, []
-    geo = dict(sinks=layout.sinks, window=layout.window, long_range=layout.long_range)
+    geo = dict(sinks=layout.sinks, window=layout.window, long_range=layout.long_range, floor=layout.floor)
 
     def times(until: int | None) -> Tensor:  # static priorities: the closed form; retentions that decay: the simulation, continued
         nonlocal run

@@ -327,7 +327,8 @@ def decaying_eviction_times_reference(
 
 
 @torch.no_grad()
-def global_eviction_times(prio: torch.Tensor, doc_ids: torch.Tensor, pos: torch.Tensor, *, sinks: int, window: int, long_range: int) -> torch.Tensor:
+def global_eviction_times(prio: torch.Tensor, doc_ids: torch.Tensor, pos: torch.Tensor, *, sinks: int, window: int, long_range: int,
+                          floor: int = 0) -> torch.Tensor:
     """:func:`global_decaying_eviction_times` with ``decays=False`` (static priorities under one pool), in
     closed form: ``(L, B, Hk, S)`` float -> ``(L, B, Hk, S)`` int32, the same times without the simulation's
     sequential loop.
@@ -336,23 +337,64 @@ def global_eviction_times(prio: torch.Tensor, doc_ids: torch.Tensor, pos: torch.
     that has left the window, so the pool is the per-head top-k rule of :func:`eviction_times` run on one
     "head" whose sequence is every (pair, token) entry, ``n = t x F + (F - 1 - f)`` for ``F = L x Hk`` pairs
     ``f = layer x Hk + head``: its order (priority, then the newer index) is the simulation's tie rule
-    (newer token, then lower pair), ``window x F``, ``sinks x F`` and ``P`` slots in entries. Its time ``e'``
-    (an entry index) is token query ``e' // F``: the ``F`` leavers of a token enter one after another
-    within one query's block, and with static priorities the pool after the block is the same. The
-    tests check it against the simulation (ties, packed rows included); a time past the row or the token's
-    document is ``NEVER``, as there.
+    (newer token, then lower pair). An entry ``x`` joins the competition at ``a_x`` (its token leaves the
+    window: ``t + window``) and, once there, is kept while fewer than ``P`` entries that outrank it have
+    joined; so ``e_x = max(a_x, P-th smallest a_o over its outrankers o)``, the formula of
+    :func:`eviction_times` with join times in place of ``index + window``, one
+    :func:`kvpop.order.prefix_kth_smallest` over the entries in priority order.
+
+    ``floor`` (``0 <= floor <= k``): no (layer, head) pair keeps fewer than ``floor`` long-range entries
+    (the simulation's rule: the lowest entries of the pairs above their floor go). With static priorities
+    that is two competitions in a row: each pair keeps its own top ``floor`` (the per-head rule of
+    :func:`eviction_times` with ``k = floor``); an entry it drops joins the model-wide competition for
+    the other ``F x (k - floor)`` places then, so ``a_x`` is its per-head eviction time. (Why the two agree:
+    the simulation only ever takes entries outside their pair's top ``floor``, the lowest first, and a
+    pair's top ``floor`` only changes by a newcomer pushing one out, as in the per-head rule; every pair's
+    window lets one token go per query, so every pair has the same number of entries and the rest hold
+    ``F x (k - floor)`` once the pool is full.) ``floor = k`` is the per-head rule; ``floor = 0`` one pool.
+
+    A join time past the token's document is its document's end (it never joins; the value keeps earlier
+    documents' entries below every later one, as :func:`eviction_times`'s indices do), and an eviction time
+    past the row or the token's document is ``NEVER``, as in the simulation. The tests check it against
+    the simulation (ties, packed rows, floors included).
 
     Queries before ``c + window`` read only priorities of tokens before ``c``: whatever the others hold,
-    those queries' times are right (what :func:`kvpop.pool.pool_chunked` relies on)."""
+    those queries' times are right (what :func:`kvpop.pool.pool_chunked` relies on; a pair's top ``floor``
+    at such a query reads the same tokens)."""
     L, B, Hk, S = prio.shape
     Fp = L * Hk
-    flat = prio.permute(1, 0, 2, 3).reshape(B, Fp, S).flip(1).transpose(1, 2).reshape(B, 1, S * Fp)  # (B, 1, N)
-    f_rev = torch.arange(Fp, device=prio.device)
-    pos_f = (pos[:, :, None] * Fp + f_rev).reshape(B, S * Fp)  # a document's entries, pos 0 first
-    e = eviction_times(flat, doc_ids.repeat_interleave(Fp, 1), pos_f, sinks=sinks * Fp, window=window * Fp, long_range=Fp * long_range)
-    e = e.long().view(B, S, Fp).transpose(1, 2).flip(1) // Fp  # (B, F, S) token queries (NEVER // F: past the row)
+    if not 0 <= floor <= long_range:
+        raise ValueError(f"floor must be in [0, long_range = {long_range}]; got {floor}")
+    M = Fp * (long_range - floor)  # the places the pairs compete for
+    per_pair = prio.permute(1, 0, 2, 3).reshape(B, Fp, S)  # (B, F, S), pair f = layer * Hk + head
+    idx = torch.arange(S, device=prio.device)
+    _, end = document_spans(doc_ids)  # (B, S)
+    if floor:  # leaves its pair's own top `floor`
+        join = eviction_times(per_pair, doc_ids, pos, sinks=sinks, window=window, long_range=floor).long()
+    else:  # leaves the window
+        join = (idx + window).expand(B, Fp, S)
+    join = torch.minimum(join, end[:, None, :])  # (B, F, S): past its document, never (the document's end)
+    if M == 0:
+        e = join
+    else:
+        N = S * Fp
+        flat = per_pair.flip(1).transpose(1, 2).reshape(B, 1, N)  # (B, 1, N): n = t * F + (F - 1 - f)
+        join_flat = join.flip(1).transpose(1, 2).reshape(B, N)
+        pos_f = (pos[:, :, None] * Fp + torch.arange(Fp, device=prio.device)).reshape(B, N)  # a document's entries, pos 0 first
+        order, doc_key = priority_order(flat, doc_ids.repeat_interleave(Fp, 1), pos_f, sinks=sinks * Fp)
+        order, doc_key = order[:, 0], doc_key[:, 0]  # (B, N)
+        key_sorted = doc_key.gather(-1, order)
+        first = torch.ones_like(key_sorted, dtype=torch.bool)
+        first[:, 1:] = key_sorted[:, 1:] != key_sorted[:, :-1]
+        r = torch.arange(N, device=prio.device).expand(B, N)
+        c0 = torch.where(first, r, 0).cummax(dim=-1).values  # entries of earlier documents, all before (and below) this one's
+        join_sorted = join_flat.gather(-1, order)  # (B, N) values <= S
+        kth = prefix_kth_smallest(join_sorted, r, c0 + M, bits=max(1, S.bit_length()))
+        e_sorted = torch.where(r - c0 >= M, torch.maximum(join_sorted, kth), NEVER)
+        e = torch.empty_like(e_sorted).scatter_(-1, order, e_sorted).view(B, S, Fp).transpose(1, 2).flip(1)  # (B, F, S)
     q_doc = doc_ids.gather(1, e.clamp(max=S - 1).flatten(1)).view(B, Fp, S)
     e = torch.where((e < S) & (q_doc == doc_ids[:, None, :]), e, NEVER)  # past the row or its document: never, as the simulation says
+    e = torch.where(eligible_tokens(doc_ids, pos, sinks)[:, None, :], e, NEVER)
     return e.reshape(B, L, Hk, S).permute(1, 0, 2, 3).contiguous().to(torch.int32)
 
 
@@ -365,6 +407,7 @@ class PoolRun:
     log_beta: torch.Tensor  # (B, F, S) float64, the run's scores
     e: torch.Tensor  # (B, F, S + 1) int64, raw eviction times (column S: discarded writes)
     pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # query -> (pool_pos, pool_f) before it
+    floor: int = 0  # the run's per-pair floor
 
 
 @torch.no_grad()
@@ -380,6 +423,7 @@ def global_decaying_eviction_times(
     keep_run: bool = False,
     decays: bool = True,
     until: int | None = None,
+    floor: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, PoolRun]:
     """Eviction times of one pool of long-range slots for every layer and KV head (``one_pool``: ``dbtrimkv``, ``OnePool``).
 
@@ -417,18 +461,22 @@ def global_decaying_eviction_times(
     L, B, Hk, S = log_beta.shape
     F = L * Hk
     P = F * long_range
+    if not 0 <= floor <= long_range:
+        raise ValueError(f"floor must be in [0, long_range = {long_range}]; got {floor}")
     dev = log_beta.device
     lb = log_beta.double().permute(1, 0, 2, 3).reshape(B, F, S)  # (B, F, S), pair f = layer * Hk + head
     flat = torch.arange(F, device=dev).expand(B, F)
     rows = torch.arange(B, device=dev)[:, None]
     spare = torch.full((B, 1), -1, dtype=torch.int64, device=dev)  # entry P: where leavers that do not stay are written
-    run = PoolRun(lb, torch.full((B, F, S + 1), NEVER, dtype=torch.int64, device=dev))  # e's column S: where empty entries write
+    run = PoolRun(lb, torch.full((B, F, S + 1), NEVER, dtype=torch.int64, device=dev), floor=floor)  # e's column S: where empty entries write
     start = window
     pool_pos = torch.full((B, P), -1, dtype=torch.int64, device=dev)  # token of each entry, -1: empty
     pool_f = torch.zeros((B, P), dtype=torch.int64, device=dev)  # its (layer, head) pair
     if previous is not None:
         if previous.log_beta.shape != lb.shape:
             raise ValueError(f"previous run has scores of shape {tuple(previous.log_beta.shape)}, these are {tuple(lb.shape)}")
+        if previous.floor != floor:
+            raise ValueError(f"previous run has floor {previous.floor}, this one {floor}")
         changed = (previous.log_beta != lb).flatten(0, 1).any(0).nonzero()  # tokens whose score changed in some row or pair
         j0 = int(changed[0]) if len(changed) else S
         start = max([q for q in previous.pools if q <= j0 + window], default=window)
@@ -446,7 +494,7 @@ def global_decaying_eviction_times(
         leaves = _leaves_window(doc_ids, pos, q, window, sinks)  # (B,)
         cand_pos = torch.cat([pool_pos, torch.where(leaves[:, None], j, -1).expand(B, F)], 1)  # (B, P + F)
         cand_f = torch.cat([pool_f, flat], 1)
-        out = pool_leavers(cand_pos, cand_f, lb[rows, cand_f, cand_pos.clamp(min=0)], q, F, F, decays=decays)  # (B, P + F)
+        out = pool_leavers(cand_pos, cand_f, lb[rows, cand_f, cand_pos.clamp(min=0)], q, F, F, decays=decays, floor=floor)  # (B, P + F)
         e[rows, cand_f, torch.where(out & (cand_pos >= 0), cand_pos, S)] = q  # the rest write to column S
         # the k-th pool entry to go makes room for the k-th leaver to stay (as many of each: F go in all)
         gone, stays = out[:, :P], ~out[:, P:]  # (B, P), (B, F)
@@ -463,20 +511,45 @@ def global_decaying_eviction_times(
 
 
 def pool_leavers(pos: torch.Tensor, pair: torch.Tensor, log_beta: torch.Tensor, q: int, pairs: int, n: int, *,
-                 decays: bool = True) -> torch.Tensor:
+                 decays: bool = True, floor: int = 0) -> torch.Tensor:
     """Which ``n`` candidates of one pool go at query ``q``: their token positions ``pos`` (B, N)
     (``-1``: an empty entry, which goes first), pairs ``pair`` (B, N) (``layer * Hk + head`` of
     ``pairs``) and ``log_beta`` (B, N) float64 -> (B, N) bool, ``n`` True per row. The lowest retention
     ``(q - pos) * log_beta`` goes; among equal retentions the older token, then the higher pair. The
     rule of :func:`global_decaying_eviction_times` and of :class:`kvpop.decode.one_pool.OnePoolCache`.
 
+    ``floor``: no pair is left with fewer than ``floor`` candidates; the ``n`` lowest of the candidates
+    that may go then go (a pair of ``c`` candidates offers its ``c - floor`` lowest: taking the lowest
+    one at a time, with the floor, takes exactly these). There are ``n`` of them while ``pairs x floor``
+    is at most the candidates that stay.
+
     A selection, not a sort: the ``n``-th lowest retention ``v``; every candidate below it goes, and
     of those at ``v`` the ones first by the tie order make up the ``n``."""
     valid = pos >= 0
     score = torch.where(valid, (q - pos).double() * log_beta if decays else log_beta.double(), float("-inf"))  # decays=False: static
     tie = torch.where(valid, pos * pairs + (pairs - 1 - pair), -1)  # lower goes first: older, then the higher pair
+    if floor:
+        score = torch.where(_above_floor(score, tie, torch.where(valid, pair, pairs), pairs, floor), score, float("inf"))
     v = score.kthvalue(n, dim=1, keepdim=True).values  # (B, 1)
     out = score < v
     at_v = torch.where(score == v, tie, torch.iinfo(torch.int64).max).topk(n, dim=1, largest=False, sorted=True).indices  # (B, n)
     take = torch.arange(n, device=pos.device)[None] < n - out.sum(1, keepdim=True)  # the first n - |below| of them
     return out.scatter_(1, at_v, take | out.gather(1, at_v))
+
+
+def _above_floor(score: torch.Tensor, tie: torch.Tensor, group: torch.Tensor, pairs: int, floor: int) -> torch.Tensor:
+    """(B, N) bool: the candidates that may go under a per-pair ``floor`` (:func:`pool_leavers`): each pair's
+    ``count - floor`` lowest by (score, tie); ``group`` (B, N) the pair, ``pairs`` for empty entries (all may go)."""
+    B, N = score.shape
+    order = tie.argsort(dim=1, stable=True)  # three stable sorts, the last key first: pair, then score, then tie
+    order = order.gather(1, score.gather(1, order).argsort(dim=1, stable=True))
+    order = order.gather(1, group.gather(1, order).argsort(dim=1, stable=True))
+    g = group.gather(1, order)  # (B, N) pairs in runs, each run lowest first
+    r = torch.arange(N, device=score.device).expand(B, N)
+    first = torch.ones_like(g, dtype=torch.bool)
+    first[:, 1:] = g[:, 1:] != g[:, :-1]
+    rank = r - torch.where(first, r, 0).cummax(dim=1).values  # (B, N) place in its pair's run, from the lowest
+    count = torch.zeros(B, pairs + 1, dtype=torch.int64, device=score.device).scatter_add_(1, group, torch.ones_like(group))
+    cap = (count - floor).clamp(min=0)
+    cap[:, pairs] = N  # empty entries
+    return torch.empty_like(first).scatter_(1, order, rank < cap.gather(1, g))

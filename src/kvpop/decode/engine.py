@@ -213,6 +213,9 @@ def engine_refusal(model, policy: Policy | None) -> str | None:
         return f"policy {policy.name!r} needs attention weights: decode it with kvpop.decode.BoundedCache"
     if policy is not None and policy.one_pool and policy.scores_on_exit:
         return f"policy {policy.name!r} ranks with one pool and scores a token when it leaves: decode it with kvpop.decode.OnePoolCache"
+    if policy is not None and policy.one_pool and policy.pool_floor:
+        return (f"policy {policy.name!r} ranks with one pool under a per-head floor ({policy.pool_floor}), which the pooled engine does not keep: "
+                "decode it with kvpop.decode.OnePoolCache")
     if policy is not None and policy.one_pool:
         return None  # the pooled kind: kvpop.decode.pooled
     if policy is not None and policy.decays:

@@ -282,7 +282,8 @@ class OnePoolCache(BoundedCache):
         if held == cand_pos.shape[1]:  # the pool is not full: every candidate stays
             keep = torch.arange(held, device=lk.device).expand(B, held)
         else:
-            out = pool_leavers(cand_pos, cand_f, cand_lb, p, Fp, cand_pos.shape[1] - held, decays=self.policy.decays)  # (B, C + F); static priorities: OnePool
+            out = pool_leavers(cand_pos, cand_f, cand_lb, p, Fp, cand_pos.shape[1] - held, decays=self.policy.decays,
+                               floor=self.layout.floor)  # (B, C + F); static priorities: OnePool
             keep = out.to(torch.uint8).sort(dim=1, stable=True).indices[:, :held]  # (B, held) the entries that stay
         self.pool_keys = torch.cat([self.pool_keys, lk], 1).gather(1, keep[..., None].expand(-1, -1, lk.shape[-1]))
         self.pool_values = torch.cat([self.pool_values, lv], 1).gather(1, keep[..., None].expand(-1, -1, lv.shape[-1]))

@@ -54,6 +54,7 @@ Shapes: B batch, Hk KV heads, Q queries, S sequence, T cache slots, D head dim.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
@@ -124,6 +125,22 @@ class Policy(nn.Module):
     CAPABILITIES: ClassVar[tuple[str, ...]] = (
         "evicts", "learned", "trained", "layer_independent", "needs_attention", "scores_on_exit", "gated", "decays", "one_pool", "oracle",
     )
+
+    #: ``one_pool``: long-range entries each (layer, KV head) keeps at least (:attr:`kvpop.geometry.CacheLayout.floor`;
+    #: 0: the pool alone decides, ``k``: the per-head rule); set by :meth:`with_floor`
+    pool_floor: int = 0
+
+    def with_floor(self, floor: int) -> Policy:
+        """This policy (its weights shared) ranked in its pool with a per-head ``floor``: no (layer, KV head)
+        pair keeps fewer than ``floor`` long-range entries (:func:`kvpop.selection.global_eviction_times`).
+        A ValueError for a policy without one pool, or a negative floor."""
+        if not self.one_pool:
+            raise ValueError(f"a per-head floor ranks one pool of slots; {self.name!r} keeps k per head already")
+        if floor < 0:
+            raise ValueError(f"a per-head floor must be >= 0; got {floor}")
+        twin = copy.copy(self)  # the modules, parameters and buffers are this policy's own
+        twin.pool_floor = int(floor)
+        return twin
 
     @classmethod
     def build(cls, spec: ScorerSpec) -> Policy:

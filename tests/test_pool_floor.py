@@ -1,0 +1,194 @@
+"""A per-head floor under one pool (``CacheLayout.floor``, ``Policy.with_floor``, ``evaluate.pool_floors``):
+no (layer, KV head) pair keeps fewer than ``floor`` long-range entries.
+
+Twins: the simulation (:func:`kvpop.selection.global_decaying_eviction_times`, static and decaying ranks)
+against the rule read literally (the lowest entry of the pairs above their floor goes, one at a time);
+the closed form (:func:`kvpop.selection.global_eviction_times`, two competitions in a row) against the
+simulation; ``floor = k`` against the per-head rule; the chunked forward against the fixed point and
+token-by-token decoding with :class:`kvpop.decode.one_pool.OnePoolCache`. Plus what refuses a floor, by name.
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from kvpop.boundary import pool_boundary_labels
+from kvpop.config import Params
+from kvpop.decode import engine_refusal, teacher_forced_logits
+from kvpop.evaluate import Candidate, evaluate_fidelity, floor_twin, pool_fixed_point, ranked_policy
+from kvpop.geometry import CacheLayout
+from kvpop.policies import OnePool, make_policy
+from kvpop.pool import pool_chunked
+from kvpop.selection import NEVER, eviction_times, global_decaying_eviction_times, global_eviction_times
+from test_dbtrimkv import LAYOUT, SINKS, WINDOW, K, tied_log_beta
+from test_one_pool import scorer
+from test_pool_chunked import dbtrimkv
+from test_selection import random_packing
+
+
+def literal_floor_eviction_times(log_beta, doc_ids, pos, sinks, window, k, floor, decays=True):
+    """The pool's rule with a floor, read literally with a Python list of (token, pair) entries: while the
+    pool holds more than ``F x k``, the lowest entry of the pairs that hold more than ``floor`` goes
+    (ties: the older token, then the higher pair)."""
+    L, B, Hk, S = log_beta.shape
+    F = L * Hk
+    e = torch.full((L, B, Hk, S), NEVER, dtype=torch.int64)
+    for b in range(B):
+        rate = [log_beta[f // Hk, b, f % Hk].double().tolist() for f in range(F)]
+        pool: list[tuple[int, int]] = []
+        for q in range(S):
+            if pos[b, q] == 0:
+                pool = []
+            j = q - window
+            if j < 0 or doc_ids[b, q] < 0 or doc_ids[b, j] != doc_ids[b, q] or pos[b, j] < sinks:
+                continue
+            pool += [(j, f) for f in range(F)]
+            while len(pool) > F * k:
+                held = Counter(f for _, f in pool)
+                i, f = min((x for x in pool if held[x[1]] > floor),
+                           key=lambda x: ((q - x[0]) * rate[x[1]][x[0]] if decays else rate[x[1]][x[0]], x[0], -x[1]))
+                pool.remove((i, f))
+                e[f // Hk, b, f % Hk, i] = q
+    return e
+
+
+def held_per_pair(e, S):
+    """(L, B, Hk) long-range entries held after the last query of one-document rows: evicted never (sinks too) less the sinks and window."""
+    return (e.long() >= S).sum(-1) - SINKS - WINDOW
+
+
+@pytest.mark.parametrize("decays", [False, True])
+@pytest.mark.parametrize("levels", [None, 3])
+@pytest.mark.parametrize("floor", [1, 3, K])
+def test_the_simulation_is_the_literal_rule(decays, levels, floor):
+    L, B, Hk, S = 2, 2, 2, 64
+    g = torch.Generator().manual_seed(31 + floor + 7 * decays + (levels or 0))
+    doc_ids, pos = random_packing(B, S, [12, 30, S], 5, g)
+    lb = tied_log_beta(L, B, Hk, S, g, levels)
+    if not decays:
+        lb = lb * 40 + 3  # any real: static priorities
+    lb[1, :, 1] = lb[1, :, 1] + 30 if not decays else 0.0  # one pair outranks the rest (decaying: keeps forever); no floor: it starves them
+    got = global_decaying_eviction_times(lb, doc_ids, pos, sinks=SINKS, window=WINDOW, long_range=K, decays=decays, floor=floor)
+    want = literal_floor_eviction_times(lb, doc_ids, pos, SINKS, WINDOW, K, floor, decays=decays)
+    assert torch.equal(got.long(), want)
+    assert not torch.equal(got, global_decaying_eviction_times(lb, doc_ids, pos, sinks=SINKS, window=WINDOW, long_range=K, decays=decays))
+
+
+@pytest.mark.parametrize("levels", [None, 3])
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_closed_form_is_the_simulation_at_every_floor(levels, packed):
+    L, B, Hk, S = 3, 2, 2, 90
+    g = torch.Generator().manual_seed(19 + (levels or 0))
+    prio = torch.randn(L, B, Hk, S, generator=g, dtype=torch.float64) if levels is None else torch.randint(0, levels, (L, B, Hk, S), generator=g).double()
+    if packed:
+        doc, pos = random_packing(B, S, [20, 45, S], 6, g)
+    else:
+        doc, pos = torch.zeros(B, S, dtype=torch.long), torch.arange(S).expand(B, S)
+    for k, floor in [(1, 1), (4, 0), (4, 1), (4, 3), (4, 4), (6, 2)]:
+        kw = dict(sinks=2, window=7, long_range=k, floor=floor)
+        want = global_decaying_eviction_times(prio, doc, pos, decays=False, **kw).long()
+        got = global_eviction_times(prio, doc, pos, **kw).long()
+        assert torch.equal(got, want), (k, floor)
+        assert (want < S).any()
+
+
+@pytest.mark.parametrize("floor", [0, 2, K])
+def test_no_pair_falls_below_its_floor(floor):
+    """After every query of a one-document row each pair holds at least ``floor`` long-range entries, and the pool is full."""
+    L, B, Hk, S = 2, 1, 3, 80
+    prio = torch.randn(L, B, Hk, S, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    prio[1, :, 2] += 4.0  # one pair outranks the others: without a floor it takes their places
+    pos = torch.arange(S)[None]
+    e = global_eviction_times(prio, torch.zeros_like(pos), pos, sinks=SINKS, window=WINDOW, long_range=K, floor=floor).long()
+    for q in range(SINKS + WINDOW + K, S):
+        held = (e[..., : q - WINDOW + 1] > q).sum(-1) - SINKS  # long-range entries held at query q
+        assert held.min() >= floor and held.sum() == L * Hk * K, q
+    low = held_per_pair(e, S).min()
+    assert low == floor if floor < K else low == K  # the raised pair took every place above the others' floors
+
+
+def test_a_floor_of_k_is_the_per_head_rule():
+    L, B, Hk, S = 2, 2, 2, 70
+    g = torch.Generator().manual_seed(11)
+    prio = torch.randint(0, 4, (L, B, Hk, S), generator=g).double()  # ties: the newer token stays in both
+    pos = torch.arange(S).expand(B, S)
+    doc = torch.zeros(B, S, dtype=torch.long)
+    got = global_eviction_times(prio, doc, pos, sinks=SINKS, window=WINDOW, long_range=K, floor=K).long()
+    for layer in range(L):
+        want = eviction_times(prio[layer], doc, pos, sinks=SINKS, window=WINDOW, long_range=K).long()
+        assert torch.equal(got[layer].clamp(max=S), want.clamp(max=S)), layer  # at or past S: never, in the row
+
+
+FLOORED = {"kvpop_mlp, one pool": lambda: OnePool(scorer(seed=4)).with_floor(2), "dbtrimkv": lambda: dbtrimkv().with_floor(3)}
+
+
+@pytest.mark.parametrize("name", FLOORED)
+def test_the_chunked_forward_is_the_fixed_point_and_decoding_under_a_floor(llama, name):
+    policy = FLOORED[name]()
+    layout = LAYOUT.for_policy(policy, head_dim=16)
+    assert layout.floor == policy.pool_floor > 0
+    ids = torch.randint(0, 96, (2, 70), generator=torch.Generator().manual_seed(5))
+    want, want_logits = pool_fixed_point(llama, policy, ids, layout=layout, keep_logits=True)
+    got, logits = pool_chunked(llama, policy, ids, layout=layout, chunk=3, keep_logits=True)
+    assert torch.equal(got, want.long())
+    assert (logits - want_logits).abs().max() < 1e-4
+    decoded = teacher_forced_logits(llama, policy, ids[:1], layout=LAYOUT, prefill=LAYOUT.budget)
+    assert (decoded - logits[:1]).abs().max() < 1e-4
+    free, _ = pool_chunked(llama, policy.with_floor(0), ids, layout=LAYOUT)
+    assert not torch.equal(got, free)  # the floor changed the pattern: the test says something
+    with pytest.raises(ValueError, match="per-head floor of .*, the layout with 0"):
+        pool_chunked(llama, policy, ids, layout=LAYOUT)
+    assert held_per_pair(got, 70).min() >= policy.pool_floor
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    from kvpop.decode import enable
+
+    return enable(tiny_model("llama"))
+
+
+def test_a_floor_twin_shares_the_weights_and_names_its_row(llama):
+    base = OnePool(scorer(seed=2))
+    twin = floor_twin(Candidate("kvpop_mlp, one pool", llama, base), 3)
+    assert twin.name == "kvpop_mlp, one pool, floor 3" and ranked_policy(twin.name) == "kvpop_mlp"
+    assert ranked_policy("kvpop_mlp_pool, floor 12") == "kvpop_mlp_pool" and ranked_policy("kvpop_mlp_pool") == "kvpop_mlp_pool"
+    assert twin.policy.pool_floor == 3 and base.pool_floor == 0
+    assert next(twin.policy.parameters()) is next(base.parameters())
+    ids = torch.randint(0, 96, (2, 70), generator=torch.Generator().manual_seed(4))
+    recs = [{"input_ids": r.tolist(), "loss_mask": [0] + [1] * 69} for r in ids]
+    res = evaluate_fidelity(recs, llama, [Candidate("pool", llama, base), twin], layout=LAYOUT)
+    assert res[twin.name]["kl"] != pytest.approx(res["pool"]["kl"], rel=1e-3)
+    occupancy = torch.tensor(res[twin.name]["occupancy_map"])  # (L, Hk) entries held over the budget
+    assert occupancy.min() * LAYOUT.budget >= SINKS + WINDOW + 3 - 1e-6
+
+
+def test_what_refuses_a_floor_names_it(llama):
+    with pytest.raises(ValueError, match="keeps k per head"):
+        make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16).with_floor(2)
+    with pytest.raises(ValueError, match=">= 0"):
+        dbtrimkv().with_floor(-1)
+    with pytest.raises(ValueError, match="floor of 9 long-range entries, more than its 5"):
+        LAYOUT.for_policy(dbtrimkv().with_floor(9), head_dim=16)
+    with pytest.raises(ValueError, match="floor"):
+        CacheLayout(LAYOUT.budget, SINKS, WINDOW, floor=K + 1)
+    assert "per-head floor (3)" in engine_refusal(llama, dbtrimkv().with_floor(3))
+    assert engine_refusal(llama, dbtrimkv()) is None
+    with pytest.raises(NotImplementedError, match="per-head floor"):
+        pool_boundary_labels(torch.zeros(1, 4, 20), torch.zeros(1, 20, dtype=torch.long), torch.arange(20)[None], layout=CacheLayout(20, 2, 6, floor=2))
+    with pytest.raises(ValueError, match=r"floor must be in \[0, long_range = 5\]"):
+        global_eviction_times(torch.zeros(1, 1, 1, 20), torch.zeros(1, 20, dtype=torch.long), torch.arange(20)[None], sinks=2, window=6,
+                              long_range=5, floor=6)
+
+
+def test_params_check_the_floors():
+    base = {"train": {"policies": ["kvpop_mlp_pool"]}}
+    assert Params.model_validate({**base, "evaluate": {"pool_floors": [8, 32]}}).evaluate.pool_floors == [8, 32]
+    k = Params().budget - Params().sinks - Params().window
+    with pytest.raises(ValueError, match=rf"pool_floors \[{k + 1}\].*\[1, budget - sinks - window = {k}\]"):
+        Params.model_validate({**base, "evaluate": {"pool_floors": [k + 1]}})
+    with pytest.raises(ValueError, match="names a floor twice"):
+        Params.model_validate({**base, "evaluate": {"pool_floors": [4, 4]}})
+    with pytest.raises(ValueError, match="neither train.policies nor evaluate.policies"):
+        Params.model_validate({"train": {"policies": ["kvpop"]}, "evaluate": {"pool_floors": [4]}})
