@@ -12,7 +12,7 @@ from pathlib import Path
 from kvpop import tracking
 from kvpop.export import CheckpointError, export, load_training_state
 from kvpop.modeling import load_model, model_shape
-from kvpop.policies import make_policy
+from kvpop.train import training_policy
 
 from common import console, fail, params
 
@@ -36,9 +36,7 @@ def main() -> None:
 
     model = load_model(args.base)
     shape = model_shape(model)
-    policy = make_policy(args.policy, **{k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}, scorer_hidden=p.train.scorer_hidden,
-                         scorer_recency=p.train.scorer_recency, scorer_recency_space=p.train.scorer_recency_space,
-                         scorer_delay=p.train.scorer_delay)
+    policy = training_policy(args.policy, shape, p.train.for_policy(args.policy))  # the policy its run trained (a pool's floor included)
     student_sd = {k.removeprefix("student."): v for k, v in state.items() if k.startswith("student.")}
     policy_sd = {k.removeprefix("policy."): v for k, v in state.items() if k.startswith("policy.")}
     if not student_sd:

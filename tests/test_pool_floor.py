@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import torch
 
-from kvpop.boundary import pool_boundary_labels
+from kvpop.boundary import pool_boundary_labels, priority_labels
 from kvpop.config import Params
 from kvpop.decode import engine_refusal, teacher_forced_logits
 from kvpop.evaluate import Candidate, evaluate_fidelity, floor_twin, pool_fixed_point, ranked_policy
@@ -175,8 +175,6 @@ def test_what_refuses_a_floor_names_it(llama):
         CacheLayout(LAYOUT.budget, SINKS, WINDOW, floor=K + 1)
     assert "per-head floor (3)" in engine_refusal(llama, dbtrimkv().with_floor(3))
     assert engine_refusal(llama, dbtrimkv()) is None
-    with pytest.raises(NotImplementedError, match="per-head floor"):
-        pool_boundary_labels(torch.zeros(1, 4, 20), torch.zeros(1, 20, dtype=torch.long), torch.arange(20)[None], layout=CacheLayout(20, 2, 6, floor=2))
     with pytest.raises(ValueError, match=r"floor must be in \[0, long_range = 5\]"):
         global_eviction_times(torch.zeros(1, 1, 1, 20), torch.zeros(1, 20, dtype=torch.long), torch.arange(20)[None], sinks=2, window=6,
                               long_range=5, floor=6)
@@ -192,3 +190,103 @@ def test_params_check_the_floors():
         Params.model_validate({**base, "evaluate": {"pool_floors": [4, 4]}})
     with pytest.raises(ValueError, match="neither train.policies nor evaluate.policies"):
         Params.model_validate({"train": {"policies": ["kvpop"]}, "evaluate": {"pool_floors": [4]}})
+
+
+# --- the pool's boundary labels under a floor (training as it runs) ---------------------------------------
+def brute_floored_labels(prio, S, layout):
+    """Every decision literally, one document: at query q = j + window each pair's leaver j meets its pair's best
+    ``f`` (key ("own", pair, j): kept iff among them, competitor the f-th best without it); an entry its pair's best
+    ``f`` drops then joins the shared places (key ("shared", pair, token): kept iff among the best M of every entry
+    that has joined by q, competitor the M-th best of them without it). Order: priority desc, token desc, pair asc."""
+    Fp, f = prio.shape[0], layout.floor
+    M = Fp * (layout.long_range - f)
+    rank = lambda e: (-float(prio[e[0], e[1]]), -e[1], e[0])  # noqa: E731
+    out, best, joined = {}, {p: [] for p in range(Fp)}, []
+    for j in range(layout.sinks, S - layout.window):
+        now = []
+        for p in range(Fp):
+            cand = sorted(best[p] + [(p, j)], key=rank)
+            if len(cand) > f:
+                rest = [e for e in cand if e != (p, j)]
+                out[("own", p, j)] = (1.0 if cand.index((p, j)) < f else -1.0, rest[f - 1])
+            best[p], dropped = cand[:f], cand[f:]
+            now += dropped
+        joined += now
+        if M and len(joined) > M:
+            order = sorted(joined, key=rank)
+            for x in now:
+                rest = [e for e in order if e != x]
+                out[("shared", *x)] = (1.0 if order.index(x) < M else -1.0, rest[M - 1])
+    return out
+
+
+@pytest.mark.parametrize("levels", [None, 3])
+@pytest.mark.parametrize("floor", [1, 2, 3])
+def test_floored_pool_labels_are_the_literal_competitions(levels, floor):
+    layout = CacheLayout(2 + 4 + 3, 2, 4, floor=floor)  # k = 3
+    S, Fp = 34, 4
+    g = torch.Generator().manual_seed(40 + floor)
+    prio = torch.randn(Fp, S, generator=g, dtype=torch.float64) if levels is None else torch.randint(0, levels, (Fp, S), generator=g).double()
+    pos = torch.arange(S)[None]
+    lab = pool_boundary_labels(prio[None], torch.zeros_like(pos), pos, layout=layout)
+    want = brute_floored_labels(prio, S, layout)
+    got = {}
+    for p, j, y, bp, bt in zip(lab.pair.tolist(), lab.t_new.tolist(), lab.y.tolist(), lab.bnd_pair.tolist(), lab.t_bnd.tolist(), strict=True):
+        kind = "own" if (("own", p, j) in want and ("own", p, j) not in got) else "shared"
+        got[(kind, p, j)] = (y, (bp, bt))
+    shared = sum(key[0] == "shared" for key in want)
+    assert got == want and (shared > 10 if floor < 3 else shared == 0)  # floor = k: the per-head labels alone
+
+
+def test_floored_pool_labels_agree_with_the_floored_simulation():
+    """Packed rows: a shared-place entry the teacher keeps survives the query it joins at in the simulation with the floor."""
+    L, Hk, S = 2, 2, 80
+    layout = CacheLayout(2 + 5 + 4, 2, 5, floor=2)
+    g = torch.Generator().manual_seed(44)
+    doc, pos = random_packing(1, S, [30, 50], 4, g)
+    prio = torch.randn(L, 1, Hk, S, generator=g, dtype=torch.float64)
+    e = global_eviction_times(prio, doc, pos, sinks=2, window=5, long_range=4, floor=2).long().permute(1, 0, 2, 3).reshape(L * Hk, S)
+    own = eviction_times(prio.permute(1, 0, 2, 3).reshape(1, L * Hk, S), doc, pos, sinks=2, window=5, long_range=2).long()[0]  # per pair, k = f
+    flat = prio.permute(1, 0, 2, 3).reshape(1, L * Hk, S)
+    lab = pool_boundary_labels(flat, doc, pos, layout=layout)
+    n_own = priority_labels(flat, doc, pos, sinks=2, window=5, k=2).y.numel()  # the pairs' own decisions come first
+    pair, t, y = lab.pair[n_own:], lab.t_new[n_own:], lab.y[n_own:]
+    survives = e[pair, t] > own[pair, t]  # still held after the query it joined at
+    assert torch.equal(survives, y > 0) and bool((y > 0).any()) and bool((y < 0).any())
+
+
+def test_kvpop_mlp_pool_trains_exports_and_loads_with_its_floor(tiny_tokenizer, tmp_path):
+    """train.pool_floor: the training forward runs under the floored pool's times (pool_chunked with the floor), the scorer
+    learns from both competitions' decisions, and the export keeps the floor, which the loaded policy runs with."""
+    from kvpop.config import TrainConfig
+    from kvpop.export import export, load_export, read_meta
+    from kvpop.train import PackedDataset, build_training
+    from test_train import tiny_pair
+
+    from conftest import packed_toy
+
+    teacher, _ = tiny_pair()
+    ids, doc, pos = packed_toy(4, 64)
+    cfg = TrainConfig(steps=2, batch_size=2, top_logits=16, model_lr=1e-3, target="max", boundary_weight="uniform", pool_floor=2,
+                      precision="32-true", accelerator="cpu")
+    training = build_training(teacher, "kvpop_mlp_pool", PackedDataset(ids, doc, pos, (doc >= 0).long()), cfg=cfg, layout=LAYOUT, seed=0)
+    assert training.policy.pool_floor == 2 and training.module.s.layout.floor == 2
+    trainer = training.fit(enable_progress_bar=False, default_root_dir=tmp_path)
+    m = trainer.callback_metrics
+    assert trainer.global_step == 2 and torch.isfinite(m["train/score_loss"]) and m["train/decisions"] > 0
+    out = tmp_path / "export"
+    export(training.student, tiny_tokenizer, training.policy, out, layout=LAYOUT)
+    assert read_meta(out)["pool_floor"] == 2
+    _, _, policy, _ = load_export(out)
+    assert policy.pool_floor == 2 and LAYOUT.for_policy(policy, head_dim=16).floor == 2
+
+
+def test_params_take_a_training_floor_only_where_the_pool_trains_with_it():
+    ok = Params.model_validate({"train": {"policies": ["kvpop_mlp_pool", "kvpop"], "per_policy": {"kvpop_mlp_pool": {"pool_floor": 16}}}})
+    assert ok.train.for_policy("kvpop_mlp_pool").pool_floor == 16 and ok.train.for_policy("kvpop").pool_floor == 0
+    with pytest.raises(ValueError, match="for kvpop: .*keeps k long-range slots per head"):
+        Params.model_validate({"train": {"policies": ["kvpop_mlp_pool", "kvpop"], "pool_floor": 16}})
+    with pytest.raises(ValueError, match="for dbtrimkv: .*gate learns through a relaxation"):
+        Params.model_validate({"train": {"policies": ["dbtrimkv"], "per_policy": {"dbtrimkv": {"pool_floor": 16}}}})
+    with pytest.raises(ValueError, match="more than the budget's"):
+        Params.model_validate({"train": {"policies": ["kvpop_mlp_pool"], "per_policy": {"kvpop_mlp_pool": {"pool_floor": 10_000}}}})

@@ -18,7 +18,7 @@ Shapes: B batch, Hk KV heads, S sequence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
 import torch
@@ -28,7 +28,7 @@ from torch.nn import functional as F
 from kvpop.geometry import CacheLayout
 from kvpop.order import prefix_kth_smallest
 from kvpop.scorer import static_priority
-from kvpop.selection import eligible_tokens, priority_order
+from kvpop.selection import document_spans, eligible_tokens, eviction_times, priority_order
 
 BoundaryWeight = Literal["tie", "regret", "uniform"]  # the weights omega of boundary_loss (see there)
 BOUNDARY_WEIGHTS: tuple[str, ...] = get_args(BoundaryWeight)
@@ -64,11 +64,16 @@ def boundary_labels(
     share: float = 0.0,
 ) -> BoundaryLabels:
     """The teacher's keep/drop decision for t_new at every decided query, and its competitor."""
-    sinks, window, k = layout.sinks, layout.window, layout.long_range
-    B, Hk, S = r_tgt.shape
-    dev = r_tgt.device
-    ok = eligible_tokens(doc_ids, pos, sinks)  # (B, S)
     prio = static_priority(r_tgt, pos, log_gamma.detach(), share)
+    return priority_labels(prio, doc_ids, pos, sinks=layout.sinks, window=layout.window, k=layout.long_range)
+
+
+@torch.no_grad()
+def priority_labels(prio: Tensor, doc_ids: Tensor, pos: Tensor, *, sinks: int, window: int, k: int) -> BoundaryLabels:
+    """:func:`boundary_labels` of the teacher's static priorities ``prio`` (B, Hk, S): each head's top-``k`` rule."""
+    B, Hk, S = prio.shape
+    dev = prio.device
+    ok = eligible_tokens(doc_ids, pos, sinks)  # (B, S)
     ranks = teacher_ranks(prio, doc_ids, pos, sinks)  # (B, Hk, S)
     t = torch.arange(S, device=dev)
     q = t + window
@@ -187,8 +192,7 @@ def pool_boundary_labels(prio_tgt: Tensor, doc_ids: Tensor, pos: Tensor, *, layo
     :func:`kvpop.order.prefix_kth_smallest` over the teacher's ranks, as in :func:`boundary_labels`."""
     sinks, window, k = layout.sinks, layout.window, layout.long_range
     if layout.floor:
-        raise NotImplementedError(f"the pool's boundary labels under a per-head floor ({layout.floor}) are not defined here: a floor ranks a pool-trained "
-                                  "scorer at evaluation (evaluate.pool_floors), not in training")
+        return _floored_pool_labels(prio_tgt, doc_ids, pos, layout=layout)
     B, Fp, S = prio_tgt.shape
     P, N, dev = Fp * k, Fp * S, prio_tgt.device
     flat = prio_tgt.flip(1).transpose(1, 2).reshape(B, 1, N)  # (B, 1, N): n = t * F + (F - 1 - f)
@@ -213,6 +217,56 @@ def pool_boundary_labels(prio_tgt: Tensor, doc_ids: Tensor, pos: Tensor, *, layo
     kept = r_x <= last_kept[row, j]
     n_bnd = inv[row, torch.where(kept, first_drop[row, j], last_kept[row, j])]
     return PoolLabels(row=row, pair=pair, t_new=j, bnd_pair=Fp - 1 - n_bnd % Fp, t_bnd=n_bnd // Fp, y=torch.where(kept, 1.0, -1.0))
+
+
+@torch.no_grad()
+def _floored_pool_labels(prio_tgt: Tensor, doc_ids: Tensor, pos: Tensor, *, layout: CacheLayout) -> PoolLabels:
+    """:func:`pool_boundary_labels` under a per-head floor ``f`` (``layout.floor``): the two competitions in a row of
+    :func:`kvpop.selection.global_eviction_times`, each decision against its competitor.
+
+    1. *Each pair's own top f.* When token ``j`` leaves the window, its entry in pair ``p`` is kept there iff it is
+       among the pair's best ``f`` (:func:`priority_labels` with ``k = f``; the competitor in the same pair).
+    2. *The shared places.* An entry its pair's top ``f`` drops (its per-head eviction time ``a``: at once, or when a
+       better one arrives) joins the ``M = F x (k - f)`` shared places: it is kept iff among the best ``M`` of every
+       entry that has joined by ``a``; its competitor is the ``M``-th best of them without it, in any pair. In join
+       order (ties by the entry index ``n``) the entries joined by ``a`` are a prefix, and those of earlier
+       documents come first (a join time past its document is the document's end), so both order statistics come
+       from one :func:`kvpop.order.prefix_kth_smallest` over the teacher's ranks, as in the pool without a floor.
+
+    ``f = k`` leaves step 1 alone (the per-head labels of every pair)."""
+    sinks, window, k, f = layout.sinks, layout.window, layout.long_range, layout.floor
+    B, Fp, S = prio_tgt.shape
+    M, N, dev = Fp * (k - f), Fp * S, prio_tgt.device
+    own = priority_labels(prio_tgt, doc_ids, pos, sinks=sinks, window=window, k=f)  # rows b * F + pair
+    pair = own.row % Fp
+    labels = [PoolLabels(row=own.row // Fp, pair=pair, t_new=own.t_new, bnd_pair=pair, t_bnd=own.t_bnd, y=own.y)]
+    if M > 0:
+        start, end = document_spans(doc_ids)  # (B, S)
+        join = torch.minimum(eviction_times(prio_tgt, doc_ids, pos, sinks=sinks, window=window, long_range=f).long(), end[:, None])  # (B, F, S)
+        ok = eligible_tokens(doc_ids, pos, sinks)[:, None, :].expand(B, Fp, S)
+        joins = ok & (join < end[:, None])  # dropped by its pair inside its document
+
+        def flat(x: Tensor) -> Tensor:  # (B, F, S) -> (B, N), entry n = t * F + (F - 1 - pair)
+            return x.flip(1).transpose(1, 2).reshape(B, N)
+
+        ranks = teacher_ranks(flat(prio_tgt)[:, None], doc_ids.repeat_interleave(Fp, 1), pos.repeat_interleave(Fp, 1), sinks)[:, 0]  # (B, N)
+        key = flat(torch.where(ok, join, S + 1))  # join times; never eligible: after every prefix
+        order = key.argsort(dim=1, stable=True)  # (B, N) join order, ties by n
+        key_seq = key.gather(1, order)
+        prefix = torch.searchsorted(key_seq, key, right=True)  # (B, N) entries joined by the entry's join time
+        c0 = torch.searchsorted(key_seq, flat(start[:, None].expand(B, Fp, S)).contiguous(), right=True)  # those of earlier documents
+        decided = flat(joins) & (prefix - c0 > M)
+        kth = torch.stack([c0 + M, c0 + M + 1], 1).reshape(B * 2, N)  # the last kept, the first dropped (1-based)
+        vals = prefix_kth_smallest(ranks.gather(1, order).repeat_interleave(2, 0), prefix.repeat_interleave(2, 0), kth,
+                                   bits=max(1, N.bit_length()))
+        last_kept, first_drop = vals.view(B, 2, N).unbind(1)
+        inv = torch.empty_like(ranks).scatter_(1, ranks, torch.arange(N, device=dev).expand(B, N))  # rank -> n
+        row, n = (decided & (first_drop >= 0)).nonzero(as_tuple=True)
+        kept = ranks[row, n] <= last_kept[row, n]
+        n_bnd = inv[row, torch.where(kept, first_drop[row, n], last_kept[row, n])]
+        labels.append(PoolLabels(row=row, pair=Fp - 1 - n % Fp, t_new=n // Fp, bnd_pair=Fp - 1 - n_bnd % Fp, t_bnd=n_bnd // Fp,
+                                 y=torch.where(kept, 1.0, -1.0)))
+    return PoolLabels(**{fl.name: torch.cat([getattr(lab, fl.name) for lab in labels]) for fl in fields(PoolLabels)})
 
 
 def pool_boundary_loss(

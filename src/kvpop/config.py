@@ -146,10 +146,10 @@ class FilterConfig(_Section):
 TRAIN_KEYS_NOT_IN_RESULT = ("policies", "log_every", "checkpoint_every")
 
 
-#: training settings that one policy may set apart (train.per_policy): its loss and optimizer, never the
-#: architecture, the data or the run's shape (scorer widths, rows, steps, precision, strategy)
+#: training settings that one policy may set apart (train.per_policy): its loss and optimizer (and a pool's per-head
+#: floor), never the architecture, the data or the run's shape (scorer widths, rows, steps, precision, strategy)
 PER_POLICY_KEYS = (
-    "model_lr", "scorer_lr", "scorer_warmup", "weight_decay", "scorer_calibration", "tau", "tie_margin", "query_samples",
+    "model_lr", "scorer_lr", "scorer_warmup", "weight_decay", "scorer_calibration", "pool_floor", "tau", "tie_margin", "query_samples",
     "target_normalizer", "target", "boundary_weight", "gate_tau", "compression_weight", "compression_ramp",
 )
 
@@ -186,6 +186,11 @@ class TrainConfig(_Section):
     scorer_calibration: float = Field(
         0.0, ge=0, description="weight of the scorer's calibration term, the squared error of r_hat against the target "
         "beside the boundary loss (kvpop.boundary.calibration_loss; space share reads r_hat's level)",
+    )
+    pool_floor: int = Field(
+        0, ge=0, description="kvpop_mlp_pool, kvpop_pool: long-range entries each layer's KV head keeps at least in the pool, trained "
+        "and run so (the pool's two competitions: kvpop.selection.global_eviction_times, kvpop.boundary.pool_boundary_labels); "
+        "0: the pool alone decides. Set it per policy (train.per_policy)",
     )
     tau: float = Field(1.0, gt=0, description="temperature of the boundary loss")
     tie_margin: float = Field(
@@ -438,6 +443,16 @@ class Params(_Section):
                 key = "evaluate.benchmarks.ruler.seq_len" if ruler.seq_len is not None else "train.seq_len (evaluate.benchmarks.ruler.seq_len: null)"
                 raise ValueError(f"{key} is {seq_len}: too short for RULER's generators of {short} (qa_1, qa_2: at least "
                                  f"{ruler_min_seq_len('qa_1')} tokens, the others {ruler_min_seq_len('vt')}); set evaluate.benchmarks.ruler.seq_len")
+        for name in self.train.policies:
+            if floor := self.train.for_policy(name).pool_floor:
+                cls = policy_class(name)
+                if not cls.one_pool or cls.gated:
+                    why = "its gate learns through a relaxation without a floor" if cls.gated else "it keeps k long-range slots per head"
+                    raise ValueError(f"train.pool_floor {floor} for {name}: a per-head floor is trained in the pool of kvpop_mlp_pool or kvpop_pool, "
+                                     f"and {name} cannot take one ({why}); set it in train.per_policy.<name> (evaluate.pool_floors ranks any "
+                                     "one-pool policy with a floor at evaluation)")
+                if floor > (k := self.budget - self.sinks - self.window):
+                    raise ValueError(f"train.pool_floor {floor} for {name}: more than the budget's {k} long-range slots per head (budget - sinks - window)")
         if self.evaluate.one_pool and not any(OnePool.accepts(policy_class(n)) for n in self.train.policies):  # class attributes only
             raise ValueError(f"evaluate.one_pool ranks a trained kvpop_mlp with one pool; train.policies {self.train.policies} has none")
         if floors := self.evaluate.pool_floors:

@@ -4,7 +4,8 @@ Layout of an export folder::
 
     config.json, model.safetensors, tokenizer files   the student, a plain Hugging Face folder
     kvpop.json                                        {"policy", "budget", "sinks", "window", "scorer": {...} | null}
-                                                      (kvpop_pool: "scorer" holds its read-out "delay")
+                                                      (kvpop_pool: "scorer" holds its read-out "delay"; a pool trained
+                                                      with a per-head floor: "pool_floor")
     scorer.safetensors                                scorer and decay parameters (learned policies)
 
 Training checkpoints come in two layouts, both read by :func:`load_training_state`: one file
@@ -147,6 +148,8 @@ def export(student, tokenizer, policy: Policy, out_dir: Path, *, layout: CacheLa
                 scorer_cfg["delay"] = delay
             save_file({k: v.detach().cpu().contiguous() for k, v in policy.state_dict().items()}, str(tmp / SCORER))
         meta = {"policy": policy.name, "budget": layout.budget, "sinks": layout.sinks, "window": layout.window, "scorer": scorer_cfg, **(extra or {})}
+        if policy.pool_floor:  # trained with a per-head floor in its pool: it runs with it
+            meta["pool_floor"] = policy.pool_floor
         (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
 
 
@@ -197,4 +200,8 @@ def load_export(path: Path, dtype: str = "float32", *, recency: float | None = N
         except RuntimeError as err:
             raise CheckpointError(f"{f} does not match the model: {err}") from None
     policy.to(dtype=torch.float32)
+    if floor := meta.get("pool_floor", 0):
+        if not isinstance(floor, int) or floor < 0 or not policy.one_pool:
+            raise CheckpointError(f"corrupt {path / META}: pool_floor {floor!r} (a whole number >= 0, for a one-pool policy; {meta['policy']!r})")
+        policy = policy.with_floor(floor)
     return model, tok, policy.eval(), meta

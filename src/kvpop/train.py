@@ -481,11 +481,12 @@ class Training:
 
 def training_policy(name: str, shape: Mapping[str, int], cfg: TrainConfig, **policy_kw: Any) -> Policy:
     """A fresh policy ``name`` for a model of ``shape`` (:func:`kvpop.modeling.model_shape`) with ``cfg``'s
-    scorer settings (``scorer_hidden``, ``scorer_recency``, ``scorer_recency_space``, ``scorer_delay``) and
+    scorer settings (``scorer_hidden``, ``scorer_recency``, ``scorer_recency_space``, ``scorer_delay``; ``pool_floor``) and
     ``policy_kw`` (e.g. ``scorer_dk``): the policy a training run on ``cfg`` starts from."""
     dims = {k: shape[k] for k in ("num_layers", "num_kv_heads", "head_dim")}
-    return make_policy(name, **dims, scorer_hidden=cfg.scorer_hidden, scorer_recency=cfg.scorer_recency,
-                       scorer_recency_space=cfg.scorer_recency_space, scorer_delay=cfg.scorer_delay, **policy_kw)
+    policy = make_policy(name, **dims, scorer_hidden=cfg.scorer_hidden, scorer_recency=cfg.scorer_recency,
+                         scorer_recency_space=cfg.scorer_recency_space, scorer_delay=cfg.scorer_delay, **policy_kw)
+    return policy.with_floor(cfg.pool_floor) if cfg.pool_floor else policy  # trained and run with a per-head floor in its pool
 
 
 def build_training(
