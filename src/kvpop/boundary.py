@@ -170,7 +170,7 @@ class PoolLabels:
 
     row: Tensor  # (M,) batch row
     pair: Tensor  # (M,) the leaver's pair f = layer * Hk + head
-    t_new: Tensor  # (M,) its token, leaving the window
+    t_new: Tensor  # (M,) its token, leaving the window (under a floor also: dropped by its pair's own best, joining the shared places)
     bnd_pair: Tensor  # (M,) its competitor's pair
     t_bnd: Tensor  # (M,) its competitor's token
     y: Tensor  # (M,) +1 keep, -1 drop
