@@ -12,6 +12,7 @@ uneven split, the fixed point's number of forwards, the cache's size, the tied g
 
 import copy
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -35,9 +36,10 @@ BUDGET = SINKS + WINDOW + K
 LAYOUT = CacheLayout(BUDGET, SINKS, WINDOW)  # K long-range slots
 
 
-def literal_global_eviction_times(log_beta, doc_ids, pos, sinks, window, k, decays=True):
+def literal_global_eviction_times(log_beta, doc_ids, pos, sinks, window, k, decays=True, floor=0):
     """The pool's rule run literally, one row at a time, with a Python list of (token, pair) entries
-    (``decays=False``: ``log_beta`` holds static priorities, compared as they are)."""
+    (``decays=False``: ``log_beta`` holds static priorities, compared as they are; ``floor``: only the
+    entries of pairs that hold more than ``floor`` may go)."""
     L, B, Hk, S = log_beta.shape
     F = L * Hk
     e = torch.full((L, B, Hk, S), NEVER, dtype=torch.int64)
@@ -52,8 +54,9 @@ def literal_global_eviction_times(log_beta, doc_ids, pos, sinks, window, k, deca
                 continue
             pool += [(j, f) for f in range(F)]
             while len(pool) > F * k:  # the lowest retention goes; ties: the older token, then the higher pair
-                i, f = min(pool, key=lambda entry: ((q - entry[0]) * rate[entry[1]][entry[0]] if decays else rate[entry[1]][entry[0]],
-                                                    entry[0], -entry[1]))
+                held = Counter(f for _, f in pool)
+                i, f = min((entry for entry in pool if held[entry[1]] > floor),
+                           key=lambda entry: ((q - entry[0]) * rate[entry[1]][entry[0]] if decays else rate[entry[1]][entry[0]], entry[0], -entry[1]))
                 pool.remove((i, f))
                 e[f // Hk, b, f % Hk, i] = q
     return e

@@ -8,8 +8,6 @@ simulation; ``floor = k`` against the per-head rule; the chunked forward against
 token-by-token decoding with :class:`kvpop.decode.one_pool.OnePoolCache`. Plus what refuses a floor, by name.
 """
 
-from collections import Counter
-
 import pytest
 import torch
 
@@ -20,37 +18,11 @@ from kvpop.evaluate import Candidate, evaluate_fidelity, floor_twin, pool_fixed_
 from kvpop.geometry import CacheLayout
 from kvpop.policies import OnePool, make_policy
 from kvpop.pool import pool_chunked
-from kvpop.selection import NEVER, eviction_times, global_decaying_eviction_times, global_eviction_times
-from test_dbtrimkv import LAYOUT, SINKS, WINDOW, K, tied_log_beta
+from kvpop.selection import eviction_times, global_decaying_eviction_times, global_eviction_times
+from test_dbtrimkv import LAYOUT, SINKS, WINDOW, K, literal_global_eviction_times, tied_log_beta
 from test_one_pool import scorer
 from test_pool_chunked import dbtrimkv
 from test_selection import random_packing
-
-
-def literal_floor_eviction_times(log_beta, doc_ids, pos, sinks, window, k, floor, decays=True):
-    """The pool's rule with a floor, read literally with a Python list of (token, pair) entries: while the
-    pool holds more than ``F x k``, the lowest entry of the pairs that hold more than ``floor`` goes
-    (ties: the older token, then the higher pair)."""
-    L, B, Hk, S = log_beta.shape
-    F = L * Hk
-    e = torch.full((L, B, Hk, S), NEVER, dtype=torch.int64)
-    for b in range(B):
-        rate = [log_beta[f // Hk, b, f % Hk].double().tolist() for f in range(F)]
-        pool: list[tuple[int, int]] = []
-        for q in range(S):
-            if pos[b, q] == 0:
-                pool = []
-            j = q - window
-            if j < 0 or doc_ids[b, q] < 0 or doc_ids[b, j] != doc_ids[b, q] or pos[b, j] < sinks:
-                continue
-            pool += [(j, f) for f in range(F)]
-            while len(pool) > F * k:
-                held = Counter(f for _, f in pool)
-                i, f = min((x for x in pool if held[x[1]] > floor),
-                           key=lambda x: ((q - x[0]) * rate[x[1]][x[0]] if decays else rate[x[1]][x[0]], x[0], -x[1]))
-                pool.remove((i, f))
-                e[f // Hk, b, f % Hk, i] = q
-    return e
 
 
 def held_per_pair(e, S):
@@ -70,7 +42,7 @@ def test_the_simulation_is_the_literal_rule(decays, levels, floor):
         lb = lb * 40 + 3  # any real: static priorities
     lb[1, :, 1] = lb[1, :, 1] + 30 if not decays else 0.0  # one pair outranks the rest (decaying: keeps forever); no floor: it starves them
     got = global_decaying_eviction_times(lb, doc_ids, pos, sinks=SINKS, window=WINDOW, long_range=K, decays=decays, floor=floor)
-    want = literal_floor_eviction_times(lb, doc_ids, pos, SINKS, WINDOW, K, floor, decays=decays)
+    want = literal_global_eviction_times(lb, doc_ids, pos, SINKS, WINDOW, K, decays=decays, floor=floor)
     assert torch.equal(got.long(), want)
     assert not torch.equal(got, global_decaying_eviction_times(lb, doc_ids, pos, sinks=SINKS, window=WINDOW, long_range=K, decays=decays))
 
