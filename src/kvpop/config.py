@@ -443,6 +443,7 @@ class Params(_Section):
                 key = "evaluate.benchmarks.ruler.seq_len" if ruler.seq_len is not None else "train.seq_len (evaluate.benchmarks.ruler.seq_len: null)"
                 raise ValueError(f"{key} is {seq_len}: too short for RULER's generators of {short} (qa_1, qa_2: at least "
                                  f"{ruler_min_seq_len('qa_1')} tokens, the others {ruler_min_seq_len('vt')}); set evaluate.benchmarks.ruler.seq_len")
+        k = self.budget - self.sinks - self.window  # long-range slots per head: a per-head floor's most
         for name in self.train.policies:
             if floor := self.train.for_policy(name).pool_floor:
                 cls = policy_class(name)
@@ -451,12 +452,11 @@ class Params(_Section):
                     raise ValueError(f"train.pool_floor {floor} for {name}: a per-head floor is trained in the pool of kvpop_mlp_pool or kvpop_pool, "
                                      f"and {name} cannot take one ({why}); set it in train.per_policy.<name> (evaluate.pool_floors ranks any "
                                      "one-pool policy with a floor at evaluation)")
-                if floor > (k := self.budget - self.sinks - self.window):
+                if floor > k:
                     raise ValueError(f"train.pool_floor {floor} for {name}: more than the budget's {k} long-range slots per head (budget - sinks - window)")
         if self.evaluate.one_pool and not any(OnePool.accepts(policy_class(n)) for n in self.train.policies):  # class attributes only
             raise ValueError(f"evaluate.one_pool ranks a trained kvpop_mlp with one pool; train.policies {self.train.policies} has none")
         if floors := self.evaluate.pool_floors:
-            k = self.budget - self.sinks - self.window
             if bad := [f for f in floors if not 1 <= f <= k]:
                 raise ValueError(f"evaluate.pool_floors {bad}: a per-head floor is in [1, budget - sinks - window = {k}]")
             if len(set(floors)) != len(floors):

@@ -41,7 +41,7 @@ from kvpop.geometry import CacheLayout
 from kvpop.modeling import model_shape
 from kvpop.policies import Dense, OnePool, Policy
 from kvpop.policies.one_pool import ONE_POOL_SUFFIX
-from kvpop.pool import check_floor, pool_chunked
+from kvpop.pool import check_policy_layout, pool_chunked
 from kvpop.selection import NEVER, global_decaying_eviction_times
 from kvpop.target import TargetKind, future_attention_target
 
@@ -218,7 +218,7 @@ def pool_fixed_point(model, policy: Policy, input_ids: Tensor, *, layout: CacheL
     The simulation is sequential over queries and costs about as much for 16 rows as for one, so
     batching the traces divides the fixed point's cost by about B (without ``keep_logits`` the
     forwards skip the vocabulary projection but the last position's: :func:`forward_under` then)."""
-    check_floor(policy, layout)
+    check_policy_layout(policy, layout, head_dim=model_shape(model)["head_dim"])
     B, S = input_ids.shape
     pos = torch.arange(S, device=input_ids.device).expand(B, S)
     doc = torch.zeros_like(pos)

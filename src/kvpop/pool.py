@@ -154,12 +154,13 @@ class ChunkContext:
         dst.copy_(p)
 
 
-def check_floor(policy: Policy, layout: CacheLayout) -> None:
-    """A ValueError where ``layout`` is not ranked with ``policy``'s per-head floor (a nominal layout passed for a
-    floored policy: :meth:`kvpop.geometry.CacheLayout.for_policy` gives the one it runs with)."""
-    if layout.floor != policy.pool_floor:
-        raise ValueError(f"policy {policy.name!r} ranks with a per-head floor of {policy.pool_floor}, the layout with {layout.floor}: "
-                         "pass layout.for_policy(policy, head_dim=...)")
+def check_policy_layout(policy: Policy, layout: CacheLayout, *, head_dim: int) -> None:
+    """A ValueError where ``layout`` is not the one ``policy`` runs with (:meth:`kvpop.geometry.CacheLayout.for_policy`:
+    its long-range slots, fewer for a recurrent state, and its per-head floor): a nominal layout passed for such a
+    policy would rank its pool with the wrong slot count or floor, silently."""
+    if (want := layout.for_policy(policy, head_dim=head_dim)) != layout:
+        raise ValueError(f"policy {policy.name!r} runs with long_range {want.long_range} and floor {want.floor}, the layout has "
+                         f"{layout.long_range} and {layout.floor}: pass layout.for_policy(policy, head_dim=...)")
 
 
 @torch.no_grad()
@@ -179,7 +180,7 @@ def pool_chunked(model, policy: Policy, input_ids: Tensor, *, layout: CacheLayou
         raise ValueError(f"pool_chunked runs one_pool policies, not {policy.name!r}")
     if policy.scores_on_exit or policy.needs_attention:
         raise ValueError(f"{policy.name!r} does not fix a token's priority when it enters: the chunked pool forward does not apply")
-    check_floor(policy, layout)
+    check_policy_layout(policy, layout, head_dim=model_shape(model)["head_dim"])
     B, S = input_ids.shape
     delay = policy.read_delay(layout.window)
     reach = layout.window - (delay or 0)  # the longest exact chunk

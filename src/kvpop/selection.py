@@ -81,6 +81,15 @@ def document_spans(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return start, end
 
 
+def run_starts(keys: torch.Tensor) -> torch.Tensor:
+    """``(..., n)`` keys sorted into runs of equal values along the last dim -> ``(..., n)`` int64: the index of the
+    first element of each element's run (in a document-sorted order: the elements of earlier documents before it)."""
+    idx = torch.arange(keys.shape[-1], device=keys.device)
+    first = torch.ones_like(keys, dtype=torch.bool)
+    first[..., 1:] = keys[..., 1:] != keys[..., :-1]
+    return torch.where(first, idx, 0).cummax(dim=-1).values
+
+
 def recency_priority(B: int, Hk: int, S: int, device=None) -> torch.Tensor:
     """StreamingLLM-like priority (newer tokens win): ``(B, Hk, S)`` float32 index."""
     return torch.arange(S, device=device, dtype=torch.float32).expand(B, Hk, S)
@@ -155,10 +164,7 @@ def eviction_times(
 
     # c0[r] = order position of the first token of r's document (= eligible
     # tokens of earlier documents).
-    key_sorted = doc_key.gather(-1, order)
-    first = torch.ones_like(key_sorted, dtype=torch.bool)
-    first[..., 1:] = key_sorted[..., 1:] != key_sorted[..., :-1]
-    c0 = torch.where(first, idx, 0).cummax(dim=-1).values
+    c0 = run_starts(doc_key.gather(-1, order))
 
     r = idx.expand(B, Hk, S)
     n_outrank = r - c0  # |O_t| for the token at order position r
@@ -383,11 +389,8 @@ def global_eviction_times(prio: torch.Tensor, doc_ids: torch.Tensor, pos: torch.
         pos_f = (pos[:, :, None] * Fp + torch.arange(Fp, device=prio.device)).reshape(B, N)  # a document's entries, pos 0 first
         order, doc_key = priority_order(flat, doc_ids.repeat_interleave(Fp, 1), pos_f, sinks=sinks * Fp)
         order, doc_key = order[:, 0], doc_key[:, 0]  # (B, N)
-        key_sorted = doc_key.gather(-1, order)
-        first = torch.ones_like(key_sorted, dtype=torch.bool)
-        first[:, 1:] = key_sorted[:, 1:] != key_sorted[:, :-1]
         r = torch.arange(N, device=prio.device).expand(B, N)
-        c0 = torch.where(first, r, 0).cummax(dim=-1).values  # entries of earlier documents, all before (and below) this one's
+        c0 = run_starts(doc_key.gather(-1, order))  # entries of earlier documents, all before (and below) this one's
         join_sorted = join_flat.gather(-1, order)  # (B, N) values <= S
         kth = prefix_kth_smallest(join_sorted, r, c0 + M, bits=max(1, S.bit_length()))
         e_sorted = torch.where(r - c0 >= M, torch.maximum(join_sorted, kth), NEVER)
@@ -545,11 +548,8 @@ def _above_floor(score: torch.Tensor, tie: torch.Tensor, group: torch.Tensor, pa
     order = order.gather(1, score.gather(1, order).argsort(dim=1, stable=True))
     order = order.gather(1, group.gather(1, order).argsort(dim=1, stable=True))
     g = group.gather(1, order)  # (B, N) pairs in runs, each run lowest first
-    r = torch.arange(N, device=score.device).expand(B, N)
-    first = torch.ones_like(g, dtype=torch.bool)
-    first[:, 1:] = g[:, 1:] != g[:, :-1]
-    rank = r - torch.where(first, r, 0).cummax(dim=1).values  # (B, N) place in its pair's run, from the lowest
+    rank = torch.arange(N, device=score.device) - run_starts(g)  # (B, N) place in its pair's run, from the lowest
     count = torch.zeros(B, pairs + 1, dtype=torch.int64, device=score.device).scatter_add_(1, group, torch.ones_like(group))
     cap = (count - floor).clamp(min=0)
     cap[:, pairs] = N  # empty entries
-    return torch.empty_like(first).scatter_(1, order, rank < cap.gather(1, g))
+    return torch.empty_like(g, dtype=torch.bool).scatter_(1, order, rank < cap.gather(1, g))
