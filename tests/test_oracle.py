@@ -177,3 +177,40 @@ def test_evaluation_reports_oracles_only_where_they_apply(tiny_model):
         assert res[name]["kl"] == pytest.approx(0.0, abs=1e-6) and res[name]["top1_agreement"] == 1.0
     res = evaluate_fidelity([{**rec, "quote_source_positions": []}], model, cands, layout=CacheLayout(12, 2, 4))
     assert set(res) == {"dense", "h2o", "oracle_target"}
+
+
+def test_oracle_target_with_value_weighting_ranks_by_target_plus_log_value_norm(tiny_model):
+    """``max.value``: the kept long-range tokens are the k best by r + log(||v|| / sqrt(D)) of the values the
+    forward hands the scorer, not by r alone (values chosen so that the two orders differ)."""
+    model = tiny_model(attn_implementation=register())
+    S, sinks, window, k, D = 48, 2, 6, 5, 8
+    ids = torch.randint(0, model.config.vocab_size, (1, S))
+    raw = teacher_targets(model, ids, window=window, kind="max", beta=8.0)
+    plain = make_policy("oracle_target").configure(target="max")
+    weighted = make_policy("oracle_target").configure(target="max.value")
+    for pol in (plain, weighted):
+        assert pol.fit_trace(input_ids=ids, record={}, targets={pol.teacher_target(): raw})
+    pos = torch.arange(S)[None]
+    layout = CacheLayout.of(sinks=sinks, window=window, long_range=k)
+    g = torch.Generator().manual_seed(3)
+    differ = 0
+    for layer in range(model.config.num_hidden_layers):
+        Hk = model.config.num_key_value_heads
+        keys = torch.zeros(1, Hk, S, D)
+        values = torch.randn(1, Hk, S, D, generator=g) * torch.logspace(-2, 2, S)[torch.randperm(S, generator=g)][None, None, :, None]
+        kept = {}
+        for pol in (plain, weighted):
+            ctx = SparseContext.for_rows(pol, torch.zeros_like(pos), pos, layout=layout)
+            evict, _ = ctx.evictions(layer, keys, values)
+            kept[pol.target.value] = evict
+        r = raw[layer][0]  # (Hk, S)
+        w = r + (values[0].norm(dim=-1) / D**0.5).log()
+        q = S - 1
+        eligible = torch.arange(sinks, q - window + 1)
+        for h in range(Hk):
+            for value, prio in ((False, r[h]), (True, w[h])):
+                got = eligible[kept[value][0, h, eligible] > q]
+                best = eligible[prio[eligible].argsort(descending=True, stable=True)[:k]]
+                assert set(got.tolist()) == set(best.tolist())
+            differ += set(eligible[kept[True][0, h, eligible] > q].tolist()) != set(eligible[kept[False][0, h, eligible] > q].tolist())
+    assert differ > 0  # the weighting changed what some head keeps

@@ -346,6 +346,8 @@ CANONICAL = {
     "max.blend:0": dict(kind="max", scope="blend", blend=0.0),
     "power:4.blend:0.5": dict(kind="power", beta=4.0, scope="blend", blend=0.5),
     "power:2.5.layer": dict(kind="power", beta=2.5, scope="layer"),
+    "max.value": dict(kind="max", value=True),
+    "power:16.value": dict(kind="power", beta=16.0, value=True),
 }
 
 
@@ -392,6 +394,9 @@ def test_target_spec_default_and_shorthands():
         ("power:nan", "finite number > 0"),
         ("max.blend:1.5", "blend weight of 'blend:1.5' .* \\[0, 1\\]"),
         ("max.blend:w", "blend of 'blend:w' .* not a number"),
+        ("max.value.model", "at most two"),
+        ("max.value.value", "unknown target scope 'value'"),
+        ("value", "unknown target kind 'value'"),
     ],
 )
 def test_target_spec_rejects(text, match):
@@ -409,3 +414,34 @@ def test_target_spec_fields_are_checked():
             TargetSpec(**bad)
     with pytest.raises(ValueError, match="a target spec is text"):
         TargetSpec.parse(3)
+
+
+def test_value_weighting_needs_scope_group_and_reads_back():
+    """``.value`` comes last and only with scope group (a wider scope's maximum would mix heads' values)."""
+    assert str(TargetSpec.parse("max.group.value")) == "max.value"
+    assert TargetSpec.parse("max").value is False
+    for bad in ("max.model.value", "max.blend:0.5.value", "max.layer.value"):
+        with pytest.raises(ValueError, match="value weighting needs scope 'group'"):
+            TargetSpec.parse(bad)
+    with pytest.raises(ValueError, match="value weighting needs scope 'group'"):
+        TargetSpec(value=True, scope="model")
+
+
+def test_weigh_adds_the_log_value_norm_per_token_and_head():
+    """``weigh``: the target plus log(||v|| / sqrt(D)) of the same (row, KV head, token), read literally; no weighting
+    leaves the target as it is (the same tensor); values of another shape are refused by name."""
+    g = torch.Generator().manual_seed(0)
+    B, Hk, S, D = 2, 3, 7, 16
+    r = torch.randn(B, Hk, S, generator=g)
+    v = torch.randn(B, Hk, S, D, generator=g) * torch.rand(B, Hk, S, 1, generator=g) * 4
+    assert TargetSpec.parse("max").weigh(r, v) is r
+    out = TargetSpec.parse("max.value").weigh(r, v)
+    for b in range(B):
+        for h in range(Hk):
+            for t in range(S):
+                norm = math.sqrt(sum(float(x) ** 2 for x in v[b, h, t]))
+                assert out[b, h, t].item() == pytest.approx(r[b, h, t].item() + math.log(norm / math.sqrt(D)), abs=1e-5)
+    # a head whose values are twice as large gains log 2 on every token: the pool's order moves toward it
+    torch.testing.assert_close(TargetSpec.parse("max.value").weigh(r, 2 * v) - out, torch.full_like(r, math.log(2)))
+    with pytest.raises(ValueError, match="do not match the target"):
+        TargetSpec.parse("max.value").weigh(r, v[:, :2])

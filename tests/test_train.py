@@ -1,6 +1,7 @@
 """KL distillation and the scorer loss: values, gradient isolation, one Lightning step."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -248,3 +249,41 @@ def test_scoped_target_losses_equal_the_boundary_loss_on_scoped_targets(spec):
         assert not torch.allclose(losses[0].detach().double(), plain.double(), atol=1e-6)
     losses[0].backward()  # the deferred loss still reaches the scorer
     assert policy.scorer.layers[0].w2.grad is not None and policy.scorer.layers[0].w2.grad.abs().sum() > 0
+
+
+def test_value_weighted_target_adds_each_layers_log_value_norm_in_training():
+    """train.target ``max.value``: the boundary loss of every layer gets the plain ``max`` target plus
+    log(||v|| / sqrt(D)) of that layer's values (those its scorer reads), token by token."""
+    import kvpop.attention as attention
+
+    _, student = tiny_pair()
+    ids, doc, pos = packed_toy(2, 64)
+    policy = make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
+    recorded, values = {}, []
+    real_loss, real_scores = attention.boundary_loss, policy.scores
+
+    def spy_scores(layer, keys, vals, *a, **kw):
+        values.append(vals.detach().float().clone())
+        return real_scores(layer, keys, vals, *a, **kw)
+
+    policy.scores = spy_scores
+    try:
+        for spec in ("max", "max.value"):
+            recorded[spec] = []
+
+            def spy(r_hat, r_tgt, log_gamma, *a, _out=recorded[spec], **kw):
+                _out.append(r_tgt.clone())
+                return real_loss(r_hat, r_tgt, log_gamma, *a, **kw)
+
+            attention.boundary_loss = spy
+            values.clear()
+            ctx = SparseContext.for_rows(policy, doc, pos, layout=CacheLayout(13, 2, 6), scorer_training=ScorerTraining(target=TargetSpec.parse(spec)))
+            with torch.no_grad():
+                student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx)
+    finally:
+        attention.boundary_loss = real_loss
+        del policy.scores
+    assert len(recorded["max"]) == len(recorded["max.value"]) == len(values) == 2
+    for plain, weighted, v in zip(recorded["max"], recorded["max.value"], values, strict=True):
+        D = v.shape[-1]
+        torch.testing.assert_close(weighted, plain + (v.norm(dim=-1) / math.sqrt(D)).log(), atol=1e-5, rtol=1e-5)

@@ -386,6 +386,7 @@ class SparseContext:
                     q.detach(), k.detach(), lse.detach(), self.doc_ids, window=self.layout.window, scale=scale, impl=impl,
                     kind=st.target.kind, beta=st.target.beta,
                 )
+                r_tgt = st.target.weigh(r_tgt, v)  # value weighting (train.target.value), else unchanged
             if deferred:
                 self._targets[layer] = r_tgt
             else:

@@ -337,7 +337,7 @@ def scorer_loss(policy: Policy, trace: CachedTrace, settings: TrainSettings, *, 
         with torch.autocast(device_type=trace.k.device.type, enabled=False):  # scorers compute in fp32, as in training
             sc = policy.scores(layer, trace.k[layer][None].float(), trace.v[layer][None].float(), pos, doc_ids=doc,
                                window=settings.layout.window)  # r_hat (1, Hk, S), log_gamma (Hk,)
-        ctx.add_scorer_loss(sc.r_hat, tgt[layer][None], sc.log_gamma)
+        ctx.add_scorer_loss(sc.r_hat, settings.scorer_training.target.weigh(tgt[layer][None], trace.v[layer][None]), sc.log_gamma)
     ctx.finish_scorer_losses()
     stats = {"decisions": sum(float(s["decisions"]) for s in ctx.stats),
              "agreement": float(torch.stack([s["agreement"].float().cpu() for s in ctx.stats]).mean())}

@@ -45,8 +45,20 @@ train.target.blend`` (0.5: their mean; 0 is ``"group"``, 1 is ``"model"``): a he
 reads itself and what any head needs (scope model keeps more far facts at more KL;
 BENCHMARKS.md).
 
-:class:`TargetSpec` holds the four choices (kind, beta, scope, blend) as one value, written
-compactly as ``max``, ``power:16``, ``max.model``, ``max.blend:0.75`` (``train.target``).
+*Value weighting* (``train.target.value``, :meth:`TargetSpec.weigh`) scales each need by the size of
+what the token would deliver: a token's contribution to a query head's output is ``p_{u -> t} v_t``,
+so a head that attends to a token with a small value vector needs it less than its attention says
+(the value-aware importance of token-pruning work, e.g. VATP). In log space::
+
+    r_tgt(h, t) + log(||v_t^(h)|| / sqrt(D)),
+
+with ``v_t^(h)`` the token's value at KV head ``h`` (shared by the group) and ``sqrt(D)`` keeping the
+term near 0 for unit-scale entries. It ranks tokens across heads and layers (one pool) by what their
+eviction removes from the output rather than by attention alone. Only with scope ``group``: a wider
+scope's maximum would mix one head's attention with another head's values.
+
+:class:`TargetSpec` holds the five choices (kind, beta, scope, blend, value) as one value, written
+compactly as ``max``, ``power:16``, ``max.model``, ``max.blend:0.75``, ``max.value`` (``train.target``).
 
 Shapes: ``B`` batch, ``H`` query heads, ``Hk`` KV heads, ``G = H / Hk``,
 ``S`` sequence length, ``D`` head dim.
@@ -97,8 +109,8 @@ TARGET_KINDS: tuple[str, ...] = get_args(TargetKind)
 TargetScope = Literal["group", "layer", "model", "blend"]
 TARGET_SCOPES: tuple[str, ...] = get_args(TargetScope)
 
-_GRAMMAR = ("KIND[.SCOPE], KIND one of mean, max, power[:BETA] and SCOPE one of group, layer, model, blend[:W] "
-            "(e.g. max, power:16, max.model, max.blend:0.75)")
+_GRAMMAR = ("KIND[.SCOPE][.value], KIND one of mean, max, power[:BETA] and SCOPE one of group, layer, model, blend[:W] "
+            "(e.g. max, power:16, max.model, max.blend:0.75, max.value)")
 
 
 def _number(x: float) -> str:
@@ -108,7 +120,7 @@ def _number(x: float) -> str:
 
 
 class TargetSpec(BaseModel):
-    """The scorer's training target, one immutable value: its kind, beta, scope and blend.
+    """The scorer's training target, one immutable value: its kind, beta, scope, blend and value weighting.
 
     Fields (module docstring for the formulas):
 
@@ -116,19 +128,20 @@ class TargetSpec(BaseModel):
     * ``beta``: the power mean's order, finite and ``> 0`` (read by kind ``power`` only);
     * ``scope``: over which heads the target takes its maximum, ``"group"`` (the paper's: the
       KV head's query group), ``"layer"``, ``"model"`` or ``"blend"``;
-    * ``blend``: the weight ``w`` in [0, 1] of the model-wide target (read by scope ``blend`` only).
+    * ``blend``: the weight ``w`` in [0, 1] of the model-wide target (read by scope ``blend`` only);
+    * ``value``: weigh each need by the token's value norm (module docstring; scope ``group`` only).
 
-    The default, ``TargetSpec()``, is ``max`` (kind max, beta 8, scope group, blend 0.5).
+    The default, ``TargetSpec()``, is ``max`` (kind max, beta 8, scope group, blend 0.5, no value weighting).
 
     Compact form, read by :meth:`parse` and written by ``str(spec)``::
 
-        KIND[.SCOPE]      KIND  = mean | max | power[:BETA]
-                          SCOPE = group | layer | model | blend[:W]
+        KIND[.SCOPE][.value]      KIND  = mean | max | power[:BETA]
+                                  SCOPE = group | layer | model | blend[:W]
 
     ``BETA`` and ``W`` are decimal numbers (``16``, ``0.75``, ``1e-3``); a missing ``BETA`` is
     8 and a missing ``W`` 0.5 (the defaults). Canonical rules of ``str(spec)``: the kind always;
     ``:BETA`` only for kind ``power``, always there; the scope only when it is not ``group``;
-    ``:W`` only for scope ``blend``, always there; numbers as the shortest text that reads back
+    ``:W`` only for scope ``blend``, always there; ``.value`` last, only when set; numbers as the shortest text that reads back
     exactly, with no trailing ``.0`` (``power:16``, ``max.blend:0.75``, ``power:4.blend:0.5``).
     So ``str`` drops the fields the target does not read: two specs of the same ``str`` compute
     the same target, and ``parse(str(spec)) == spec`` whenever the unread fields hold their
@@ -148,6 +161,15 @@ class TargetSpec(BaseModel):
                                "and KV head: one label per token) or 'blend' (the group's and the model's, weighed by blend)")
     blend: float = Field(0.5, ge=0, le=1, allow_inf_nan=False, description="scope 'blend': the weight of the model-wide "
                          "target (0.5: the mean of the two log targets; 0 is 'group', 1 is 'model')")
+    value: bool = Field(False, description="weigh each token's need by its value norm, log(||v|| / sqrt(D)) added to the "
+                        "target (what its eviction removes from the head's output); scope 'group' only")
+
+    @model_validator(mode="after")
+    def _value_needs_group(self) -> TargetSpec:
+        if self.value and self.scope != "group":
+            raise ValueError(f"value weighting needs scope 'group' (a wider scope's maximum would mix one head's attention "
+                             f"with another head's values), got scope {self.scope!r}")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -167,9 +189,12 @@ class TargetSpec(BaseModel):
         if not raw:
             raise ValueError(f"empty target spec; {_GRAMMAR}")
         parts = re.split(r"\.(?=[A-Za-z])", raw)  # a dot before a letter ends a part; a number's dot does not
-        if len(parts) > 2:
-            raise ValueError(f"target spec {raw!r} has {len(parts)} parts {parts}, at most two; {_GRAMMAR}")
         fields: dict[str, Any] = {}
+        if len(parts) > 1 and parts[-1] == "value":
+            fields["value"] = True
+            parts = parts[:-1]
+        if len(parts) > 2:
+            raise ValueError(f"target spec {raw!r} has {len(parts)} parts {parts} before any '.value', at most two; {_GRAMMAR}")
         for part, what, names, numbered, number_field in (
             (parts[0], "kind", TARGET_KINDS, "power", "beta"),
             (parts[1] if len(parts) > 1 else None, "scope", TARGET_SCOPES, "blend", "blend"),
@@ -198,8 +223,20 @@ class TargetSpec(BaseModel):
     def __str__(self) -> str:
         text = f"power:{_number(self.beta)}" if self.kind == "power" else self.kind
         if self.scope == "blend":
-            return f"{text}.blend:{_number(self.blend)}"
-        return text if self.scope == "group" else f"{text}.{self.scope}"
+            text = f"{text}.blend:{_number(self.blend)}"
+        elif self.scope != "group":
+            text = f"{text}.{self.scope}"
+        return f"{text}.value" if self.value else text
+
+    def weigh(self, r_tgt: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """One layer's target ``r_tgt`` (B, Hk, S) under this spec's value weighting: unchanged without it, else
+        plus ``log(||v|| / sqrt(D))`` of ``values`` (B, Hk, S, D), the layer's values the target was taken on."""
+        if not self.value:
+            return r_tgt
+        if values.shape[:3] != r_tgt.shape:
+            raise ValueError(f"value weighting: values {tuple(values.shape)} do not match the target {tuple(r_tgt.shape)}")
+        v = values.detach().float()
+        return r_tgt + (v.norm(dim=-1) / math.sqrt(v.shape[-1])).clamp_min(1e-12).log().to(r_tgt.dtype)
 
     @property
     def spans_layers(self) -> bool:

@@ -80,7 +80,7 @@ class OracleTarget(_Oracle):
             raise RuntimeError("oracle_target: no trace fitted (call fit_trace first)")
         r = self.r_tgt[layer]  # (1, Hk, S)
         self._check(pos, r.shape[-1])
-        r = r.to(torch.float64)
+        r = self.target.weigh(r.expand(values.shape[0], -1, -1), values).to(torch.float64)  # (B, Hk, S); train.target.value
         prio = (r if self.space == "log" else r.exp()) + self.recency * pos[:, None, :].to(torch.float64)  # (B, Hk, S)
         return Scores(prio=prio.expand(keys.shape[0], -1, -1))
 
