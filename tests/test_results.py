@@ -70,3 +70,32 @@ def test_the_index_names_each_folders_script_where_it_lies():
     assert script_of("bench_decode") == "`bench/bench_decode.py`"
     assert script_of("profile_pool_train") == "`bench/kernels/profile_pool_train.py`"
     assert (RESULTS.parent / "bench" / "kernels" / "profile_pool_train.py").exists()
+
+
+def test_envelope_names_the_tracked_files_that_differ_from_the_commit(tmp_path, monkeypatch):
+    """A result written from a tree with edits says so: ``uncommitted`` lists the changed tracked files (untracked
+    ones left out); a clean tree, no checkout or ``KVPOP_GIT_COMMIT`` give none, and a clean envelope has no such key."""
+    import subprocess
+
+    from kvpop import provenance
+
+    monkeypatch.delenv("KVPOP_GIT_COMMIT", raising=False)
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.py").write_text("y = 1\n")
+    subprocess.run([*git, "add", "a.py", "b.py"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], cwd=tmp_path, check=True)
+    assert provenance.uncommitted(tmp_path) == []
+    (tmp_path / "b.py").write_text("y = 2\n")
+    (tmp_path / "new.py").write_text("z = 0\n")  # untracked: not listed
+    assert provenance.uncommitted(tmp_path) == ["b.py"]
+    monkeypatch.setenv("KVPOP_GIT_COMMIT", "0" * 40)
+    assert provenance.uncommitted(tmp_path) == []
+    monkeypatch.delenv("KVPOP_GIT_COMMIT")
+    assert provenance.uncommitted(tmp_path / "missing") == []
+    monkeypatch.setattr(provenance, "uncommitted", lambda root=None: [])
+    assert "uncommitted" not in provenance.envelope("cmd")
+    monkeypatch.setattr(provenance, "uncommitted", lambda root=None: ["src/kvpop/x.py"])
+    env = provenance.envelope("cmd")
+    assert env["uncommitted"] == ["src/kvpop/x.py"] and not provenance.check_envelope({"provenance": env})

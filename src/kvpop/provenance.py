@@ -8,7 +8,8 @@ Every result file is a JSON object whose first key is ``"provenance"``::
 
 ``command`` is the command line that wrote the file, ``git_commit`` the commit of the code that ran
 (``KVPOP_GIT_COMMIT`` where the machine has no git checkout, as on the device; ``git rev-parse HEAD``
-otherwise), ``device`` the accelerator (or the CPU's model name), ``versions`` the packages that shape
+otherwise; where tracked files differ from it, ``"uncommitted"`` lists them: the figures then came from
+that commit plus those edits), ``device`` the accelerator (or the CPU's model name), ``versions`` the packages that shape
 the figures. :func:`write_result` writes payload and envelope atomically; :func:`check_envelope`
 names what an envelope lacks (``tests/test_results.py`` walks ``results/`` with it).
 """
@@ -52,6 +53,20 @@ def git_commit(root: str | Path | None = None) -> str | None:
     return sha if _COMMIT.match(sha) else None
 
 
+def uncommitted(root: str | Path | None = None) -> list[str]:
+    """Tracked files of the checkout that differ from its HEAD (``git status --porcelain``, untracked files
+    left out), sorted; empty where the tree is clean, there is no checkout, or ``KVPOP_GIT_COMMIT`` names the code."""
+    if os.environ.get("KVPOP_GIT_COMMIT", "").strip():
+        return []
+    root = Path(root) if root is not None else Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True,
+                             timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return sorted(line[3:].strip() for line in out.stdout.splitlines() if len(line) > 3)
+
+
 def device_name() -> str:
     """The accelerator that ran (``torch.cuda.get_device_name``; ``"<n> x <name>"`` for several), else the CPU."""
     try:
@@ -91,13 +106,16 @@ def versions() -> dict[str, str]:
 
 def envelope(command: str | None = None) -> dict:
     """The provenance of a result written now by this process (module docstring)."""
-    return {
+    env = {
         "command": command if command is not None else shlex.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "git_commit": git_commit(),
         "device": device_name(),
         "versions": versions(),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
+    if changed := uncommitted():
+        env["uncommitted"] = changed
+    return env
 
 
 def check_envelope(doc: object) -> list[str]:
