@@ -232,26 +232,45 @@ def ruler_keys(p, names: list[str], base: str, exports: Path, device: str, sampl
 def ruler_in_workers(samples: dict, todo: list[str], workers: int, keys: dict[str, Path], *, base: str, exports: Path, say) -> None:
     """RULER's policies ``todo`` split between up to ``workers`` processes of this script (``--ruler-worker``), round
     robin: each loads the teacher and the exports, reads the samples this process made and evaluates its share one
-    policy at a time, each result written to its ``keys`` file as soon as it is done. What a policy gets does not
-    depend on the others (one GPU holds several such processes; the GPU, mostly idle under one at batch 1, serves
-    them side by side). A worker that fails stops the others and the stage, naming its policies and the end of its
-    log; the results written before stay."""
-    workers = min(workers, len(todo))
-    groups = [todo[k::workers] for k in range(workers)]
+    part at a time, each written to its file as soon as it is done. Where the workers outnumber the policies, each
+    policy's tasks are split into that many parts (round robin over the tasks) and its parts merged into its
+    ``keys`` file at the end (:func:`kvpop.ruler.merge_parts`; a part already on disk from a stopped run is not redone).
+    What a part gets does not depend on the others (one GPU holds several such processes; the GPU, mostly idle under
+    one at batch 1, serves them side by side). A worker that fails stops the others and the stage, naming its
+    policies and the end of its log; the results written before stay."""
+    from kvpop import ruler
+
+    tasks = [t for t in samples if samples[t]]
+    split = max(1, min(len(tasks), workers // max(1, len(todo))))  # parts per policy
+    task_groups = [tasks[i::split] for i in range(split)]
+
+    def part_file(name: str, i: int) -> Path:
+        return keys[name] if split == 1 else keys[name].with_name(f"{keys[name].stem}.part{i}of{split}.json")
+
+    jobs = [(name, group, part_file(name, i)) for name in todo for i, group in enumerate(task_groups)]
+    left_jobs = [j for j in jobs if not j[2].is_file()]
+    workers = min(workers, len(left_jobs))
+    shares = [left_jobs[k::workers] for k in range(workers)] if workers else []
+
+    def label(job) -> str:
+        return job[0] if split == 1 else f"{job[0]} [{' '.join(job[1])}]"
+
     with tempfile.TemporaryDirectory(prefix="kvpop-ruler-") as tmp:
         tmp = Path(tmp)
         torch.save(samples, tmp / "samples.pt")
         procs = []
-        for k, group in enumerate(groups):
-            write_json(tmp / f"job_{k}.json", {"policies": group, "out": {n: str(keys[n].resolve()) for n in group}})
+        for k, share in enumerate(shares):
+            write_json(tmp / f"job_{k}.json", {"parts": [[name, group, str(out.resolve())] for name, group, out in share]})
             log = open(tmp / f"worker_{k}.log", "w")  # noqa: SIM115 - closed when the worker ends
             cmd = [sys.executable, __file__, "--base", base, "--exports", str(exports), "--ruler-worker", str(tmp), "--ruler-part", str(k)]
-            procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, group))
-        say(f"RULER: {len(todo)} policies in {workers} processes: " + "; ".join(", ".join(g) for g in groups))
-        with Progress("RULER: policies", len(todo)) as bar:  # done: its result file is there
-            left, shown = list(procs), 0
+            procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, sorted({name for name, _, _ in share})))
+        if shares:
+            what = f"{len(todo)} policies" + (f", each in {split} parts of its tasks," if split > 1 else "")
+            say(f"RULER: {what} in {workers} processes: " + "; ".join(", ".join(label(j) for j in share) for share in shares))
+        with Progress("RULER: parts" if split > 1 else "RULER: policies", len(jobs)) as bar:  # done: its file is there
+            left, shown = list(procs), -1
             while left:
-                if (done := sum(keys[n].is_file() for n in todo)) != shown:
+                if (done := sum(out.is_file() for _, _, out in jobs)) != shown:
                     shown = done
                     bar.update(done, workers=len(left))
                 for item in list(left):
@@ -268,12 +287,19 @@ def ruler_in_workers(samples: dict, todo: list[str], workers: int, keys: dict[st
                         tail = "\n".join((tmp / f"worker_{procs.index(item)}.log").read_text().splitlines()[-20:])
                         fail(f"evaluate.benchmarks.ruler: the worker for {', '.join(group)} failed (exit {proc.returncode}):\n{tail}")
                 time.sleep(0.5)
-            bar.update(len(todo), workers=0)
+            bar.update(len(jobs), workers=0)
+    if split > 1:
+        for name in todo:
+            files = [part_file(name, i) for i in range(split)]
+            write_json(keys[name], ruler.merge_parts([json.loads(f.read_text()) for f in files], tasks))
+            for f in files:
+                f.unlink()
 
 
 def ruler_worker(args) -> None:
-    """``--ruler-worker DIR --ruler-part K``: one of :func:`ruler_in_workers`' processes: the policies of
-    ``DIR/job_K.json`` on the samples of ``DIR/samples.pt``, one at a time, each result to its file."""
+    """``--ruler-worker DIR --ruler-part K``: one of :func:`ruler_in_workers`' processes: the parts of
+    ``DIR/job_K.json`` (a policy and the tasks to run it on) on the samples of ``DIR/samples.pt``, one at a time,
+    each result to its file."""
     from kvpop import ruler
 
     p = params()
@@ -281,15 +307,16 @@ def ruler_worker(args) -> None:
     job = json.loads((folder / f"job_{args.ruler_part}.json").read_text())
     device = eval_device(p.evaluate)
     torch.manual_seed(p.seed)
-    teacher, tok, cands = candidates(p, args.base, Path(args.exports), p.evaluate.precision, device, only=set(job["policies"]))
+    names = {name for name, _, _ in job["parts"]}
+    teacher, tok, cands = candidates(p, args.base, Path(args.exports), p.evaluate.precision, device, only=names)
     by_name = {c.name: c for c in cands}
-    if missing := [n for n in job["policies"] if n not in by_name]:
+    if missing := sorted(n for n in names if n not in by_name):
         fail(f"RULER worker: policies {missing} are not among the evaluated ones")
     samples = torch.load(folder / "samples.pt", weights_only=False)
-    for name in job["policies"]:
-        res = ruler.evaluate_ruler(samples, tok, teacher, [by_name[name]], **ruler_options(p, tok, device))
-        write_json(job["out"][name], res[name])
-        console.print(f"RULER worker {args.ruler_part}: {name} done", highlight=False)
+    for name, tasks, out in job["parts"]:
+        res = ruler.evaluate_ruler({t: samples[t] for t in tasks}, tok, teacher, [by_name[name]], **ruler_options(p, tok, device))
+        write_json(out, res[name])
+        console.print(f"RULER worker {args.ruler_part}: {name} ({', '.join(tasks)}) done", highlight=False)
 
 
 def eval_device(cfg) -> str:

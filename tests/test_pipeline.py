@@ -227,6 +227,26 @@ def test_ruler_in_worker_processes_equals_one_process(micro, tmp_path, monkeypat
     assert len(list((run / ".cache/ruler").glob("*.json"))) >= 5  # the kept results
     assert got[1]["policies"]["dense"]["answers"]["niah_single_1"] and got[1]["policies"]["oracle_target"]["accuracy"] == {}
 
+    # more workers than policies: each policy's tasks split into parts, merged at the end, equal to the unsplit run;
+    # a part already on disk (a stopped run) is not redone
+    two = ruler.generate_samples(run / "models/base", tasks=["niah_single_1", "niah_single_2"], seq_len=p["train"]["seq_len"], samples=1)
+    whole = {n: run / f".cache/ruler/whole-{n}.json" for n in ("dense", "oracle_target")}
+    stage_module.ruler_in_workers(two, list(whole), 2, whole, base="models/base", exports=Path("models/export"), say=print)
+    split = {n: run / f".cache/ruler/split-{n}.json" for n in whole}
+    stage_module.ruler_in_workers(two, list(split), 4, split, base="models/base", exports=Path("models/export"), say=print)
+    said = " ".join(capsys.readouterr().out.split())
+    assert "RULER: 2 policies, each in 2 parts of its tasks, in 4 processes" in said
+    for n in whole:
+        assert json.loads(split[n].read_text()) == json.loads(whole[n].read_text()), n
+    assert not list((run / ".cache/ruler").glob("split-*.part*"))  # merged, then removed
+    dense = json.loads(whole["dense"].read_text())
+    first = {k: ({t: v for t, v in x.items() if t == "niah_single_1"} if isinstance(x, dict) else x) for k, x in dense.items()}
+    (run / ".cache/ruler/again-dense.part0of2.json").write_text(json.dumps(first))
+    again = {"dense": run / ".cache/ruler/again-dense.json"}
+    stage_module.ruler_in_workers(two, ["dense"], 2, again, base="models/base", exports=Path("models/export"), say=print)
+    assert "in 1 processes: dense [niah_single_2]" in " ".join(capsys.readouterr().out.split())
+    assert json.loads(again["dense"].read_text()) == dense
+
 
 def test_bad_params_stop_before_any_work(tmp_path):
     p = micro_params("embedded")

@@ -260,10 +260,41 @@ def test_every_policy_on_the_same_samples(small, rtok):
                              max_new_tokens=s.max_new_tokens)
         assert tight["streaming_llm"]["answers"][task][0] == tok.decode(direct[0].tolist(), skip_special_tokens=True)
 
+    # each task alone, merged (the workers' split of a policy's tasks): the whole run's figures and answers
+    alone = [ruler.evaluate_ruler({t: small[t]}, tok, model, cands[1:4], layout=CacheLayout(256, 4, 64)) for t in ("fwe", "vt")]
+    for name in names[1:4]:
+        assert ruler.merge_parts([part[name] for part in alone], list(small)) == tight[name], name
+
     # a budget that holds every sample whole: the bounded policy is dense
     wide = ruler.evaluate_ruler(small, tok, model, cands[1:3], layout=CacheLayout(longest, 4, 64))
     for key in ("accuracy", "teacher_forced", "answers"):
         assert wide["streaming_llm"][key] == wide["dense"][key] == {k: v for k, v in tight["dense"][key].items()}, key
+
+
+def test_merge_parts_is_the_whole_run_over_disjoint_task_groups():
+    """merge_parts: per-task entries united in the tasks' order, means over every task again, what is not per task
+    kept where the parts agree; a task held twice, by none, or unknown, and parts that disagree, are refused by name."""
+    a = {"accuracy": {"vt": 1.0, "mean": 1.0}, "teacher_forced": {"vt": 0.5, "mean": 0.5}, "kl": {"vt": 0.1},
+         "samples": {"vt": 2}, "scores": {"vt": [1.0, 1.0]}, "answers": {"vt": ["x", "y"]}, "teacher_forced_samples": {"vt": 2},
+         "path": "engine"}
+    b = {"accuracy": {"fwe": 0.0, "cwe": 0.5, "mean": 0.25}, "teacher_forced": {"fwe": 0.25, "cwe": 0.75, "mean": 0.5},
+         "kl": {"fwe": 0.2, "cwe": 0.3}, "samples": {"fwe": 2, "cwe": 2}, "scores": {"fwe": [0.0, 0.0], "cwe": [0.5, 0.5]},
+         "answers": {"fwe": ["a", "b"], "cwe": ["c", "d"]}, "teacher_forced_samples": {"fwe": 2, "cwe": 2}, "path": "engine"}
+    m = ruler.merge_parts([b, a], ["vt", "cwe", "fwe"])
+    assert list(m["accuracy"]) == ["vt", "cwe", "fwe", "mean"] and m["accuracy"]["mean"] == pytest.approx(0.5)
+    assert m["teacher_forced"]["mean"] == pytest.approx(0.5) and m["kl"] == {"vt": 0.1, "cwe": 0.3, "fwe": 0.2}
+    assert m["answers"]["cwe"] == ["c", "d"] and m["path"] == "engine" and m["samples"] == {"vt": 2, "cwe": 2, "fwe": 2}
+    oracle = ruler.merge_parts([{"accuracy": {}, "teacher_forced": {"vt": 0.5, "mean": 0.5}}, {"accuracy": {}, "teacher_forced": {"fwe": 1.0, "mean": 1.0}}],
+                               ["vt", "fwe"])
+    assert oracle["accuracy"] == {} and oracle["teacher_forced"] == {"vt": 0.5, "fwe": 1.0, "mean": 0.75}
+    with pytest.raises(ValueError, match="task 'vt' in parts 0 and 1"):
+        ruler.merge_parts([a, a], ["vt"])
+    with pytest.raises(ValueError, match=r"no part holds task\(s\) \['qa_1'\]"):
+        ruler.merge_parts([a, b], ["vt", "cwe", "fwe", "qa_1"])
+    with pytest.raises(ValueError, match="task 'fwe' of part 1 is not among"):
+        ruler.merge_parts([a, b], ["vt", "cwe"])
+    with pytest.raises(ValueError, match="disagree on 'path'"):
+        ruler.merge_parts([a, {**b, "path": "reference"}], ["vt", "cwe", "fwe"])
 
 
 # --- params and the extra ------------------------------------------------------------------------

@@ -498,6 +498,42 @@ def evaluate_ruler(samples: Mapping[str, Sequence[Sample]], tokenizer, teacher, 
     return {name: m for name, m in out.items() if m["teacher_forced"] or m["accuracy"]}
 
 
+def merge_parts(parts: Sequence[Mapping], tasks: Sequence[str]) -> dict:
+    """One policy's result from :func:`evaluate_ruler` runs over disjoint groups of ``tasks`` (each run's entry of
+    that policy) as one run over all of them: the per-task entries together, in ``tasks``' order, and the means of
+    ``accuracy`` and ``teacher_forced`` over every task again. What is not per task (``path``) must agree. A task
+    that two parts hold, or that none holds, is a ValueError naming it. Each task's figures depend on its own
+    samples only (the engine's answers do not depend on its size; teacher-forced rows are padded per task), so
+    the merge equals the whole run."""
+    tasks = list(tasks)
+    seen: dict[str, int] = {}
+    for i, part in enumerate(parts):
+        for t in part.get("teacher_forced", {}):
+            if t == "mean":
+                continue
+            if t not in tasks:
+                raise ValueError(f"RULER parts: task {t!r} of part {i} is not among {tasks}")
+            if t in seen:
+                raise ValueError(f"RULER parts: task {t!r} in parts {seen[t]} and {i}")
+            seen[t] = i
+    if missing := [t for t in tasks if t not in seen]:
+        raise ValueError(f"RULER parts: no part holds task(s) {missing}")
+    out: dict = {}
+    for key in dict.fromkeys(k for part in parts for k in part):
+        values = [part[key] for part in parts if key in part]
+        if all(isinstance(v, Mapping) for v in values):
+            merged = {t: v[t] for t in tasks for v in values if t in v}
+            out[key] = merged
+        elif any(v != values[0] for v in values):
+            raise ValueError(f"RULER parts disagree on {key!r}: {values}")
+        else:
+            out[key] = values[0]
+    for key in ("accuracy", "teacher_forced"):
+        if out.get(key):
+            out[key]["mean"] = _mean(out[key][t] for t in tasks if t in out[key])
+    return out
+
+
 def _answerer(c, tokenizer, layout, path: str, max_len: int, compile: bool, batch: int = 1) -> Callable[[Sequence[Sample]], list[list[int]]]:
     """Greedy answer tokens of samples under candidate ``c``: on the engine, one engine of batch 1 for every sample
     (reset before each) and, for ``batch`` > 1, one of that many rows that prefills them together
