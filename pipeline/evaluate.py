@@ -29,7 +29,7 @@ import torch
 from kvpop import tracking
 from kvpop.data.other_text import held_out_records, token_ids
 from kvpop.evaluate import (
-    OTHER_TEXT_SKIPS_ORACLES,
+    OTHER_TEXT_ORACLES,
     Candidate,
     evaluate_fidelity,
     evaluate_other_text,
@@ -108,7 +108,7 @@ def plot_keep_maps(cands, record: dict, path: Path, *, layout: CacheLayout) -> N
 
 def other_text(p, tok, teacher, cands, say, device: str) -> dict:
     """``evaluate.other_text``: held-out code and prose pieces of at most ``train.seq_len`` tokens, every
-    candidate but the oracles scored against the base model's dense attention (:func:`kvpop.evaluate.evaluate_other_text`)."""
+    candidate (an oracle where it applies) scored against the base model's dense attention (:func:`kvpop.evaluate.evaluate_other_text`)."""
     want = p.evaluate.other_text.model_dump()
     pieces = {kind: held_out_records(token_ids(tok), kind, n, max_tokens=p.train.seq_len) for kind, n in want.items() if n}
     for kind, recs in pieces.items():
@@ -116,7 +116,7 @@ def other_text(p, tok, teacher, cands, say, device: str) -> dict:
             say(f"[yellow]evaluate.other_text.{kind}: {want[kind]} pieces asked, {len(recs)} found of "
                 f"{p.train.seq_len // 2}-{p.train.seq_len} tokens (train.seq_len)")
     if any(c.policy.oracle for c in cands):
-        say(f"other text: no oracle row ({OTHER_TEXT_SKIPS_ORACLES})")
+        say(f"other text: {OTHER_TEXT_ORACLES}")
     offset, total = {}, 0
     for kind, recs in pieces.items():
         offset[kind], total = total, total + len(recs)

@@ -26,7 +26,8 @@ def scored(tiny_tokenizer):
     pieces = {kind: held_out_records(token_ids(tiny_tokenizer), kind, n, max_tokens=96) for kind, n in (("code", 2), ("prose", 1))}
     # h2o first: its token-by-token decoding switches the shared model to the cache attention
     cands = [Candidate("h2o", model, make_policy("h2o"), max_traces=1), Candidate("dense", model, make_policy("dense")),
-             Candidate("streaming_llm", model, make_policy("streaming_llm")), Candidate("oracle_target", model, make_policy("oracle_target"))]
+             Candidate("streaming_llm", model, make_policy("streaming_llm")), Candidate("oracle_target", model, make_policy("oracle_target")),
+             Candidate("oracle_sources", model, make_policy("oracle_sources"))]  # no quote sources in other text: no row
     return pieces, evaluate_other_text(pieces, model, cands, **GEO)
 
 
@@ -45,13 +46,14 @@ def test_dense_is_exact_and_a_bounded_policy_is_not(scored):
     pieces, res = scored
     assert set(res) == {"code", "prose"}
     for kind, by_policy in res.items():
-        assert set(by_policy) == {"dense", "streaming_llm", "h2o"}, kind  # the oracle is left out
+        assert set(by_policy) == {"dense", "streaming_llm", "h2o", "oracle_target"}, kind  # the target's ceiling on that text
         for m in by_policy.values():
             assert set(m) == {"kl", "top1_agreement", "pieces"}
         assert by_policy["dense"]["kl"] == pytest.approx(0.0, abs=1e-6) and by_policy["dense"]["top1_agreement"] == 1.0
         assert len(pieces[kind][0]["input_ids"]) > GEO["layout"].budget and by_policy["streaming_llm"]["kl"] > 1e-6
         assert by_policy["h2o"]["kl"] > 1e-6
         assert by_policy["dense"]["pieces"] == len(pieces[kind]) and by_policy["h2o"]["pieces"] == 1  # decode-only: max_traces
+        assert by_policy["oracle_target"]["pieces"] == len(pieces[kind]) and by_policy["oracle_target"]["kl"] > 1e-6  # it evicts too
 
 
 def test_an_empty_kind_is_left_out(tiny_model):

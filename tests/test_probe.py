@@ -141,11 +141,12 @@ def test_run_probe_rows(teacher, params, tmp_path):
         assert set(row) == set(ROW_KEYS) and row["traces"] == 2
     assert set(doc["fits"]) == set(fits) and doc["fits"][fits[1]]["target"] == "max.layer"
     assert doc["rows"]["dense"]["kl"] == 0
-    # the held-out code and prose: every row but the oracles, against the dense teacher
+    # the held-out code and prose: every row but oracle_sources (no quote sources there), against the dense teacher;
+    # oracle_target's rows are the ceilings of the targets on that text
     assert set(doc["other_text"]) == {"code", "prose"}
     for kind, n in (("code", 2), ("prose", 1)):
         rows = doc["other_text"][kind]
-        assert set(rows) == {r for r in want if not r.startswith("oracle")} and all(m["pieces"] == n for m in rows.values())
+        assert set(rows) == {r for r in want if not r.startswith("oracle_sources")} and all(m["pieces"] == n for m in rows.values())
         assert rows["dense"]["kl"] == 0 and rows["streaming_llm"]["kl"] > 0
 
 

@@ -393,9 +393,11 @@ def evaluate_fidelity(
     return {name: a.result() for name, a in acc.items() if a.traces}
 
 
-#: why the oracles have no other-text score: they are ceilings, not policies a user runs, and read the
-#: scored text's future (oracle_sources the quotes' recorded sources, which other text has none of)
-OTHER_TEXT_SKIPS_ORACLES = "oracles are ceilings that read the scored text's future (quote records), not policies that run on other text"
+#: which oracles score other text: ``oracle_target`` ranks each piece by the dense teacher's own target on it (the
+#: ceiling of a perfectly fitted scorer there: does a target that serves the traces serve code?); ``oracle_sources``
+#: reads the quotes' recorded sources, which other text has none of
+OTHER_TEXT_ORACLES = ("oracle_target: the ceiling of the training target on each piece; oracle_sources: none "
+                      "(it reads recorded quote sources, which other text has none of)")
 
 
 @torch.no_grad()
@@ -415,14 +417,14 @@ def evaluate_other_text(
     the base model, so fine-tuning and eviction count together, as a user sees them).
 
     Candidates as for fidelity: a decode-only rule (``needs_attention``: TOVA, H2O) scores its first
-    ``max_traces`` pieces by token-by-token decoding (``pieces`` says how many); the oracles are left
-    out (:data:`OTHER_TEXT_SKIPS_ORACLES`). A kind without pieces is left out."""
-    candidates = [c for c in candidates if not c.policy.oracle]
+    ``max_traces`` pieces by token-by-token decoding (``pieces`` says how many); an oracle gets a row
+    where it applies to the pieces (:data:`OTHER_TEXT_ORACLES`). A kind without pieces is left out."""
     out = {}
     for kind, records in pieces.items():
         if not records:
             continue
         tick = (lambda i, n, kind=kind: progress(kind, i, n)) if progress else None
         res = evaluate_fidelity(records, teacher, candidates, layout=layout, device=device, progress=tick)
-        out[kind] = {name: {"kl": m["kl"], "top1_agreement": m["top1_agreement"], "pieces": m["traces"]} for name, m in res.items()}
+        out[kind] = {name: {"kl": m["kl"], "top1_agreement": m["top1_agreement"], "pieces": m["traces"]} for name, m in res.items()
+                     if m["traces"]}  # an oracle that applies to none of the pieces has no row
     return out

@@ -451,7 +451,7 @@ def run_probe(
     """The whole probe on a loaded, frozen ``teacher``: cache the teacher on ``train_records`` (traces and
     any pieces of other text), fit every variant's scorers, evaluate every row on ``eval_records``; the
     result document (geometry, fits, rows). ``other_text`` ``{kind: records}``: held-out pieces of code and prose
-    (:func:`kvpop.data.other_text.held_out_records`), on which every row but the oracles is also scored against the
+    (:func:`kvpop.data.other_text.held_out_records`), on which every row but ``oracle_sources`` is also scored against the
     dense teacher (:func:`kvpop.evaluate.evaluate_other_text`: ``"other_text": {kind: {row: {"kl", "top1_agreement",
     "pieces"}}}``)."""
     from kvpop.modeling import model_shape
