@@ -287,7 +287,7 @@ def slot_errors(p, shape: dict[str, int]) -> tuple[dict[str, int], list[str]]:
     slots, errors = {}, []
     for name in p.train.policies:
         try:
-            k = make_policy(name, **dims, scorer_hidden=p.train.scorer_hidden).long_range_slots(p.layout, head_dim=shape["head_dim"])
+            k = make_policy(name, **dims, scorer_hidden=p.train.for_policy(name).scorer_hidden).long_range_slots(p.layout, head_dim=shape["head_dim"])
         except ValueError as err:
             errors.append(f"  budget: {err} (train.policies: {name})")
             continue

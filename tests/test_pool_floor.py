@@ -262,3 +262,27 @@ def test_params_take_a_training_floor_only_where_the_pool_trains_with_it():
         Params.model_validate({"train": {"policies": ["dbtrimkv"], "per_policy": {"dbtrimkv": {"pool_floor": 16}}}})
     with pytest.raises(ValueError, match="more than the budget's"):
         Params.model_validate({"train": {"policies": ["kvpop_mlp_pool"], "per_policy": {"kvpop_mlp_pool": {"pool_floor": 10_000}}}})
+
+
+def test_a_per_policy_scorer_width_trains_exports_and_loads(tiny_tokenizer, tmp_path):
+    """train.per_policy.<name>.scorer_hidden: the one policy gets its own MLP width (the others keep train.scorer_hidden),
+    the params check builds it at that width, and the export reloads it at that width."""
+    from kvpop.export import export, load_export
+    from kvpop.train import PackedDataset, build_training
+    from test_train import tiny_pair
+
+    from conftest import packed_toy
+
+    p = Params.model_validate({"train": {"policies": ["kvpop_mlp_pool", "kvpop_mlp"], "scorer_hidden": 8,
+                                         "per_policy": {"kvpop_mlp_pool": {"scorer_hidden": 24}}}})
+    assert p.train.for_policy("kvpop_mlp_pool").scorer_hidden == 24 and p.train.for_policy("kvpop_mlp").scorer_hidden == 8
+    cfg = p.train.for_policy("kvpop_mlp_pool").model_copy(update=dict(steps=1, batch_size=2, top_logits=16, precision="32-true", accelerator="cpu"))
+    teacher, _ = tiny_pair()
+    ids, doc, pos = packed_toy(2, 64)
+    training = build_training(teacher, "kvpop_mlp_pool", PackedDataset(ids, doc, pos, (doc >= 0).long()), cfg=cfg, layout=LAYOUT, seed=0)
+    widths = {layer.w2.shape[-1] for layer in training.policy.scorer.layers}
+    assert widths == {24}
+    training.fit(enable_progress_bar=False, default_root_dir=tmp_path)
+    export(training.student, tiny_tokenizer, training.policy, tmp_path / "export", layout=LAYOUT)
+    _, _, policy, _ = load_export(tmp_path / "export")
+    assert {layer.w2.shape[-1] for layer in policy.scorer.layers} == {24}
