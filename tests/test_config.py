@@ -127,7 +127,7 @@ def test_boundary_weight_reaches_scorer_training(weighting):
 
 def test_target_keys_of_params_yaml_are_the_spec_fields():
     """params.yaml nests train.target as the TargetSpec's fields (one dvc.yaml entry, train.target, covers them)."""
-    assert set(raw()["train"]["target"]) == set(TargetSpec.model_fields) == {"kind", "beta", "scope", "blend"}
+    assert set(raw()["train"]["target"]) == set(TargetSpec.model_fields) == {"kind", "beta", "scope", "blend", "value"}
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     evaluate = [k if isinstance(k, str) else next(iter(k)) for k in stages["evaluate"]["params"]]
     assert "train.target" in evaluate and not any(k.startswith("train.target_") for k in evaluate)

@@ -80,8 +80,9 @@ class OracleTarget(_Oracle):
             raise RuntimeError("oracle_target: no trace fitted (call fit_trace first)")
         r = self.r_tgt[layer]  # (1, Hk, S)
         self._check(pos, r.shape[-1])
-        # train.target.value: weighed by the values this forward hands the scorer (its own; training's are the teacher's)
-        r = self.target.weigh(r.expand(values.shape[0], -1, -1), values).to(torch.float64)  # (B, Hk, S)
+        if self.target.value:  # weighed by the values this forward hands the scorer (its own; training's are the teacher's)
+            r = self.target.weigh(r.expand(values.shape[0], -1, -1), values)  # (B, Hk, S)
+        r = r.to(torch.float64)
         prio = (r if self.space == "log" else r.exp()) + self.recency * pos[:, None, :].to(torch.float64)  # (B, Hk, S)
         return Scores(prio=prio.expand(keys.shape[0], -1, -1))
 
