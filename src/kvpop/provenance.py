@@ -36,35 +36,35 @@ VERSIONED = ("torch", "transformers", "triton", "lightning")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
-def git_commit(root: str | Path | None = None) -> str | None:
-    """The commit of the code that runs: ``KVPOP_GIT_COMMIT``, else ``git rev-parse HEAD`` in ``root``
-    (default: this package's checkout), else None."""
+def _git(root: str | Path | None, *args: str) -> str | None:
+    """``git ARGS`` in ``root`` (default: this package's checkout): its output, or None where ``KVPOP_GIT_COMMIT``
+    names the code (checked there), git is missing or the folder is no checkout."""
     env = os.environ.get("KVPOP_GIT_COMMIT", "").strip()
     if env:
         if not _COMMIT.match(env):
             raise ValueError(f"KVPOP_GIT_COMMIT must be a 40-digit hex commit, got {env!r}")
-        return env
+        return None
     root = Path(root) if root is not None else Path(__file__).resolve().parent
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True)
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    sha = out.stdout.strip()
+
+
+def git_commit(root: str | Path | None = None) -> str | None:
+    """The commit of the code that runs: ``KVPOP_GIT_COMMIT``, else ``git rev-parse HEAD`` in ``root``
+    (default: this package's checkout), else None."""
+    env = os.environ.get("KVPOP_GIT_COMMIT", "").strip()
+    out = _git(root, "rev-parse", "HEAD")
+    sha = env or (out or "").strip()
     return sha if _COMMIT.match(sha) else None
 
 
 def uncommitted(root: str | Path | None = None) -> list[str]:
     """Tracked files of the checkout that differ from its HEAD (``git status --porcelain``, untracked files
     left out), sorted; empty where the tree is clean, there is no checkout, or ``KVPOP_GIT_COMMIT`` names the code."""
-    if os.environ.get("KVPOP_GIT_COMMIT", "").strip():
-        return []
-    root = Path(root) if root is not None else Path(__file__).resolve().parent
-    try:
-        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True,
-                             timeout=10, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return sorted(line[3:].strip() for line in out.stdout.splitlines() if len(line) > 3)
+    out = _git(root, "status", "--porcelain", "--untracked-files=no") or ""
+    return sorted(line[3:].strip() for line in out.splitlines() if len(line) > 3)
 
 
 def device_name() -> str:
