@@ -20,6 +20,16 @@ CHATML = (
 )
 
 
+def bench_script(name: str):
+    """``bench/<name>.py`` loaded as a module (the bench folder is no package): its ``main`` called as a user runs it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}_cli", Path(__file__).resolve().parents[1] / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def build_tiny_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -15,17 +14,11 @@ from kvpop.geometry import CacheLayout
 from kvpop.modeling import load_model
 from kvpop.policies import make_policy
 
+from conftest import bench_script
+
 LAYOUT = {"budget": 24, "sinks": 2, "window": 8}
 PARAMS = {**LAYOUT, "train": {"policies": ["kvpop_mlp_pool"], "scorer_hidden": 8, "seq_len": 96},
           "evaluate": {"max_traces": 2, "other_text": {"code": 1, "prose": 0}}}
-
-
-def _cli():
-    path = Path(__file__).resolve().parents[1] / "bench" / "harm_split.py"
-    spec = importlib.util.spec_from_file_location("harm_split_cli", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture
@@ -53,7 +46,7 @@ def checkout(tiny_llama_dir, tiny_tokenizer, tmp_path, monkeypatch):
 
 
 def test_the_three_candidates_and_the_merge(checkout, capsys):
-    main = _cli().main
+    main = bench_script("harm_split").main
     base = ["--policy", "kvpop_mlp_pool", "--base", str(checkout)]
     assert main([*base, "--name", "first", "--out", "first.json"]) == 0
     doc = json.loads(Path("first.json").read_text())
@@ -72,7 +65,7 @@ def test_the_three_candidates_and_the_merge(checkout, capsys):
 
 
 def test_bad_inputs_are_named(checkout, capsys):
-    main = _cli().main
+    main = bench_script("harm_split").main
     assert main(["--policy", "kvpop_mlp", "--base", str(checkout), "--out", "x.json"]) == 2
     assert "not in train.policies" in capsys.readouterr().err
     Path("other.json").write_text(json.dumps({"runs": {"a": {"traces": {}}, "b": {}}}))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -30,6 +29,8 @@ from kvpop.probe import (
 )
 from kvpop.target import scope_targets
 from kvpop.train import TrainSettings, training_policy
+
+from conftest import bench_script
 
 GEOMETRY = {"budget": 24, "sinks": 2, "window": 8}  # 14 long-range slots
 PARAMS = {**GEOMETRY, "train": {"policies": ["kvpop_mlp"], "scorer_hidden": 8, "target": "max", "scorer_lr": 0.03}}
@@ -168,11 +169,7 @@ def test_bad_overrides_name_the_key(params):
 
 
 def _cli():
-    path = Path(__file__).resolve().parents[1] / "bench" / "scorer_fit.py"
-    spec = importlib.util.spec_from_file_location("scorer_fit_cli", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_script("scorer_fit")
 
 
 def test_cli_writes_the_result_and_names_bad_inputs(tiny_llama_dir, tmp_path, monkeypatch, capsys):

@@ -10,7 +10,6 @@ in 500 tokens, would loop forever with it (:func:`kvpop.ruler.vt_example_tokens`
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -341,11 +340,9 @@ def test_a_context_too_short_is_refused_before_any_work(tiny_llama_dir):
 def test_bench_ruler_gathers_runs_with_their_provenance(tmp_path, capsys):
     """bench/bench_ruler.py: an evaluate run's RULER section as a configuration, the provenance of the machine that ran
     it (``--provenance``), a Markdown table per run; a file without RULER, or a bad provenance file, is exit 2 naming it."""
-    import importlib.util
+    from conftest import bench_script
 
-    spec = importlib.util.spec_from_file_location("bench_ruler", Path(__file__).resolve().parents[1] / "bench/bench_ruler.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_script("bench_ruler")
     acc = {"accuracy": {"vt": 0.5, "mean": 0.5}, "teacher_forced": {"vt": 0.75, "mean": 0.75}}
     section = {"tasks": ["vt"], "seq_len": 4096, "budget": 512, "samples": 25, "seed": 42, "fingerprint": "f",
                "policies": {"dense": acc, "oracle_target": {"accuracy": {}, "teacher_forced": {"vt": 1.0, "mean": 1.0}}}}
