@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         runs[args.name] = split(p, args.policy, base=args.base, exports=args.exports, data=args.data, device=args.device)
-    except (CheckpointError, FileNotFoundError, ValueError) as err:
+    except (CheckpointError, OSError, ValueError) as err:  # a missing or unreadable base, export or data file
         print(f"error: {err}", file=sys.stderr)
         return 2
     what = (f"where {args.policy}'s harm lies: the fine-tuned model with its scores, the fine-tuned model dense, and the base "

@@ -75,4 +75,6 @@ def test_bad_inputs_are_named(checkout, capsys):
     assert "NAME=RESULT" in capsys.readouterr().err
     assert main(["--policy", "kvpop_mlp_pool", "--base", str(checkout), "--exports", "nowhere", "--out", "x.json"]) == 2
     assert "nowhere" in capsys.readouterr().err
+    assert main(["--policy", "kvpop_mlp_pool", "--base", "no_base_here", "--out", "x.json"]) == 2
+    assert "no_base_here" in capsys.readouterr().err
     assert not Path("x.json").exists()
