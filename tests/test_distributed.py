@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import yaml
 
 from kvpop.distributed import decoder_layer_classes, make_strategy, shard_frozen
 from kvpop.geometry import CacheLayout
@@ -62,9 +63,16 @@ def test_ddp_equals_one_device_on_the_same_global_batch(tmp_path, base, db):  # 
     assert m2["decisions"] == m1["decisions"]  # summed over ranks: the same decisions
     a, b = (torch.load(runs[n] / OUT / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"] for n in ("one", "ddp"))
     assert a.keys() == b.keys()
-    for k in a:
-        if k.startswith("student."):
-            torch.testing.assert_close(b[k], a[k], rtol=0, atol=2e-6, msg=k)
+    # Adam divides each element's gradient by its own running scale, so the float32 summation-order error of a
+    # near-zero gradient shows up relative to the learning rate, not to the gradient: a few elements differ by
+    # ~3e-3 of one step (2.7e-6 at lr 1e-3 seen on an AMX CPU; under 2e-6 on others). A rank that saw other rows
+    # moves most touched elements by O(lr); a loss over the wrong token count shows in the KL above.
+    lr = yaml.safe_load((runs["one"] / "params.yaml").read_text())["train"]["model_lr"]
+    keys = [k for k in a if k.startswith("student.")]
+    for k in keys:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-2 * lr, msg=lambda m, k=k: f"{k}: {m}")
+    loose = sum(int(((b[k] - a[k]).abs() > 2e-6).sum()) for k in keys)
+    assert loose <= 1e-4 * sum(a[k].numel() for k in keys), f"{loose} elements differ by more than 2e-6"
     assert any(not torch.equal(a[k], load_model(base).state_dict()[k.removeprefix("student.")]) for k in a if k.startswith("student."))
 
 
