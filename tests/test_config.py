@@ -134,11 +134,11 @@ def test_target_keys_of_params_yaml_are_the_spec_fields():
 
 
 def test_per_policy_settings_apply_to_their_policy_alone():
-    cfg = TrainConfig(target="mean", per_policy={"kvpop_mlp_pool": {"target": "max", "boundary_weight": "uniform", "scorer_lr": 0.1}})
+    cfg = TrainConfig(target="mean", per_policy={"kvpop_mlp_pool": {"target": "max", "boundary_weight": "uniform", "scorer_lr": 0.1, "model_lr": 0.0}})
     own = cfg.for_policy("kvpop_mlp_pool")
-    assert (str(own.target), own.boundary_weight, own.scorer_lr) == ("max", "uniform", 0.1)
+    assert (str(own.target), own.boundary_weight, own.scorer_lr, own.model_lr) == ("max", "uniform", 0.1, 0.0)
     other = cfg.for_policy("kvpop_mlp")
-    assert other is cfg and str(other.target) == "mean" and other.boundary_weight == "tie"
+    assert other is cfg and str(other.target) == "mean" and other.boundary_weight == "tie" and other.model_lr == 1e-5
 
 
 @pytest.mark.parametrize("per_policy, match", [

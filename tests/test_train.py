@@ -89,8 +89,9 @@ def test_gradients_are_isolated():
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in student.parameters())
 
 
-@pytest.mark.parametrize("policy_name", ["streaming_llm_plus", "kvpop_mlp", "kvpop_mlp_pool"])
-def test_lightning_fit_updates_the_right_parameters(policy_name, tmp_path):
+@pytest.mark.parametrize("policy_name, model_lr", [("streaming_llm_plus", 1e-3), ("kvpop_mlp", 1e-3), ("kvpop_mlp_pool", 1e-3), ("kvpop_mlp_pool", 0.0)])
+def test_lightning_fit_updates_the_right_parameters(policy_name, model_lr, tmp_path):
+    """The scorer learns; the student learns unless model_lr is 0 (the frozen model: the scorer alone); the teacher never."""
     import lightning as L
 
     teacher, student = tiny_pair()
@@ -100,13 +101,14 @@ def test_lightning_fit_updates_the_right_parameters(policy_name, tmp_path):
     p_before = copy.deepcopy(policy.state_dict())
     ids, doc, pos = packed_toy(4, 64)
     ds = PackedDataset(ids, doc, pos, (doc >= 0).long())
-    s = TrainSettings(layout=CacheLayout(13, 2, 6), steps=2, model_lr=1e-3, scorer_lr=1e-2, top_logits=16, scorer_training=ScorerTraining())
+    s = TrainSettings(layout=CacheLayout(13, 2, 6), steps=2, model_lr=model_lr, scorer_lr=1e-2, top_logits=16, scorer_training=ScorerTraining())
     module = DistillModule(student, teacher, policy, s)
     trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=tmp_path)
     trainer.fit(module, make_loader(ds, 2, 0))
     assert trainer.global_step == 2
-    assert any(not torch.equal(before[k], v) for k, v in student.state_dict().items())
+    moved = [k for k, v in student.state_dict().items() if not torch.equal(before[k], v)]
+    assert moved if model_lr > 0 else not moved, moved[:3]
     if policy.learned:
         assert any(not torch.equal(p_before[k], v) for k, v in policy.state_dict().items())
         assert "train/score_loss" in trainer.callback_metrics
