@@ -255,6 +255,8 @@ def ruler_in_workers(samples: dict, todo: list[str], workers: int, keys: dict[st
     def label(job) -> str:
         return job[0] if split == 1 else f"{job[0]} [{' '.join(job[1])}]"
 
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # this process's cached blocks from the fidelity passes, for the workers (23 GB at 4k)
     with tempfile.TemporaryDirectory(prefix="kvpop-ruler-") as tmp:
         tmp = Path(tmp)
         torch.save(samples, tmp / "samples.pt")
@@ -285,7 +287,9 @@ def ruler_in_workers(samples: dict, todo: list[str], workers: int, keys: dict[st
                             other.wait()
                             olog.close()
                         tail = "\n".join((tmp / f"worker_{procs.index(item)}.log").read_text().splitlines()[-20:])
-                        fail(f"evaluate.benchmarks.ruler: the worker for {', '.join(group)} failed (exit {proc.returncode}):\n{tail}")
+                        hint = (f"\n(the GPU ran out of memory: lower evaluate.benchmarks.ruler.workers, now {workers}; the parts "
+                                "already written are kept and not redone)") if "OutOfMemoryError" in tail else ""
+                        fail(f"evaluate.benchmarks.ruler: the worker for {', '.join(group)} failed (exit {proc.returncode}):\n{tail}{hint}")
                 time.sleep(0.5)
             bar.update(len(jobs), workers=0)
     if split > 1:

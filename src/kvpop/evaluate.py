@@ -345,8 +345,10 @@ def evaluate_fidelity(
         scored, quotes = scored.to(device), quotes.to(device)
         ref, tgts = _forward(teacher, dense, ids, layout=layout, kinds=kinds,
                              length=rec.get("trace_tokens"))  # (S, V); trace_tokens: where a right-padded trace ends
-        ref_logp = torch.log_softmax(ref, -1)
-        ref_top = ref.argmax(-1)
+        # the softmaxes over the vocabulary only at the scored rows (row-wise, so equal to slicing a full one): a
+        # RULER sample scores its few answer tokens, and (S, V) float copies of a 4K prompt are 0.8 GB each
+        ref_logp = torch.log_softmax(ref[scored].float(), -1)  # (N, V)
+        ref_top = ref[scored].argmax(-1)  # (N,)
         targets = ids[0, 1:]
         for c in candidates:
             if c.max_traces is not None and n >= c.max_traces:
@@ -376,11 +378,11 @@ def evaluate_fidelity(
                 slots = layouts[c.name].slots
                 fill = occupancy * slots / min(ids.shape[1], slots) if c.policy.evicts else 1.0
                 acc[c.name].occupancy_map = m if acc[c.name].occupancy_map is None else acc[c.name].occupancy_map + m
-            logp = torch.log_softmax(logits, -1)
-            kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # (S,)
+            logp = torch.log_softmax(logits[scored].float(), -1)  # (N, V)
+            kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # (N,)
             a = acc[c.name]
-            a.kl += kl[scored].sum().item()
-            a.agree += (logits.argmax(-1)[scored] == ref_top[scored]).sum().item()
+            a.kl += kl.sum().item()
+            a.agree += (logits[scored].argmax(-1) == ref_top).sum().item()
             a.tokens += scored.numel()
             a.occupancy += occupancy
             a.fill += fill

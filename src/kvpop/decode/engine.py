@@ -1054,6 +1054,9 @@ class DecodeEngine:
         # window before c1), the chunk attends causally over that prefix and nothing is evicted
         prefix = self.device.type != "cuda" and (self.kind == "dense" or c0 + C <= self.first_long_range)
         causal = torch.arange(c0 + C, device=self.device) <= pos[0][:, None] if prefix and c0 else None  # (C, c0 + C); c0 = 0: is_causal
+        # the chunk's first position as a 0-d tensor of its own: a view pos[0, 0] carries pos's length C into the symbolic
+        # compile's guards (dynamo specializes a size of 1), so a last chunk of one token recompiled (H100, 2026-12-06)
+        q0 = pos[0, 0].clone()
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, self._wqkv[i], layer.input_layernorm(x), cos, sin)  # (B, H, C, D), (B, Hk, C, D)
             if prefix:
@@ -1064,9 +1067,9 @@ class DecodeEngine:
                 self.pos[i][:, :, sl] = pos[:, None]
                 qb = torch.arange(-(-C // BLOCK), device=self.device)
                 kv_blocks = ((c0 + (qb + 1) * BLOCK + BLOCK - 1) // BLOCK).clamp(max=self.T // BLOCK).to(torch.int32)
-                out = self._attend(q, self.keys[i], self.values[i], slot_mask_mod(self.pos[i], pos[0, 0], self.G), kv_blocks)
+                out = self._attend(q, self.keys[i], self.values[i], slot_mask_mod(self.pos[i], q0, self.G), kv_blocks)
             else:
-                out = self._bounded_chunk(i, q, k, v, pos)
+                out = self._bounded_chunk(i, q, k, v, pos, q0)
             x = self._finish_layer(layer, self._wgu[i], x, out)
         self.seen = c0 + C
         self.p.fill_(self.seen)
@@ -1086,8 +1089,8 @@ class DecodeEngine:
         # c0 = 0: plain causal, SDPA's own (faster) path
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal, is_causal=causal is None, scale=self.scale, enable_gqa=True)
 
-    def _bounded_chunk(self, i: int, q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
-        """Chunk q (B, H, C, D), k, v (B, Hk, C, D) at positions pos (B, C) over the cache's
+    def _bounded_chunk(self, i: int, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, q0: Tensor) -> Tensor:
+        """Chunk q (B, H, C, D), k, v (B, Hk, C, D) at positions pos (B, C) (q0: pos[0, 0], a 0-d tensor of its own) over the cache's
         survivors plus itself, under exact eviction times; then keep what its last query attends.
 
         CPU, a first chunk of at most ``layout.slots`` tokens and no gate: at most ``k`` tokens have left
@@ -1123,7 +1126,7 @@ class DecodeEngine:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
             self._scatter_survivors(i, cand_pos >= 0, cand_k, cand_v, cand_pos, cand_prio, c1)
             return out
-        mm = slot_mask_mod(cand_pos, pos[0, 0], self.G, sinks=self.sinks, evict=evict)  # a tensor: no recompilation per chunk
+        mm = slot_mask_mod(cand_pos, q0, self.G, sinks=self.sinks, evict=evict)  # a tensor: no recompilation per chunk
         full = torch.full((-(-C // BLOCK),), -(-N // BLOCK), dtype=torch.int32, device=q.device)
         allowed = None
         if not q.is_cuda:  # the dense mask of mm, once per chunk for a layer-independent rule
