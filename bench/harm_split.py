@@ -10,7 +10,9 @@ on held-out code and prose):
 * ``base_scores``: the base model's weights with the trained scores (what the eviction pattern alone costs).
 
 Where ``base_scores`` is as far from dense as ``trained``, the harm lies in the scores; where
-``finetuned_dense`` is, in the fine-tuned weights. Run it in a checkout whose pipeline has run (params.yaml,
+``finetuned_dense`` is, in the fine-tuned weights. An export trained with the model frozen (``model_lr`` 0: its
+weights equal the base's) is scored once: ``base_scores`` is then ``trained`` and ``finetuned_dense`` dense (``"frozen":
+true`` in the run). Run it in a checkout whose pipeline has run (params.yaml,
 ``models/base``, ``data/filtered/eval.jsonl``, the export); the pieces and traces are those of
 ``evaluate.other_text`` and ``evaluate.max_traces``:
 
@@ -51,17 +53,28 @@ def split(p, policy: str, *, base: Path, exports: Path, data: Path, device: str 
     tuned = tuned.to(device).eval()
     pol = pol.to(device)
     shape = {k: v for k, v in model_shape(teacher).items() if k != "num_heads"}
-    cands = [Candidate("trained", tuned, pol), Candidate("finetuned_dense", tuned, make_policy("dense", **shape)),
-             Candidate("base_scores", teacher, pol)]
+    # a model trained frozen (train.per_policy.<policy>.model_lr 0) is the base model: then base_scores is trained, and
+    # finetuned_dense is the teacher's own forward; scored once each instead of three forwards per trace
+    teacher_sd = teacher.state_dict()
+    frozen = all(torch.equal(w, teacher_sd[k]) for k, w in tuned.state_dict().items())
+    if frozen:
+        tuned = teacher
+    cands = [Candidate("trained", tuned, pol), Candidate("finetuned_dense", tuned, make_policy("dense", **shape))]
+    if not frozen:
+        cands.append(Candidate("base_scores", teacher, pol))
+
+    def rows(res: dict) -> dict:
+        return {n: res["trained" if frozen and n == "base_scores" else n] for n in CANDIDATES}
+
     torch.manual_seed(p.seed)
     records = read_jsonl(data)[: p.evaluate.max_traces]
-    fid = evaluate_fidelity(records, teacher, cands, layout=p.layout, device=device)
+    fid = rows(evaluate_fidelity(records, teacher, cands, layout=p.layout, device=device))
     out = {"traces": {n: {k: fid[n][k] for k in ("quote_accuracy", "kl", "top1_agreement")} for n in CANDIDATES},
-           "eval_traces": len(records)}
+           "eval_traces": len(records), "frozen": frozen}
     want = {k: n for k, n in p.evaluate.other_text.model_dump().items() if n}
     if want:
         pieces = {k: held_out_records(token_ids(tok), k, n, max_tokens=p.train.seq_len) for k, n in want.items()}
-        out["other_text"] = evaluate_other_text(pieces, teacher, cands, layout=p.layout, device=device)
+        out["other_text"] = {kind: rows(r) for kind, r in evaluate_other_text(pieces, teacher, cands, layout=p.layout, device=device).items()}
     return out
 
 

@@ -78,3 +78,20 @@ def test_bad_inputs_are_named(checkout, capsys):
     assert main(["--policy", "kvpop_mlp_pool", "--base", "no_base_here", "--out", "x.json"]) == 2
     assert "no_base_here" in capsys.readouterr().err
     assert not Path("x.json").exists()
+
+
+def test_a_frozen_export_is_scored_as_the_base_model(checkout, tiny_tokenizer):
+    """An export whose model is the base (trained with model_lr 0): base_scores is the trained row, finetuned_dense
+    is dense itself, and the trained row equals what the three-candidate run gives the same scorer on the base."""
+    main = bench_script("harm_split").main
+    assert main(["--policy", "kvpop_mlp_pool", "--base", str(checkout), "--name", "tuned", "--out", "tuned.json"]) == 0
+    tuned = json.loads(Path("tuned.json").read_text())["runs"]["tuned"]
+    torch.manual_seed(3)  # the fixture's scorer, exported with the base model's own weights
+    policy = make_policy("kvpop_mlp_pool", num_layers=2, num_kv_heads=2, head_dim=16, scorer_hidden=8)
+    export(load_model(checkout), tiny_tokenizer, policy, Path("frozen/kvpop_mlp_pool"), layout=CacheLayout(**LAYOUT))
+    assert main(["--policy", "kvpop_mlp_pool", "--base", str(checkout), "--exports", "frozen", "--name", "frozen", "--out", "frozen.json"]) == 0
+    run = json.loads(Path("frozen.json").read_text())["runs"]["frozen"]
+    assert run["frozen"] is True and tuned["frozen"] is False
+    for rows, before in ((run["traces"], tuned["traces"]), (run["other_text"]["code"], tuned["other_text"]["code"])):
+        assert rows["base_scores"] == rows["trained"] == before["base_scores"]
+        assert rows["finetuned_dense"]["kl"] == 0 and rows["finetuned_dense"]["top1_agreement"] == 1
