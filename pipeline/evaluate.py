@@ -236,8 +236,9 @@ def ruler_in_workers(samples: dict, todo: list[str], workers: int, keys: dict[st
     policy's tasks are split into that many parts (round robin over the tasks) and its parts merged into its
     ``keys`` file at the end (:func:`kvpop.ruler.merge_parts`; a part already on disk from a stopped run is not redone).
     What a part gets does not depend on the others (one GPU holds several such processes; the GPU, mostly idle under
-    one at batch 1, serves them side by side). A worker that fails stops the others and the stage, naming its
-    policies and the end of its log; the results written before stay."""
+    one at batch 1, serves them side by side). A worker that runs out of GPU memory stops the others, and the parts
+    not yet written run again in half as many processes (down to one); a worker that fails otherwise, or alone, stops
+    the stage, naming its policies and the end of its log; the results written before stay."""
     from kvpop import ruler
 
     tasks = [t for t in samples if samples[t]]
@@ -248,56 +249,72 @@ def ruler_in_workers(samples: dict, todo: list[str], workers: int, keys: dict[st
         return keys[name] if split == 1 else keys[name].with_name(f"{keys[name].stem}.part{i}of{split}.json")
 
     jobs = [(name, group, part_file(name, i)) for name in todo for i, group in enumerate(task_groups)]
-    left_jobs = [j for j in jobs if not j[2].is_file()]
-    workers = min(workers, len(left_jobs))
-    shares = [left_jobs[k::workers] for k in range(workers)] if workers else []
-
-    def label(job) -> str:
-        return job[0] if split == 1 else f"{job[0]} [{' '.join(job[1])}]"
-
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # this process's cached blocks from the fidelity passes, for the workers (23 GB at 4k)
     with tempfile.TemporaryDirectory(prefix="kvpop-ruler-") as tmp:
         tmp = Path(tmp)
         torch.save(samples, tmp / "samples.pt")
-        procs = []
-        for k, share in enumerate(shares):
-            write_json(tmp / f"job_{k}.json", {"parts": [[name, group, str(out.resolve())] for name, group, out in share]})
-            log = open(tmp / f"worker_{k}.log", "w")  # noqa: SIM115 - closed when the worker ends
-            cmd = [sys.executable, __file__, "--base", base, "--exports", str(exports), "--ruler-worker", str(tmp), "--ruler-part", str(k)]
-            procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, sorted({name for name, _, _ in share})))
-        if shares:
-            what = f"{len(todo)} policies" + (f", each in {split} parts of its tasks," if split > 1 else "")
-            say(f"RULER: {what} in {workers} processes: " + "; ".join(", ".join(label(j) for j in share) for share in shares))
-        with Progress("RULER: parts" if split > 1 else "RULER: policies", len(jobs)) as bar:  # done: its file is there
-            left, shown = list(procs), -1
-            while left:
-                if (done := sum(out.is_file() for _, _, out in jobs)) != shown:
-                    shown = done
-                    bar.update(done, workers=len(left))
-                for item in list(left):
-                    proc, log, group = item
-                    if proc.poll() is None:
-                        continue
-                    log.close()
-                    left.remove(item)
-                    if proc.returncode != 0:
-                        for other, olog, _ in left:
-                            other.kill()
-                            other.wait()
-                            olog.close()
-                        tail = "\n".join((tmp / f"worker_{procs.index(item)}.log").read_text().splitlines()[-20:])
-                        hint = (f"\n(the GPU ran out of memory: lower evaluate.benchmarks.ruler.workers, now {workers}; the parts "
-                                "already written are kept and not redone)") if "OutOfMemoryError" in tail else ""
-                        fail(f"evaluate.benchmarks.ruler: the worker for {', '.join(group)} failed (exit {proc.returncode}):\n{tail}{hint}")
-                time.sleep(0.5)
-            bar.update(len(jobs), workers=0)
+        while left_jobs := [j for j in jobs if not j[2].is_file()]:
+            workers = min(workers, len(left_jobs))
+            failed = _ruler_round(tmp, left_jobs, jobs, workers, split, len(todo), base=base, exports=exports, say=say)
+            if failed is None:
+                continue
+            group, rc, tail = failed
+            if "OutOfMemoryError" in tail and workers > 1:
+                say(f"[yellow]RULER: a worker ({', '.join(group)}) ran out of GPU memory: the {sum(not j[2].is_file() for j in jobs)} "
+                    f"parts not written run again in {workers // 2} processes")
+                workers //= 2
+                continue
+            hint = ("\n(the GPU ran out of memory in a single process: evaluate.benchmarks.ruler.batch prefills fewer prompts at once)"
+                    if "OutOfMemoryError" in tail else "")
+            fail(f"evaluate.benchmarks.ruler: the worker for {', '.join(group)} failed (exit {rc}):\n{tail}{hint}")
     if split > 1:
         for name in todo:
             files = [part_file(name, i) for i in range(split)]
             write_json(keys[name], ruler.merge_parts([json.loads(f.read_text()) for f in files], tasks))
             for f in files:
                 f.unlink()
+
+
+def _ruler_round(tmp: Path, left_jobs: list, jobs: list, workers: int, split: int, policies: int, *, base: str, exports: Path, say):
+    """One round of :func:`ruler_in_workers`: ``left_jobs`` shared out between ``workers`` processes, waited for ->
+    None when every one ended well, else (its policies, exit status, the end of its log) of the first that failed,
+    the others stopped."""
+    shares = [left_jobs[k::workers] for k in range(workers)]
+
+    def label(job) -> str:
+        return job[0] if split == 1 else f"{job[0]} [{' '.join(job[1])}]"
+
+    procs = []
+    for k, share in enumerate(shares):
+        write_json(tmp / f"job_{k}.json", {"parts": [[name, group, str(out.resolve())] for name, group, out in share]})
+        log = open(tmp / f"worker_{k}.log", "w")  # noqa: SIM115 - closed when the worker ends
+        cmd = [sys.executable, __file__, "--base", base, "--exports", str(exports), "--ruler-worker", str(tmp), "--ruler-part", str(k)]
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, sorted({name for name, _, _ in share})))
+    what = f"{policies} policies" + (f", each in {split} parts of its tasks," if split > 1 else "")
+    say(f"RULER: {what} in {workers} processes: " + "; ".join(", ".join(label(j) for j in share) for share in shares))
+    with Progress("RULER: parts" if split > 1 else "RULER: policies", len(jobs)) as bar:  # done: its file is there
+        left, shown = list(procs), -1
+        while left:
+            if (done := sum(out.is_file() for _, _, out in jobs)) != shown:
+                shown = done
+                bar.update(done, workers=len(left))
+            for item in list(left):
+                proc, log, group = item
+                if proc.poll() is None:
+                    continue
+                log.close()
+                left.remove(item)
+                if proc.returncode != 0:
+                    for other, olog, _ in left:
+                        other.kill()
+                        other.wait()
+                        olog.close()
+                    tail = "\n".join((tmp / f"worker_{procs.index(item)}.log").read_text().splitlines()[-20:])
+                    return group, proc.returncode, tail
+            time.sleep(0.5)
+        bar.update(sum(out.is_file() for _, _, out in jobs), workers=0)
+    return None
 
 
 def ruler_worker(args) -> None:

@@ -247,6 +247,24 @@ def test_ruler_in_worker_processes_equals_one_process(micro, tmp_path, monkeypat
     assert "in 1 processes: dense [niah_single_2]" in " ".join(capsys.readouterr().out.split())
     assert json.loads(again["dense"].read_text()) == dense
 
+    # a worker that runs out of GPU memory (here the first round's second process says so and exits): the others are
+    # stopped and the parts not written run again in half as many processes, with the same results
+    real, launched = stage_module.subprocess.Popen, []
+
+    def popen(cmd, **kw):
+        launched.append(cmd)
+        if len(launched) == 2:
+            cmd = [sys.executable, "-c", "import sys; print('torch.OutOfMemoryError: CUDA out of memory.'); sys.exit(1)"]
+        return real(cmd, **kw)
+
+    monkeypatch.setattr(stage_module.subprocess, "Popen", popen)
+    oom = {n: run / f".cache/ruler/oom-{n}.json" for n in whole}
+    stage_module.ruler_in_workers(two, list(oom), 2, oom, base="models/base", exports=Path("models/export"), say=print)
+    said = " ".join(capsys.readouterr().out.split())
+    assert "(oracle_target) ran out of GPU memory" in said and "run again in 1 processes" in said and len(launched) == 3
+    for n in whole:
+        assert json.loads(oom[n].read_text()) == json.loads(whole[n].read_text()), n
+
 
 def test_bad_params_stop_before_any_work(tmp_path):
     p = micro_params("embedded")
