@@ -57,13 +57,15 @@ Executor = Literal["sdpa", "flex"]
 
 @torch.no_grad()
 def masked_lse(q: Tensor, k: Tensor, allowed: Tensor, scale: float, chunk: int = 512) -> Tensor:
-    """Log-normalizers of masked attention: q (B, H, S, D), k (B, Hk, S, D), allowed (B, H, S, S) -> (B, H, S)."""
+    """Log-normalizers of masked attention: q (B, H, S, D), k (B, Hk, S, D), allowed (B, H, S, S) bool, or an additive
+    float mask (``-inf`` where not allowed, :func:`gate_bias_mask`) -> (B, H, S)."""
     B, H, S, _ = q.shape
     kk = k.repeat_interleave(H // k.shape[1], dim=1).float()
     out = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     for s in range(0, S, chunk):
         sc = torch.einsum("bhqd,bhkd->bhqk", q[:, :, s : s + chunk].float(), kk) * scale
-        out[:, :, s : s + chunk] = sc.masked_fill(~allowed[:, :, s : s + chunk], float("-inf")).logsumexp(-1)
+        m = allowed[:, :, s : s + chunk]
+        out[:, :, s : s + chunk] = (sc.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else sc + m.float()).logsumexp(-1)
     return out
 
 
@@ -183,6 +185,11 @@ class ScorerTraining:
     target: TargetSpec = field(default_factory=TargetSpec)  # kind, beta, scope and blend of the target (kvpop.target)
     weighting: BoundaryWeight = "tie"  # boundary-loss weights (kvpop.boundary.boundary_loss)
     calibration: float = 0.0  # weight of kvpop.boundary.calibration_loss beside the boundary loss
+    #: one-pool policies: the KL's gradient to the scorer, straight through. ``kl_signal * (r_hat - r_hat.detach())``
+    #: is added to the logits of every token past the window (exactly 0 in the forward: the pattern and the logits are
+    #: unchanged); in the backward each visible token's r_hat gets ``kl_signal`` times the loss's gradient to its
+    #: attention logits, summed over the queries (positive where more attention to it would raise the loss)
+    kl_signal: float = 0.0
     generator: torch.Generator | None = None
 
 
@@ -298,8 +305,8 @@ class SparseContext:
         (``global_evict``), whose scores no layer's pattern reads, with an :meth:`~kvpop.policies.Policy.all_layers` view
         (then one call scores every layer, :meth:`_deferred_scores`, instead of one per layer)."""
         if not (self.stack_scorers and self.policy.one_pool and self.policy.learned and not self.policy.gated
-                and self.global_evict is not None and self.scorer_training is not None):
-            return False
+                and self.global_evict is not None and self.scorer_training is not None and not self.scorer_training.kl_signal):
+            return False  # (the KL signal needs each layer's scores before its attention)
         if self._stacked is None:
             self._stacked = self.policy.all_layers(graph=True)
             if self._stacked is None:
@@ -348,15 +355,16 @@ class SparseContext:
     def run(self, q: Tensor, k: Tensor, v: Tensor, evict: Tensor, scale: float, need_lse: bool, layer_key: object, keep: bool | None = None,
             gate_bias: Tensor | None = None, age_scaled: bool = False):
         """Attention under the eviction pattern; ``gate_bias`` (B, Hk, S): added to the logits of tokens
-        past the window, times their age if ``age_scaled`` (a gated policy in training; no LSE then)."""
+        past the window, times their age if ``age_scaled`` (a gated policy in training; a one-pool scorer's
+        straight-through KL signal, :attr:`ScorerTraining.kl_signal`)."""
         if keep is None:
             keep = self.policy.layer_independent or self.executor == "flex"
         pat = self._pattern(evict, q.shape[1], layer_key, keep)
         if gate_bias is not None:
             gk = dict(sinks=self.layout.sinks, window=self.layout.window, age_scaled=age_scaled)
             if self.executor == "flex":
-                return flex_execute(q, k, v, pat, scale, False, score_mod=gate_bias_mod(gate_bias, self.pos, group=q.shape[1] // k.shape[1], **gk))
-            return sdpa_execute(q, k, v, gate_bias_mask(pat, gate_bias, self.pos, **gk), scale, False)
+                return flex_execute(q, k, v, pat, scale, need_lse, score_mod=gate_bias_mod(gate_bias, self.pos, group=q.shape[1] // k.shape[1], **gk))
+            return sdpa_execute(q, k, v, gate_bias_mask(pat, gate_bias, self.pos, **gk), scale, need_lse)
         if self.executor == "flex":
             return flex_execute(q, k, v, pat, scale, need_lse)
         return sdpa_execute(q, k, v, pat, scale, need_lse)
@@ -373,8 +381,12 @@ class SparseContext:
             evict, scores = self.evictions(layer, k, v)
         deferred = self._kv is not None  # its scores come after the forward (_defers)
         train = self.scorer_training is not None and (deferred or (scores is not None and scores.r_hat is not None))
-        out, lse = self.run(q, k, v, evict, scale, need_lse=train, layer_key=key)
-        self._layers[layer] = _LayerRecord(evict=evict, need_lse=train, grad_enabled=torch.is_grad_enabled())
+        bias = None
+        if train and not deferred and self.policy.one_pool and self.scorer_training.kl_signal:
+            r = scores.r_hat  # (B, Hk, S) with the scorer's graph: 0 in the forward, the KL's gradient in the backward
+            bias = (self.scorer_training.kl_signal * (r - r.detach())).to(q.dtype)
+        out, lse = self.run(q, k, v, evict, scale, need_lse=train, layer_key=key, gate_bias=bias)
+        self._layers[layer] = _LayerRecord(evict=evict, need_lse=train, grad_enabled=torch.is_grad_enabled(), gate_bias=bias)
         if train:
             st = self.scorer_training
             with torch.no_grad():

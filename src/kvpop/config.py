@@ -149,7 +149,7 @@ TRAIN_KEYS_NOT_IN_RESULT = ("policies", "log_every", "checkpoint_every")
 #: training settings that one policy may set apart (train.per_policy): its loss and optimizer (and a pool's per-head
 #: floor), never the architecture, the data or the run's shape (scorer widths, rows, steps, precision, strategy)
 PER_POLICY_KEYS = (
-    "model_lr", "scorer_lr", "scorer_warmup", "weight_decay", "scorer_calibration", "pool_floor", "scorer_hidden", "tau", "tie_margin", "query_samples",
+    "model_lr", "scorer_lr", "scorer_warmup", "weight_decay", "scorer_calibration", "scorer_kl", "pool_floor", "scorer_hidden", "tau", "tie_margin", "query_samples",
     "target_normalizer", "target", "boundary_weight", "gate_tau", "compression_weight", "compression_ramp",
 )
 
@@ -186,6 +186,11 @@ class TrainConfig(_Section):
     scorer_calibration: float = Field(
         0.0, ge=0, description="weight of the scorer's calibration term, the squared error of r_hat against the target "
         "beside the boundary loss (kvpop.boundary.calibration_loss; space share reads r_hat's level)",
+    )
+    scorer_kl: float = Field(
+        0.0, ge=0, description="kvpop_mlp_pool, kvpop_pool: the KL's gradient to the scorer beside the boundary loss, straight through "
+        "(scorer_kl x (r_hat - r_hat.detach()) on the attention logits of tokens past the window: the forward unchanged; "
+        "kvpop.attention.ScorerTraining.kl_signal); 0: the boundary loss alone. Set it per policy (train.per_policy)",
     )
     pool_floor: int = Field(
         0, ge=0, description="kvpop_mlp_pool, kvpop_pool: long-range entries each layer's KV head keeps at least in the pool, trained "

@@ -163,7 +163,7 @@ class TrainSettings:
             scorer_training=ScorerTraining(
                 tau=cfg.tau, tie_margin=cfg.tie_margin, query_samples=cfg.query_samples,
                 target_normalizer=cfg.target_normalizer, target=cfg.target, weighting=cfg.boundary_weight,
-                calibration=cfg.scorer_calibration,
+                calibration=cfg.scorer_calibration, kl_signal=cfg.scorer_kl,
                 generator=torch.Generator().manual_seed(seed),
             ),
             activation_checkpointing=cfg.activation_checkpointing,
