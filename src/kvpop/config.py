@@ -149,8 +149,8 @@ TRAIN_KEYS_NOT_IN_RESULT = ("policies", "log_every", "checkpoint_every")
 #: training settings that one policy may set apart (train.per_policy): its loss and optimizer (and a pool's per-head
 #: floor), never the architecture, the data or the run's shape (scorer widths, rows, steps, precision, strategy)
 PER_POLICY_KEYS = (
-    "model_lr", "scorer_lr", "scorer_warmup", "weight_decay", "scorer_calibration", "scorer_kl", "pool_floor", "scorer_hidden", "tau", "tie_margin", "query_samples",
-    "target_normalizer", "target", "boundary_weight", "gate_tau", "compression_weight", "compression_ramp",
+    "model_lr", "scorer_lr", "scorer_warmup", "weight_decay", "scorer_calibration", "scorer_kl", "pool_floor", "scorer_hidden", "tau", "tie_margin",
+    "query_samples", "target_normalizer", "target", "boundary_weight", "gate_tau", "compression_weight", "compression_ramp",
 )
 
 
