@@ -258,6 +258,8 @@ def ruler_in_workers(samples: dict, todo: list[str], workers: int, keys: dict[st
             workers = min(workers, len(left_jobs))
             failed = _ruler_round(tmp, left_jobs, jobs, workers, split, len(todo), base=base, exports=exports, say=say)
             if failed is None:
+                if missing := [f"{name} [{' '.join(group)}]" for name, group, out in left_jobs if not out.is_file()]:
+                    fail(f"evaluate.benchmarks.ruler: the workers ended well without writing {', '.join(missing)}")
                 continue
             group, rc, tail = failed
             if "OutOfMemoryError" in tail and workers > 1:
