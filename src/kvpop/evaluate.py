@@ -347,8 +347,9 @@ def evaluate_fidelity(
                              length=rec.get("trace_tokens"))  # (S, V); trace_tokens: where a right-padded trace ends
         # the softmaxes over the vocabulary only at the scored rows (row-wise, so equal to slicing a full one): a
         # RULER sample scores its few answer tokens, and (S, V) float copies of a 4K prompt are 0.8 GB each
-        ref_logp = torch.log_softmax(ref[scored].float(), -1)  # (N, V)
-        ref_top = ref[scored].argmax(-1)  # (N,)
+        ref_s = ref[scored]  # (N, V) float32
+        ref_logp, ref_top = torch.log_softmax(ref_s, -1), ref_s.argmax(-1)  # (N, V), (N,)
+        del ref_s
         targets = ids[0, 1:]
         for c in candidates:
             if c.max_traces is not None and n >= c.max_traces:
@@ -378,11 +379,11 @@ def evaluate_fidelity(
                 slots = layouts[c.name].slots
                 fill = occupancy * slots / min(ids.shape[1], slots) if c.policy.evicts else 1.0
                 acc[c.name].occupancy_map = m if acc[c.name].occupancy_map is None else acc[c.name].occupancy_map + m
-            logp = torch.log_softmax(logits[scored].float(), -1)  # (N, V)
-            kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # (N,)
+            at = logits[scored].float()  # (N, V): each row gathered once
+            kl = (ref_logp.exp() * (ref_logp - torch.log_softmax(at, -1))).sum(-1)  # (N,)
             a = acc[c.name]
             a.kl += kl.sum().item()
-            a.agree += (logits[scored].argmax(-1) == ref_top).sum().item()
+            a.agree += (at.argmax(-1) == ref_top).sum().item()
             a.tokens += scored.numel()
             a.occupancy += occupancy
             a.fill += fill
