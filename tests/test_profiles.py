@@ -123,3 +123,14 @@ def test_the_runner_runs_in_order_in_parallel_and_skips_what_is_done(tmp_path, m
     with pytest.raises(SystemExit, match="stage bad failed"):
         run_stages.main()
     assert (tmp_path / "log.txt").read_text().split() == lines  # nothing after the failure ran
+
+
+@pytest.mark.parametrize("name", ["4k", "8k", "paper"])
+def test_gpu_profiles_fine_tune_the_pool_policy_over_the_frozen_cpu_default(name):
+    """A profile's leaves merge over params.yaml: a per-policy key it leaves out keeps the CPU default's value.
+    The CPU default freezes kvpop_mlp_pool's model (model_lr 0); the profiles at scale fine-tune it (frozen lost
+    on every column at 4k), so they must say model_lr themselves."""
+    base = parse_params(yaml.safe_load((ROOT / "params.yaml").read_text()))
+    assert base.train.for_policy("kvpop_mlp_pool").model_lr == 0
+    p = profile_params(name)
+    assert p.train.for_policy("kvpop_mlp_pool").model_lr == p.train.model_lr > 0
