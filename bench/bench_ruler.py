@@ -8,7 +8,9 @@ written with its provenance (:func:`kvpop.provenance.write_result`), and prints 
     KVPOP_TRACKING=off python pipeline/run_stages.py --parallel train --skip-done
     python bench/bench_ruler.py --eval 4k=metrics/eval.json --out results/bench_ruler/h200.json
 
-``--eval NAME=PATH`` repeats (one configuration each; the name labels it); ``--provenance FILE`` gives the
+``--eval NAME=PATH`` repeats (one configuration each; the name labels it; runs given the same name are one
+configuration, each policy's rows from the run that has it: :func:`kvpop.ruler.merge_runs`, which refuses runs on
+other samples or a policy whose figures differ between them); ``--provenance FILE`` gives the
 provenance of runs made on another machine (the GPU's), else this process's is written. A file without a RULER
 section exits with status 2 and says which.
 """
@@ -21,7 +23,7 @@ import sys
 from pathlib import Path
 
 from kvpop.provenance import read_provenance, write_result
-from kvpop.ruler import configuration, table
+from kvpop.ruler import configuration, merge_runs, table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as err:
             print(f"error: --provenance {args.provenance}: {err}", file=sys.stderr)
             return 2
-    configs = []
+    sections: dict[str, list] = {}
     for item in args.eval or ["run=metrics/eval.json"]:
         name, eq, path = item.partition("=")
         if not eq or not name or not path:
@@ -50,9 +52,16 @@ def main(argv: list[str] | None = None) -> int:
             doc = json.loads(Path(path).read_text())
             if "ruler" not in doc:
                 raise ValueError("no 'ruler' section: run the evaluate stage with evaluate.benchmarks.ruler set")
-            configs.append(configuration(name, doc["ruler"]))
+            sections.setdefault(name, []).append(doc["ruler"])
         except (OSError, ValueError) as err:
             print(f"error: {path}: {err}", file=sys.stderr)
+            return 2
+    configs = []
+    for name, runs in sections.items():
+        try:
+            configs.append(configuration(name, merge_runs(runs)))
+        except ValueError as err:
+            print(f"error: configuration {name}: {err}", file=sys.stderr)
             return 2
     runs = ", ".join("{config} ({seq_len} tokens, budget {budget}, {samples} samples per task)".format(**c) for c in configs)
     what = f"RULER accuracy per task of every policy's greedy answers (RULER's metric) and teacher-forced answer accuracy: {runs}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -135,8 +136,9 @@ def other_text(p, tok, teacher, cands, say, device: str) -> dict:
 def ruler_benchmark(p, base: str, exports: Path, tok, teacher, cands, say, device: str) -> dict:
     """``evaluate.benchmarks.ruler``: RULER's samples (:func:`kvpop.ruler.generate_samples`, from the base
     model's tokenizer) on every candidate (:func:`kvpop.ruler.evaluate_ruler`, one policy at a time; with ``workers``
-    > 1 split between that many processes, :func:`ruler_in_workers`), with how they were made. Each policy's result
-    is kept in :data:`RULER_CACHE` as soon as it is done and taken from there when its key matches."""
+    > 1 split between that many processes, :func:`ruler_in_workers`), with how they were made. Each task of a policy
+    is kept in :data:`RULER_CACHE` as soon as it ends (:func:`ruler_policy`), the policy's whole result when all have,
+    and taken from there when its key matches."""
     from kvpop import ruler
 
     rc, seq_len = p.evaluate.benchmarks.ruler, p.ruler_seq_len
@@ -158,15 +160,18 @@ def ruler_benchmark(p, base: str, exports: Path, tok, teacher, cands, say, devic
     if kept:
         say(f"RULER: {', '.join(kept)} from {RULER_CACHE} (the same samples, options, code and weights)")
     todo = [n for n in names if n not in kept]
-    if rc.workers > 1 and len(todo) > 1:
+    if rc.workers > 1 and todo:  # one policy left too: its tasks split between the workers
         ruler_in_workers(samples, todo, rc.workers, keys, base=base, exports=exports, say=say)
     elif todo:
-        by_name = {c.name: c for c in cands}
+        by_name, opts = {c.name: c for c in cands}, ruler_options(p, tok, device)
         with Progress("RULER: policies", len(todo)) as bar:
             for j, name in enumerate(todo):
-                r = ruler.evaluate_ruler(samples, tok, teacher, [by_name[name]], **ruler_options(p, tok, device),
-                                         progress=lambda stage, i, n, j=j, name=name: bar.update(j, policy=f"{name}, {stage} {i}/{n}"))
-                write_json(keys[name], r[name])
+                def run(sub, on_task, j=j, name=name):
+                    ruler.evaluate_ruler({t: samples[t] for t in sub}, tok, teacher, [by_name[name]], **opts, on_task=on_task,
+                                         progress=lambda stage, i, n: bar.update(j, policy=f"{name}, {stage} {i}/{n}"))
+                if again := ruler_policy(list(samples), keys[name], task_folder(keys[name]), run):
+                    say(f"RULER {name}: {again} of {len(samples)} tasks from a run before")
+                shutil.rmtree(task_folder(keys[name]), ignore_errors=True)
             bar.update(len(todo))
     res = {n: json.loads(keys[n].read_text()) for n in names}
     for name, m in res.items():
@@ -232,9 +237,10 @@ def ruler_keys(p, names: list[str], base: str, exports: Path, device: str, sampl
 def ruler_in_workers(samples: dict, todo: list[str], workers: int, keys: dict[str, Path], *, base: str, exports: Path, say) -> None:
     """RULER's policies ``todo`` split between up to ``workers`` processes of this script (``--ruler-worker``), round
     robin: each loads the teacher and the exports, reads the samples this process made and evaluates its share one
-    part at a time, each written to its file as soon as it is done. Where the workers outnumber the policies, each
-    policy's tasks are split into that many parts (round robin over the tasks) and its parts merged into its
-    ``keys`` file at the end (:func:`kvpop.ruler.merge_parts`; a part already on disk from a stopped run is not redone).
+    part at a time. Each task of a policy is written as soon as it ends (:func:`task_folder`), so a run stopped part of
+    the way (a time limit) goes on from the tasks not yet written, however the next run splits the work. Where the
+    workers outnumber the policies, each policy's tasks are split into that many parts (round robin over the tasks) and
+    its parts merged into its ``keys`` file at the end (:func:`kvpop.ruler.merge_parts`; a part already on disk is not redone).
     What a part gets does not depend on the others (one GPU holds several such processes; the GPU, mostly idle under
     one at batch 1, serves them side by side). A worker that runs out of GPU memory stops the others, and the parts
     not yet written run again in half as many processes (down to one); a worker that fails otherwise, or alone, stops
@@ -248,17 +254,19 @@ def ruler_in_workers(samples: dict, todo: list[str], workers: int, keys: dict[st
     def part_file(name: str, i: int) -> Path:
         return keys[name] if split == 1 else keys[name].with_name(f"{keys[name].stem}.part{i}of{split}.json")
 
-    jobs = [(name, group, part_file(name, i)) for name in todo for i, group in enumerate(task_groups)]
+    jobs = [(name, group, part_file(name, i), task_folder(keys[name])) for name in todo for i, group in enumerate(task_groups)]
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # this process's cached blocks from the fidelity passes, for the workers (23 GB at 4k)
     with tempfile.TemporaryDirectory(prefix="kvpop-ruler-") as tmp:
         tmp = Path(tmp)
         torch.save(samples, tmp / "samples.pt")
         while left_jobs := [j for j in jobs if not j[2].is_file()]:
+            if done := sum(len(g) for _, g, out, _ in jobs if out.is_file()) + sum(tasks_kept(f, g) for _, g, out, f in left_jobs):
+                say(f"RULER: {done} of {sum(len(g) for _, g, _, _ in jobs)} policy tasks kept from a run before")
             workers = min(workers, len(left_jobs))
             failed = _ruler_round(tmp, left_jobs, jobs, workers, split, len(todo), base=base, exports=exports, say=say)
             if failed is None:
-                if missing := [f"{name} [{' '.join(group)}]" for name, group, out in left_jobs if not out.is_file()]:
+                if missing := [f"{name} [{' '.join(group)}]" for name, group, out, _ in left_jobs if not out.is_file()]:
                     fail(f"evaluate.benchmarks.ruler: the workers ended well without writing {', '.join(missing)}")
                 continue
             group, rc, tail = failed
@@ -276,6 +284,18 @@ def ruler_in_workers(samples: dict, todo: list[str], workers: int, keys: dict[st
             write_json(keys[name], ruler.merge_parts([json.loads(f.read_text()) for f in files], tasks))
             for f in files:
                 f.unlink()
+    for name in todo:
+        shutil.rmtree(task_folder(keys[name]), ignore_errors=True)  # its tasks are in its keys file now
+
+
+def task_folder(key: Path) -> Path:
+    """Where :func:`ruler_worker` keeps each task of a policy as it ends (``<key>.tasks/<task>.json``), until its
+    result is whole."""
+    return key.with_name(f"{key.stem}.tasks")
+
+
+def tasks_kept(folder: Path, tasks: list[str]) -> int:
+    return sum((folder / f"{t}.json").is_file() for t in tasks)
 
 
 def _ruler_round(tmp: Path, left_jobs: list, jobs: list, workers: int, split: int, policies: int, *, base: str, exports: Path, say):
@@ -289,33 +309,39 @@ def _ruler_round(tmp: Path, left_jobs: list, jobs: list, workers: int, split: in
 
     procs = []
     for k, share in enumerate(shares):
-        write_json(tmp / f"job_{k}.json", {"parts": [[name, group, str(out.resolve())] for name, group, out in share]})
+        write_json(tmp / f"job_{k}.json", {"parts": [[name, group, str(out.resolve()), str(folder.resolve())] for name, group, out, folder in share]})
         log = open(tmp / f"worker_{k}.log", "w")  # noqa: SIM115 - closed when the worker ends
         cmd = [sys.executable, __file__, "--base", base, "--exports", str(exports), "--ruler-worker", str(tmp), "--ruler-part", str(k)]
-        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, sorted({name for name, _, _ in share})))
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, sorted({name for name, *_ in share})))
     what = f"{policies} policies" + (f", each in {split} parts of its tasks," if split > 1 else "")
     say(f"RULER: {what} in {workers} processes: " + "; ".join(", ".join(label(j) for j in share) for share in shares))
-    with Progress("RULER: parts" if split > 1 else "RULER: policies", len(jobs)) as bar:  # done: its file is there
-        left, shown = list(procs), -1
-        while left:
-            if (done := sum(out.is_file() for _, _, out in jobs)) != shown:
-                shown = done
-                bar.update(done, workers=len(left))
-            for item in list(left):
-                proc, log, group = item
-                if proc.poll() is None:
-                    continue
-                log.close()
-                left.remove(item)
-                if proc.returncode != 0:
-                    for other, olog, _ in left:
-                        other.kill()
-                        other.wait()
-                        olog.close()
-                    tail = "\n".join((tmp / f"worker_{procs.index(item)}.log").read_text().splitlines()[-20:])
-                    return group, proc.returncode, tail
-            time.sleep(0.5)
-        bar.update(sum(out.is_file() for _, _, out in jobs), workers=0)
+    def tasks_done() -> int:  # a part's tasks are done when its file is there, or each one's file in its task folder
+        return sum(len(group) if out.is_file() else tasks_kept(folder, group) for _, group, out, folder in jobs)
+
+    left = list(procs)
+    try:
+        with Progress("RULER: policy tasks", sum(len(group) for _, group, _, _ in jobs)) as bar:
+            shown = -1
+            while left:
+                if (done := tasks_done()) != shown:
+                    shown = done
+                    bar.update(done, workers=len(left))
+                for item in list(left):
+                    proc, log, group = item
+                    if proc.poll() is None:
+                        continue
+                    log.close()
+                    left.remove(item)
+                    if proc.returncode != 0:
+                        tail = "\n".join((tmp / f"worker_{procs.index(item)}.log").read_text().splitlines()[-20:])
+                        return group, proc.returncode, tail
+                time.sleep(0.5)
+            bar.update(tasks_done(), workers=0)
+    finally:  # a worker failed, or this process is stopped (an exception, Ctrl-C): no worker outlives the round
+        for proc, log, _ in left:
+            proc.kill()
+            proc.wait()
+            log.close()
     return None
 
 
@@ -330,16 +356,39 @@ def ruler_worker(args) -> None:
     job = json.loads((folder / f"job_{args.ruler_part}.json").read_text())
     device = eval_device(p.evaluate)
     torch.manual_seed(p.seed)
-    names = {name for name, _, _ in job["parts"]}
+    names = {name for name, *_ in job["parts"]}
     teacher, tok, cands = candidates(p, args.base, Path(args.exports), p.evaluate.precision, device, only=names)
     by_name = {c.name: c for c in cands}
     if missing := sorted(n for n in names if n not in by_name):
         fail(f"RULER worker: policies {missing} are not among the evaluated ones")
     samples = torch.load(folder / "samples.pt", weights_only=False)
-    for name, tasks, out in job["parts"]:
-        res = ruler.evaluate_ruler({t: samples[t] for t in tasks}, tok, teacher, [by_name[name]], **ruler_options(p, tok, device))
-        write_json(out, res[name])
-        console.print(f"RULER worker {args.ruler_part}: {name} ({', '.join(tasks)}) done", highlight=False)
+    opts = ruler_options(p, tok, device)
+    for name, tasks, out, kept in job["parts"]:
+        def run(sub, on_task, name=name):
+            ruler.evaluate_ruler({t: samples[t] for t in sub}, tok, teacher, [by_name[name]], **opts, on_task=on_task)
+        again = ruler_policy(tasks, Path(out), Path(kept), run)
+        again = f", {again} of them from a run before" if again else ""
+        console.print(f"RULER worker {args.ruler_part}: {name} ({', '.join(tasks)}{again}) done", highlight=False)
+
+
+def ruler_policy(tasks: list[str], out: Path, kept: Path, run) -> int:
+    """One policy's RULER result over ``tasks`` into ``out``: ``run(task names, on_task)`` (evaluate_ruler of that
+    policy on those tasks' samples) over the tasks not yet in the folder ``kept``, each written there as it ends, then all of them merged
+    (:func:`kvpop.ruler.merge_parts`) -> how many were there from a run before."""
+    from kvpop import ruler
+
+    if left := [t for t in tasks if not (kept / f"{t}.json").is_file()]:
+        kept.mkdir(parents=True, exist_ok=True)
+        t0 = [time.monotonic()]
+
+        def keep(name: str, task: str, entry: dict) -> None:
+            write_json(kept / f"{task}.json", entry)
+            console.print(f"RULER {name}: {task} kept, {time.monotonic() - t0[0]:.0f} s", highlight=False)  # where a policy's time goes
+            t0[0] = time.monotonic()
+
+        run(left, keep)
+    write_json(out, ruler.merge_parts([json.loads((kept / f"{t}.json").read_text()) for t in tasks], tasks))
+    return len(tasks) - len(left)
 
 
 def eval_device(cfg) -> str:

@@ -246,6 +246,17 @@ def test_ruler_in_worker_processes_equals_one_process(micro, tmp_path, monkeypat
     stage_module.ruler_in_workers(two, ["dense"], 2, again, base="models/base", exports=Path("models/export"), say=print)
     assert "in 1 processes: dense [niah_single_2]" in " ".join(capsys.readouterr().out.split())
     assert json.loads(again["dense"].read_text()) == dense
+    # each task is kept as it ends (a worker stopped mid-policy): a run after it, split another way, redoes only the rest
+    kept = {"dense": run / ".cache/ruler/kept-dense.json"}
+    stage_module.task_folder(kept["dense"]).mkdir()
+    entry = ruler.task_entry(dense, "niah_single_1")
+    entry["answers"]["niah_single_1"] = ["kept"]  # marked: taken as it is, not run again
+    (stage_module.task_folder(kept["dense"]) / "niah_single_1.json").write_text(json.dumps(entry))
+    stage_module.ruler_in_workers(two, ["dense"], 1, kept, base="models/base", exports=Path("models/export"), say=print)
+    assert "RULER: 1 of 2 policy tasks kept from a run before" in " ".join(capsys.readouterr().out.split())
+    got_kept = json.loads(kept["dense"].read_text())
+    assert got_kept["answers"]["niah_single_1"] == ["kept"]
+    assert {**got_kept, "answers": dense["answers"]} == dense and not stage_module.task_folder(kept["dense"]).exists()
 
     # a worker that runs out of GPU memory (here the first round's second process says so and exits): the others are
     # stopped and the parts not written run again in half as many processes, with the same results

@@ -224,8 +224,13 @@ def test_every_policy_on_the_same_samples(small, rtok):
     longest = max(len(s.prompt_ids) + len(s.answer_ids) + s.max_new_tokens for ss in small.values() for s in ss)
     names = ("h2o", "dense", "streaming_llm", "oracle_target", "oracle_sources")  # h2o first: it switches the model to the cache attention
     cands = [Candidate(n, model, make_policy(n), max_traces=3 if n == "h2o" else None) for n in names]  # as the stage: decode_traces
-    tight = ruler.evaluate_ruler(small, tok, model, cands, layout=CacheLayout(256, 4, 64), reference_samples=1)
+    entries = {}  # on_task: each policy's task as soon as it ends, its figures final
+    tight = ruler.evaluate_ruler(small, tok, model, cands, layout=CacheLayout(256, 4, 64), reference_samples=1,
+                                 on_task=lambda name, task, entry: entries.setdefault(name, []).append((task, entry)))
     assert set(tight) == set(names)
+    for name in names:
+        assert [t for t, _ in entries[name]] == list(small), name
+        assert ruler.merge_parts([e for _, e in entries[name]], list(small)) == tight[name], name
     for name, m in tight.items():
         assert list(m["teacher_forced"]) == ["vt", "fwe", "mean"], name
         assert all(0 <= v <= 1 for v in m["teacher_forced"].values())
@@ -294,6 +299,13 @@ def test_merge_parts_is_the_whole_run_over_disjoint_task_groups():
         ruler.merge_parts([a, b], ["vt", "cwe"])
     with pytest.raises(ValueError, match="disagree on 'path'"):
         ruler.merge_parts([a, {**b, "path": "reference"}], ["vt", "cwe", "fwe"])
+    # task_entry: one task of a result; a result's entries, merged, are the result
+    whole = ruler.merge_parts([b, a], ["vt", "cwe", "fwe"])
+    entries = [ruler.task_entry(whole, t) for t in ("fwe", "vt", "cwe")]
+    assert entries[0] == {"accuracy": {"fwe": 0.0}, "teacher_forced": {"fwe": 0.25}, "kl": {"fwe": 0.2}, "samples": {"fwe": 2},
+                          "scores": {"fwe": [0.0, 0.0]}, "answers": {"fwe": ["a", "b"]}, "teacher_forced_samples": {"fwe": 2}, "path": "engine"}
+    assert ruler.merge_parts(entries, ["vt", "cwe", "fwe"]) == whole
+    assert ruler.task_entry(oracle, "fwe") == {"accuracy": {}, "teacher_forced": {"fwe": 1.0}}
 
 
 # --- params and the extra ------------------------------------------------------------------------
@@ -365,3 +377,21 @@ def test_bench_ruler_gathers_runs_with_their_provenance(tmp_path, capsys):
     (tmp_path / "partial.json").write_text(json.dumps({"device": "NVIDIA H200"}))  # not an envelope: what it lacks is named
     assert bench.main(["--eval", f"4k={tmp_path / 'eval.json'}", "--provenance", str(tmp_path / "partial.json"), "--out", str(out)]) == 2
     assert "provenance.git_commit missing" in capsys.readouterr().err and json.loads(out.read_text())["provenance"] == prov
+
+    # two runs on the same samples under one name: one configuration, each policy's rows from the run that has it; a
+    # policy whose figures differ between them, or runs on other samples, are refused by name and nothing is written
+    more = {**section, "policies": {"dense": acc, "kvpop_mlp_pool": {"accuracy": {"vt": 0.25, "mean": 0.25},
+                                                                      "teacher_forced": {"vt": 0.5, "mean": 0.5}}}}
+    (tmp_path / "eval2.json").write_text(json.dumps({"ruler": more}))
+    two = [f"4k={tmp_path / 'eval.json'}", "--eval", f"4k={tmp_path / 'eval2.json'}"]
+    assert bench.main(["--eval", *two, "--provenance", str(tmp_path / "prov.json"), "--out", str(out)]) == 0
+    (c,) = json.loads(out.read_text())["configurations"]
+    assert c["mean"] == {"dense": 0.5, "kvpop_mlp_pool": 0.25} and set(c["teacher_forced_mean"]) == {"dense", "oracle_target", "kvpop_mlp_pool"}
+    capsys.readouterr()
+    before = out.read_text()
+    (tmp_path / "eval2.json").write_text(json.dumps({"ruler": {**more, "policies": {"dense": {**acc, "answers": {"vt": ["other"]}}}}}))
+    assert bench.main(["--eval", *two, "--out", str(out)]) == 2
+    assert "disagree on policy 'dense'" in capsys.readouterr().err and out.read_text() == before
+    (tmp_path / "eval2.json").write_text(json.dumps({"ruler": {**more, "fingerprint": "g"}}))
+    assert bench.main(["--eval", *two, "--out", str(out)]) == 2
+    assert "differ in 'fingerprint'" in capsys.readouterr().err and out.read_text() == before

@@ -434,7 +434,7 @@ def _mean(xs: Iterable[float]) -> float:
 
 def evaluate_ruler(samples: Mapping[str, Sequence[Sample]], tokenizer, teacher, candidates: Sequence, *, layout, device="cpu",
                    reference_samples: int | None = None, pad_to: int | None = None, pad_id: int = 0, compile: bool = False, batch: int = 1,
-                   progress: Callable[[str, int, int], None] | None = None) -> dict:
+                   progress: Callable[[str, int, int], None] | None = None, on_task: Callable[[str, str, dict], None] | None = None) -> dict:
     """Every candidate (:class:`kvpop.evaluate.Candidate`) on the same RULER samples at one nominal ``layout``.
 
     ``{policy: {"accuracy": {task: .., "mean": ..}, "teacher_forced": {task: .., "mean": ..}, "kl": {task: ..},
@@ -450,7 +450,10 @@ def evaluate_ruler(samples: Mapping[str, Sequence[Sample]], tokenizer, teacher, 
     its answers equal :func:`kvpop.decode.generate`'s per sample (an engine's results do not depend on its size).
     ``batch`` > 1: a task's samples are prefilled ``batch`` at a time on a second engine of that many rows
     (:func:`kvpop.decode.generate.engine_generate_ragged`: their common length together, then each alone).
-    ``progress(stage, done, total)``."""
+    ``progress(stage, done, total)``. ``on_task(policy, task, entry)``: called as soon as a policy's figures of a task are
+    final (after its answers; an oracle's after the teacher-forced pass), ``entry`` the policy's result over that task
+    alone (:func:`task_entry`; :func:`merge_parts` of a policy's entries is its result), so that a caller can keep each
+    task as it ends and a stopped run go on from the tasks not yet kept."""
     from kvpop.decode import choose_path
     from kvpop.evaluate import evaluate_fidelity, pad_records
     from kvpop.rollouts import _stop_ids, _text_of
@@ -471,24 +474,29 @@ def evaluate_ruler(samples: Mapping[str, Sequence[Sample]], tokenizer, teacher, 
         if progress:
             progress("teacher-forced", i + 1, len(tasks))
     decoded = [c for c in candidates if not c.policy.oracle]
+    if on_task:
+        for c in candidates:
+            if c.policy.oracle:
+                for task in tasks:
+                    on_task(c.name, task, task_entry(out[c.name], task))
     longest = max((len(s.prompt_ids) + s.max_new_tokens for t in tasks for s in samples[t]), default=1)
     for j, c in enumerate(decoded):
         path = choose_path(c.model, c.policy)
         cap = reference_samples if path == "reference" else None
         stop = _stop_ids(c.model, tokenizer)
         answer = _answerer(c, tokenizer, layout, path, longest, compile, batch)
-        for task in tasks:
-            todo = samples[task][:cap]
-            if not todo:
-                continue
-            preds = [_text_of(ids, stop, tokenizer) for ids in answer(todo)]
-            refs = [s.outputs for s in todo]
-            scores = score(preds, refs, samples[task][0].metric)
-            out[c.name]["scores"][task] = scores
-            out[c.name]["samples"][task] = len(scores)
-            out[c.name]["accuracy"][task] = _mean(scores)
-            out[c.name].setdefault("answers", {})[task] = preds
         out[c.name]["path"] = path
+        for task in tasks:
+            if todo := samples[task][:cap]:
+                preds = [_text_of(ids, stop, tokenizer) for ids in answer(todo)]
+                refs = [s.outputs for s in todo]
+                scores = score(preds, refs, samples[task][0].metric)
+                out[c.name]["scores"][task] = scores
+                out[c.name]["samples"][task] = len(scores)
+                out[c.name]["accuracy"][task] = _mean(scores)
+                out[c.name].setdefault("answers", {})[task] = preds
+            if on_task:
+                on_task(c.name, task, task_entry(out[c.name], task))
         if progress:
             progress("generated", j + 1, len(decoded))
     for m in out.values():
@@ -532,6 +540,12 @@ def merge_parts(parts: Sequence[Mapping], tasks: Sequence[str]) -> dict:
         if out.get(key):
             out[key]["mean"] = _mean(out[key][t] for t in tasks if t in out[key])
     return out
+
+
+def task_entry(result: Mapping, task: str) -> dict:
+    """One policy's :func:`evaluate_ruler` result cut to one task: each per-task mapping holds that task alone (means
+    left out: :func:`merge_parts` makes them again), what is not per task (``path``) as it is."""
+    return {k: ({task: v[task]} if task in v else {}) if isinstance(v, Mapping) else v for k, v in result.items()}
 
 
 def _answerer(c, tokenizer, layout, path: str, max_len: int, compile: bool, batch: int = 1) -> Callable[[Sequence[Sample]], list[list[int]]]:
@@ -586,6 +600,28 @@ def configuration(name: str, section: Mapping) -> dict:
             "mean": {p: m["accuracy"]["mean"] for p, m in policies.items() if "mean" in m.get("accuracy", {})},
             "teacher_forced": by_task("teacher_forced"),
             "teacher_forced_mean": {p: m["teacher_forced"]["mean"] for p, m in policies.items() if "mean" in m.get("teacher_forced", {})}}
+
+
+def merge_runs(sections: Sequence[Mapping]) -> dict:
+    """The evaluate stage's RULER sections of several runs on the same samples as one: each policy's rows from the
+    run that has it. The runs must agree on the samples (``fingerprint``), ``tasks``, ``seq_len``, ``budget``,
+    ``samples`` and ``seed``, and a policy that two runs hold must have the same figures in both (untrained policies
+    repeat exactly on one device: a check that the runs are comparable); else a ValueError naming what differs."""
+    if not sections:
+        raise ValueError("no RULER sections to merge")
+    first = sections[0]
+    out = {k: v for k, v in first.items() if k != "policies"}
+    out["policies"] = {}
+    for i, sec in enumerate(sections):
+        for key in ("fingerprint", "tasks", "seq_len", "budget", "samples", "seed"):
+            if sec.get(key) != first.get(key):
+                raise ValueError(f"RULER runs 0 and {i} differ in {key!r}: {first.get(key)!r} vs {sec.get(key)!r}")
+        for name, m in sec["policies"].items():
+            if name in out["policies"] and any(out["policies"][name].get(k) != m.get(k) for k in ("accuracy", "teacher_forced", "answers")):
+                raise ValueError(f"RULER runs disagree on policy {name!r} (run {i}): a policy retrained or changed between runs "
+                                 "cannot be merged; leave it out of one run")
+            out["policies"].setdefault(name, m)
+    return out
 
 
 def table(config: Mapping, *, key: str = "tasks") -> str:
