@@ -262,7 +262,7 @@ def ruler_in_workers(samples: dict, todo: list[str], workers: int, keys: dict[st
         torch.save(samples, tmp / "samples.pt")
         while left_jobs := [j for j in jobs if not j[2].is_file()]:
             if done := sum(len(g) for _, g, out, _ in jobs if out.is_file()) + sum(tasks_kept(f, g) for _, g, out, f in left_jobs):
-                say(f"RULER: {done} of {sum(len(g) for _, g, _, _ in jobs)} policy tasks kept from a run before")
+                say(f"RULER: {done} of {sum(len(g) for _, g, _, _ in jobs)} policy tasks already kept")
             workers = min(workers, len(left_jobs))
             failed = _ruler_round(tmp, left_jobs, jobs, workers, split, len(todo), base=base, exports=exports, say=say)
             if failed is None:

@@ -253,7 +253,7 @@ def test_ruler_in_worker_processes_equals_one_process(micro, tmp_path, monkeypat
     entry["answers"]["niah_single_1"] = ["kept"]  # marked: taken as it is, not run again
     (stage_module.task_folder(kept["dense"]) / "niah_single_1.json").write_text(json.dumps(entry))
     stage_module.ruler_in_workers(two, ["dense"], 1, kept, base="models/base", exports=Path("models/export"), say=print)
-    assert "RULER: 1 of 2 policy tasks kept from a run before" in " ".join(capsys.readouterr().out.split())
+    assert "RULER: 1 of 2 policy tasks already kept" in " ".join(capsys.readouterr().out.split())
     got_kept = json.loads(kept["dense"].read_text())
     assert got_kept["answers"]["niah_single_1"] == ["kept"]
     assert {**got_kept, "answers": dense["answers"]} == dense and not stage_module.task_folder(kept["dense"]).exists()
