@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -14,6 +12,7 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run from a checkout without install
 
 from kvpop.config import Params, ParamsError, load_params  # noqa: E402
+from kvpop.io import atomic_file  # noqa: E402
 
 console = Console(stderr=True)
 
@@ -78,12 +77,8 @@ def _clock(seconds: float) -> str:
 
 def write_text(path: str | Path, text: str) -> None:
     """Write a file atomically: a reader never sees a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    with os.fdopen(fd, "w") as f:
+    with atomic_file(path) as f:
         f.write(text)
-    os.replace(tmp, path)
 
 
 def write_json(path: str | Path, obj) -> None:

@@ -18,8 +18,6 @@ onto token indices:
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +27,7 @@ from typing import Any
 import jinja2
 
 from kvpop.data.sources import SkippedRow, validate_row
+from kvpop.io import atomic_file
 
 TOO_LONG = "too_long"
 BAD_QUOTES = "bad_quotes"
@@ -232,20 +231,12 @@ def write_jsonl(records: Iterable[dict], path: str | Path) -> int:
 
     An existing file at ``path`` is replaced only once the new one is complete.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     count = 0
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")))
-                f.write("\n")
-                count += 1
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path, encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")))
+            f.write("\n")
+            count += 1
     return count
 
 

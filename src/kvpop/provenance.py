@@ -24,9 +24,10 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 from importlib import metadata
 from pathlib import Path
+
+from kvpop.io import atomic_file
 
 #: the keys every envelope holds
 ENVELOPE_KEYS = ("command", "git_commit", "device", "versions", "date")
@@ -167,12 +168,6 @@ def write_result(path: str | Path, payload: dict, *, what: str | None = None, co
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"provenance": provenance if provenance is not None else envelope(command), "what": what,
            **{k: v for k, v in payload.items() if k != "what"}}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(doc, indent=2) + "\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_file(path) as f:
+        f.write(json.dumps(doc, indent=2) + "\n")
     return path

@@ -1,0 +1,34 @@
+"""kvpop.io: atomic outputs appear whole, with the permissions the umask gives a new file or folder."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvpop.io import atomic_dir, atomic_file
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def test_atomic_file_replaces_whole_with_the_umask_mode(tmp_path, umask_022):
+    path = tmp_path / "sub" / "metrics.json"
+    with atomic_file(path) as f:
+        f.write("{}\n")
+        assert not path.exists()  # nothing at the path until the file is whole
+    assert path.read_text() == "{}\n" and path.stat().st_mode & 0o777 == 0o644  # not mkstemp's 0600
+    with pytest.raises(RuntimeError), atomic_file(path) as f:
+        f.write("half")
+        raise RuntimeError("stopped")
+    assert path.read_text() == "{}\n" and sorted(p.name for p in path.parent.iterdir()) == ["metrics.json"]  # no temp file left
+
+
+def test_atomic_dir_gets_the_umask_mode(tmp_path, umask_022):
+    with atomic_dir(tmp_path / "export") as tmp:
+        (tmp / "w.bin").write_bytes(b"x")
+    assert (tmp_path / "export").stat().st_mode & 0o777 == 0o755  # not mkdtemp's 0700
