@@ -1,0 +1,191 @@
+#!/usr/bin/env bash
+# The pipeline on a lent GPU host, in slices: each call may run at most 10 minutes, and the machine stays warm
+# (its /tmp and its background processes kept) only while calls follow each other. The run therefore goes on in
+# the background (setsid), in a copy of the checkout (KV, default /tmp/kv), and each call waits for it up to SECONDS,
+# then copies what there is to $OUT. Started through scripts/device/run.sh (the wheels, the model, KVPOP_TRACKING=off):
+#   bash scripts/device/run.sh bash scripts/device/job.sh run 560     # the first call starts it; later ones wait and collect
+#   bash scripts/device/run.sh bash scripts/device/job.sh status 0    # what it is doing, without waiting
+# Stages: base_model, filter and pack in the call that starts the run; then every policy's chain side by side
+# (its training, once resumed from its checkpoint if it stops; its export; the evaluate stage over it alone), and beside
+# them the evaluate stage over the untrained policies alone (EARLY). Each such evaluate keeps its RULER tasks in the
+# shared .cache/ruler under the keys of the final one, so the final evaluate (every policy whose chain ended) takes
+# them as done. A policy whose training fails twice is left out and the run goes on. $OUT gets: status.txt,
+# eval.json (the final metrics/eval.json), eval_early.json, evalB.json (the second arm's), logs.tgz (every stage's and
+# RULER worker's log, the per-policy evaluates' JSON), ruler.tgz (.cache/ruler).
+# Settings, read by the call that starts the run (environment):
+#   KVPOP_GIT_COMMIT  the commit the copy was made from (the host's copy has no .git): the results' provenance
+#   PROFILES   profiles layered over params.yaml, in order (default "4k ruler")
+#   POLS       train.policies (default: the profiles')
+#   SET        more params, "dotted.key=<yaml> ..." (e.g. "evaluate.max_traces=8")
+#   EARLY      1 (default): the untrained policies' evaluate beside the trainings; 0: none. EVAL_EACH: the same for each trained one
+#   EW_BESIDE, EW_ONE, EW_AFTER  evaluate.benchmarks.ruler.workers of the early evaluate (4), a policy's own (3), the final one (6)
+#   B_SET      a second arm: the prepared copy again (KV-B), B_POLS trained (default: the last of POLS) with these
+#              params more, RULER off, evaluated alone (run_stages.py); $OUT/evalB.json. It starts beside the first arm
+set -uo pipefail
+mode=${1:?usage: job.sh run|status SECONDS}
+limit=${2:-0}
+t_start=$(date +%s)
+SRC=$(pwd)
+KV=${KV:-/tmp/kv}
+J=$KV/.job
+OUT=${OUT:-$SRC/device-out}
+mkdir -p "$OUT"
+py=python3
+say() { echo "[job $(date +%H:%M:%S)] $*" | tee -a "$J/job.log" >&2; }
+
+set_params() {  # set_params FILE POLS "k=v ..."
+  $py - "$@" <<'PY'
+import sys, yaml
+path, pols, sets = sys.argv[1], sys.argv[2], sys.argv[3]
+p = yaml.safe_load(open(path))
+if pols.strip():
+    p.setdefault("train", {})["policies"] = pols.split()
+for kv in sets.split():
+    key, _, value = kv.partition("=")
+    if not _:
+        sys.exit(f"job.sh: {kv!r} is not dotted.key=value")
+    *head, last = key.split(".")
+    node = p
+    for h in head:
+        node = node.setdefault(h, {})
+    node[last] = yaml.safe_load(value)
+with open(path, "w") as f:
+    yaml.safe_dump(p, f, sort_keys=False)
+PY
+}
+
+policies() { $py -c "import yaml,sys; print(' '.join(yaml.safe_load(open(sys.argv[1]))['train']['policies']))" "$1"; }
+
+copy_tree() {  # copy_tree FROM TO: the checkout without the kit and git
+  mkdir -p "$2"
+  tar -C "$1" --exclude=./.git --exclude=./.whl --exclude=./.whl-rx --exclude=./.devmodel-a --exclude=./.devmodel-b \
+    --exclude=./device-out -cf - . | tar -C "$2" -xf -
+}
+
+prepare() {
+  [ -f "$SRC/.cache/embedded/SmolLM2-135M-Instruct.Q4_1.gguf" ] || { echo "job.sh: no model in .cache/embedded: start with scripts/device/run.sh" >&2; exit 2; }
+  rm -rf "$KV"
+  copy_tree "$SRC" "$KV"
+  rm -rf "$KV/metrics" "$KV/plots"  # the committed run's outputs: --skip-done would take them for this run's
+  mkdir -p "$J" "$KV/metrics"
+  cd "$KV"
+  for prof in ${PROFILES-4k ruler}; do $py pipeline/profiles.py "$prof" --write params.yaml || exit; done
+  set_params params.yaml "${POLS:-}" "${SET:-}" || exit
+  echo "${KVPOP_GIT_COMMIT:-unknown}" > "$J/commit"
+  say "prepare: train.policies [$(policies params.yaml)], commit $(cat "$J/commit")"
+  $py pipeline/run_stages.py --to pack > "$J/prep.log" 2>&1 || { tail -30 "$J/prep.log"; exit 1; }
+  say "prepared in $(( $(date +%s) - t_start )) s"
+}
+
+stage_cmd() {  # stage_cmd STAGE ITEM: dvc.yaml's command for one item of a foreach stage, from this copy's params
+  $py - "$1" "$2" <<'PY'
+import sys, yaml
+sys.path.insert(0, "pipeline")
+from run_stages import commands
+for stage, item, cmd, _ in commands(yaml.safe_load(open("dvc.yaml")), yaml.safe_load(open("params.yaml"))):
+    if (stage, item) == (sys.argv[1], sys.argv[2]):
+        print(cmd)
+PY
+}
+
+eval_copy() {  # eval_copy NAME POLICY|- : the evaluate stage in a copy that shares data, base model, exports and RULER cache,
+  # over one trained policy alone (evaluate.policies none) or, with -, over the untrained ones alone; its RULER tasks,
+  # kept in the shared .cache/ruler under the same keys, are done for the final evaluate
+  local name=$1 pol=$2 E=$KV-$1
+  rm -rf "$E"
+  mkdir -p "$E/models" "$E/.cache" "$E/metrics" "$KV/.cache/ruler" "$KV/models/export"
+  for f in pipeline src params.yaml dvc.yaml; do cp -r "$KV/$f" "$E/"; done
+  ln -s "$KV/data" "$E/data"
+  ln -s "$KV/models/base" "$E/models/base"
+  ln -s "$KV/models/export" "$E/models/export"
+  ln -s "$KV/.cache/ruler" "$E/.cache/ruler"
+  if [ "$pol" = - ]; then
+    set_params "$E/params.yaml" "" "evaluate.benchmarks.ruler.workers=${EW_BESIDE:-4} evaluate.one_pool=false"
+    $py -c "import yaml,sys; p=yaml.safe_load(open(sys.argv[1])); p['train']['policies']=[]; yaml.safe_dump(p, open(sys.argv[1],'w'), sort_keys=False)" "$E/params.yaml"
+  else
+    set_params "$E/params.yaml" "$pol" "evaluate.benchmarks.ruler.workers=${EW_ONE:-3} evaluate.one_pool=false evaluate.policies=[] evaluate.max_traces=1 evaluate.other_text.code=0 evaluate.other_text.prose=0"
+  fi
+  if (cd "$E" && PYTHONPATH="$E/src:${PYTHONPATH:-}" $py pipeline/evaluate.py --out metrics/eval.json > "$J/eval_$name.log" 2>&1); then
+    cp "$E/metrics/eval.json" "$J/eval_$name.json"; say "evaluate $name done"
+  else
+    say "evaluate $name failed (eval_$name.log)"
+  fi
+}
+
+policy_chain() {  # train (one retry: a training resumes from its checkpoint), export, then its own evaluate
+  local pol=$1 try
+  export PYTHONPATH="$KV/src:${PYTHONPATH:-}"
+  for try in 1 2; do
+    [ -f "$J/trained.$pol" ] && break
+    if bash -c "$(stage_cmd train "$pol")" >> "$KV/logs/train@$pol.log" 2>&1; then touch "$J/trained.$pol"; else say "training $pol stopped (try $try)"; fi
+  done
+  [ -f "$J/trained.$pol" ] || { say "training of $pol failed: left out (logs/train@$pol.log)"; return 1; }
+  say "trained $pol"
+  [ -d "models/export/$pol" ] || bash -c "$(stage_cmd export "$pol")" >> "$KV/logs/export@$pol.log" 2>&1 ||
+    { say "export of $pol failed (logs/export@$pol.log)"; return 1; }
+  [ "${EVAL_EACH:-1}" = 1 ] && eval_copy "$pol" "$pol"
+  return 0
+}
+
+drive() {  # the background part: every policy's chain side by side (and the untrained policies' evaluate), then the final evaluate
+  cd "$KV"
+  mkdir -p logs
+  if [ -n "${B_SET:-}" ]; then
+    local B=$KV-B
+    rm -rf "$B" && cp -a "$KV" "$B" && rm -rf "$B/.job" "$B/.cache/ruler"
+    set_params "$B/params.yaml" "${B_POLS:-$(policies params.yaml | awk '{print $NF}')}" "evaluate.benchmarks.ruler.samples=0 evaluate.one_pool=false $B_SET"
+    touch "$J/armB"
+    (cd "$B" && PYTHONPATH="$B/src:${PYTHONPATH:-}" $py pipeline/run_stages.py --from train --parallel train --skip-done > "$J/armB.log" 2>&1 &&
+      cp metrics/eval.json "$J/evalB.json" && say "arm B done" || say "arm B failed (armB.log)"; touch "$J/armB.done") &
+  fi
+  local early=""
+  if [ "${EARLY:-1}" = 1 ]; then eval_copy early - & early=$!; fi
+  local chains=() pol
+  for pol in $(policies params.yaml); do
+    policy_chain "$pol" &
+    chains+=($!)
+  done
+  wait "${chains[@]}" $early  # not arm B: it ends on its own (armB.done)
+  local kept=""
+  for pol in $(policies params.yaml); do [ -d "models/export/$pol" ] && kept="$kept $pol"; done
+  set_params params.yaml "$kept" "evaluate.benchmarks.ruler.workers=${EW_AFTER:-6}"
+  say "final evaluate over [$kept ] and the untrained policies"
+  if $py pipeline/run_stages.py --from evaluate > "$J/rest.log" 2>&1; then say "evaluate done"; else say "evaluate failed (rest.log)"; fi
+  touch "$J/done"
+}
+
+collect() {
+  {
+    echo "commit $(cat "$J/commit" 2>/dev/null); $(date -u +%FT%TZ); $(( $(date +%s) - t_start )) s in this call"
+    cat "$J/job.log" 2>/dev/null
+    for f in "$KV"/logs/train@*.log "$KV-B"/logs/train@*.log; do
+      [ -f "$f" ] && echo "== $f: $(tr '\r' '\n' < "$f" | grep -a '^train [0-9]' | tail -1)"
+    done
+    for f in "$J"/rest.log "$J"/eval_*.log "$J"/armB.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -n 6 "$f"; }; done
+    ls "$KV"/.cache/ruler 2>/dev/null | head -50
+    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null
+  } > "$OUT/status.txt" 2>&1
+  [ -f "$KV/metrics/eval.json" ] && [ -f "$J/done" ] && cp "$KV/metrics/eval.json" "$OUT/eval.json"
+  [ -f "$J/eval_early.json" ] && cp "$J/eval_early.json" "$OUT/eval_early.json"  # the untrained policies' (the trained ones' own: logs.tgz)
+  [ -f "$J/evalB.json" ] && cp "$J/evalB.json" "$OUT/evalB.json"
+  tar -czf "$OUT/logs.tgz" -C / --ignore-failed-read $(cd / && ls -d "${J#/}" "${KV#/}/logs" "${KV#/}/metrics" tmp/kvpop-ruler-* 2>/dev/null) 2>/dev/null
+  [ -d "$KV/.cache/ruler" ] && tar -czf "$OUT/ruler.tgz" -C "$KV/.cache" ruler
+  cat "$OUT/status.txt"
+}
+
+case $mode in
+  run)
+    if [ ! -f "$J/started" ]; then
+      prepare
+      touch "$J/started"
+      # from the copy: the host re-copies the checkout at each call, and bash reads a script as it runs
+      setsid nohup bash "$KV/scripts/device/job.sh" _drive > "$J/drive.log" 2>&1 < /dev/null &
+    fi
+    finished() { [ -f "$J/done" ] && { [ ! -f "$J/armB" ] || [ -f "$J/armB.done" ]; }; }
+    while ! finished && [ $(( $(date +%s) - t_start )) -lt $(( limit - 20 )) ]; do sleep 5; done
+    collect
+    ;;
+  _drive) mkdir -p "$J"; drive ;;
+  status) collect ;;
+  *) echo "job.sh: unknown mode $mode (run, status)" >&2; exit 2 ;;
+esac
