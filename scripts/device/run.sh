@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # On the GPU host, in its copy of the checkout: install what this call carries of the kit (scripts/device/kit.sh),
 # then run the command given.
-#   bash scripts/device/run.sh true                                   # carry .devmodel-a (the first half of the model)
-#   bash scripts/device/run.sh bash scripts/device/job.sh status 0     # carry .devmodel-b and .whl (then .whl-rx)
+#   bash scripts/device/run.sh true                                   # carry .devmodel-a (half the model) and .whl
+#   bash scripts/device/run.sh true                                   # then carry .devmodel-b, then .whl-rx with the job
+#   bash scripts/device/run.sh python3 bench/bench_decode.py --parts b1,pooled   # any command, once the kit is in
 # What it installs stays under /tmp while the machine stays warm: the wheels in /tmp/site, the model in
 # /tmp/devmodel (checked against the SHA256 kit.sh recorded). Later calls carry nothing of the kit.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site KVPOP_TRACKING=off
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/src KVPOP_TRACKING=off  # src: bench scripts run as they are
 mkdir -p /tmp/devmodel /tmp/site
 gguf=/tmp/devmodel/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ -f .devmodel-a/part_aa ]; then cp .devmodel-a/part_aa /tmp/devmodel/ || exit; fi
