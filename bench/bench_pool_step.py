@@ -13,6 +13,7 @@ chunked pass alone (the same call outside the step), and both as ratios to ``kvp
 
     PYTHONPATH=src python bench/bench_pool_step.py                                  # CUDA: 4,096 tokens, delays 64, 128, 192
     PYTHONPATH=src python bench/bench_pool_step.py --cpu-smoke --out /tmp/pool.json  # CPU: 2 layers, 512 tokens, window 64
+    PYTHONPATH=src python bench/bench_pool_step.py --scorer-kl 30 --delays --out /tmp/kl.json  # the KL signal's cost alone
 
 ``--out`` defaults to ``results/bench_pool_step/<device>[_small].json`` (:func:`kvpop.provenance.write_result`).
 Needs pydantic (:class:`kvpop.config.TrainConfig`).
@@ -62,10 +63,10 @@ def smollm2_model(layers: int, dev: torch.device):
     return AutoModelForCausalLM.from_config(cfg).to(dev).eval().requires_grad_(False)
 
 
-def run_variant(teacher, name: str, delay: int | None, rows: PackedDataset, args, dev: torch.device) -> dict:
+def run_variant(teacher, name: str, delay: int | None, rows: PackedDataset, args, dev: torch.device, scorer_kl: float = 0.0) -> dict:
     cuda = dev.type == "cuda"
     cfg = TrainConfig(steps=args.warmup + args.steps, batch_size=1, top_logits=args.top_logits, scorer_delay=delay, target="max",
-                      boundary_weight="uniform", precision="bf16-mixed" if cuda else "32-true", accelerator=dev.type)
+                      boundary_weight="uniform", scorer_kl=scorer_kl, precision="bf16-mixed" if cuda else "32-true", accelerator=dev.type)
     training = build_training(teacher, name, rows, cfg=cfg, layout=CacheLayout(args.budget, args.sinks, args.window), seed=0)
     policy, student = training.policy.to(dev), training.student
     with torch.no_grad():
@@ -85,7 +86,7 @@ def run_variant(teacher, name: str, delay: int | None, rows: PackedDataset, args
         sync(dev)
         chunked.append(time.perf_counter() - t0)
     reach = args.window - (policy.read_delay(args.window) or 0)
-    return {"policy": name, "delay": delay, "chunk": reach, "chunks": -(-args.tokens // reach), "long_range": layout.long_range,
+    return {"policy": name, "delay": delay, "scorer_kl": scorer_kl, "chunk": reach, "chunks": -(-args.tokens // reach), "long_range": layout.long_range,
             "step_s": statistics.median(timer.seconds[args.warmup :]), "chunked_s": statistics.median(chunked[args.warmup :])}
 
 
@@ -95,7 +96,10 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--window", type=int, default=256)
-    ap.add_argument("--delays", type=int, nargs="+", default=[64, 128, 192], help="kvpop_pool's train.scorer_delay, one variant each")
+    ap.add_argument("--delays", type=int, nargs="*", default=None, help="kvpop_pool's train.scorer_delay, one variant each (default 64 128 192, "
+                    "--cpu-smoke 16 32 48; none given: no kvpop_pool row)")
+    ap.add_argument("--scorer-kl", type=float, nargs="*", default=[], help="kvpop_mlp_pool with train.scorer_kl A, one variant each "
+                    "(the KL's signal to the scorer: every layer scored before its attention, a float mask with a gradient)")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--top-logits", type=int, default=256)
     ap.add_argument("--warmup", type=int, default=2)
@@ -106,10 +110,13 @@ def main() -> None:
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.cpu_smoke
     if args.cpu_smoke:
-        args.tokens, args.budget, args.window, args.delays, args.layers = 512, 128, 64, [16, 32, 48], 2
+        args.tokens, args.budget, args.window, args.layers = 512, 128, 64, 2
+        args.delays = [16, 32, 48] if args.delays is None else args.delays
         args.top_logits, args.warmup, args.steps = 16, 1, 2
     elif not cuda:
         raise SystemExit("no CUDA device: use --cpu-smoke for the CPU run")
+    if args.delays is None:
+        args.delays = [64, 128, 192]
     torch.set_float32_matmul_precision("high")  # TF32 on CUDA, as the profiles train (train.matmul_precision); no effect on the CPU
     dev = torch.device("cuda" if cuda else "cpu")
     out = Path(args.out) if args.out else default_out(__file__, small=args.cpu_smoke, cuda=cuda)
@@ -121,12 +128,13 @@ def main() -> None:
     res = {"config": {"model": f"SmolLM2-135M architecture, {args.layers} layers, random weights", "tokens": S, "budget": args.budget,
                       "sinks": args.sinks, "window": args.window, "warmup": args.warmup, "steps": args.steps, "statistic": "median",
                       "precision": "bf16-mixed" if cuda else "float32"}, "variants": []}
-    for name, delay in [("kvpop_mlp_pool", None)] + [("kvpop_pool", d) for d in args.delays]:
-        row = run_variant(teacher, name, delay, rows, args, dev)
+    variants = [("kvpop_mlp_pool", None, 0.0)] + [("kvpop_mlp_pool", None, a) for a in args.scorer_kl if a > 0]
+    for name, delay, kl in variants + [("kvpop_pool", d, 0.0) for d in args.delays]:
+        row = run_variant(teacher, name, delay, rows, args, dev, scorer_kl=kl)
         base = res["variants"][0] if res["variants"] else row
         row.update(step_ratio=round(row["step_s"] / base["step_s"], 3), chunked_ratio=round(row["chunked_s"] / base["chunked_s"], 3))
         res["variants"].append(row)
-        print(f"{name:15s} delay {delay!s:>4} chunk {row['chunk']:4d}: step {row['step_s']:.3f} s ({row['step_ratio']:.2f}x), "
+        print(f"{name:15s} delay {delay!s:>4} scorer_kl {kl:g} chunk {row['chunk']:4d}: step {row['step_s']:.3f} s ({row['step_ratio']:.2f}x), "
               f"chunked pass {row['chunked_s']:.3f} s ({row['chunked_ratio']:.2f}x)", flush=True)
         write_result(out, res)
     print(f"wrote {out}")
