@@ -108,6 +108,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--tmp-dir", default="/tmp/bench_pool_step", help="Lightning's default_root_dir (nothing is written there)")
     args = ap.parse_args()
+    if bad := [a for a in args.scorer_kl if a < 0]:
+        ap.error(f"--scorer-kl {bad}: train.scorer_kl is >= 0 (0: the plain step, always the first row)")
     cuda = torch.cuda.is_available() and not args.cpu_smoke
     if args.cpu_smoke:
         args.tokens, args.budget, args.window, args.layers = 512, 128, 64, 2

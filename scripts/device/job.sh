@@ -100,8 +100,7 @@ eval_copy() {  # eval_copy NAME POLICY|- : the evaluate stage in a copy that sha
   ln -s "$KV/models/export" "$E/models/export"
   ln -s "$KV/.cache/ruler" "$E/.cache/ruler"
   if [ "$pol" = - ]; then
-    set_params "$E/params.yaml" "" "evaluate.benchmarks.ruler.workers=${EW_BESIDE:-4} evaluate.one_pool=false"
-    $py -c "import yaml,sys; p=yaml.safe_load(open(sys.argv[1])); p['train']['policies']=[]; yaml.safe_dump(p, open(sys.argv[1],'w'), sort_keys=False)" "$E/params.yaml"
+    set_params "$E/params.yaml" "" "train.policies=[] evaluate.benchmarks.ruler.workers=${EW_BESIDE:-4} evaluate.one_pool=false"
   else
     set_params "$E/params.yaml" "$pol" "evaluate.benchmarks.ruler.workers=${EW_ONE:-3} evaluate.one_pool=false evaluate.policies=[] evaluate.max_traces=1 evaluate.other_text.code=0 evaluate.other_text.prose=0"
   fi

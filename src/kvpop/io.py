@@ -5,17 +5,24 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def _beside(path: Path, make):
+    """``(tmp, make(tmp))``: a new temp name beside ``path``, created by ``make`` (FileExistsError if it exists: another name).
+
+    ``make`` creates with mode 0o666 / 0o777, so the kernel applies the umask as for any new file: unlike
+    tempfile's 0600 / 0700, and without reading the umask (``os.umask`` sets it, process-wide, to read it)."""
+    while True:
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            return tmp, make(tmp)
+        except FileExistsError:
+            continue
 
 
 @contextlib.contextmanager
@@ -26,11 +33,10 @@ def atomic_file(path: str | Path, mode: str = "w", **open_kw) -> Iterator[IO]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp, fd = _beside(path, lambda t: os.open(t, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
         with os.fdopen(fd, mode, **open_kw) as f:
             yield f
-        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -45,10 +51,9 @@ def atomic_dir(out_dir: str | Path) -> Iterator[Path]:
     """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp, _ = _beside(out_dir, lambda t: t.mkdir(0o777))
     try:
         yield tmp
-        tmp.chmod(0o777 & ~_umask())
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)

@@ -165,7 +165,6 @@ def write_result(path: str | Path, payload: dict, *, what: str | None = None, co
     if not what or "\n" in what:
         raise ValueError(f"a result needs a one-line 'what' (what it measures), got {what!r}")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"provenance": provenance if provenance is not None else envelope(command), "what": what,
            **{k: v for k, v in payload.items() if k != "what"}}
     with atomic_file(path) as f:

@@ -22,7 +22,7 @@ from pathlib import Path
 import lightning as L
 
 from kvpop.export import CheckpointError, check_training_checkpoint
-from kvpop.io import atomic_dir
+from kvpop.io import atomic_dir, atomic_file
 
 RUN_FILE = "run.json"
 _CKPT = re.compile(r"^step-(\d{8})\.ckpt$")
@@ -98,9 +98,8 @@ def begin_run(resume_dir: Path, run_config: dict) -> None:
     for p in resume_dir.glob(".step-*.partial"):  # an interrupted save: never complete
         shutil.rmtree(p) if p.is_dir() else p.unlink()
     if not (resume_dir / RUN_FILE).is_file():
-        tmp = resume_dir / f".{RUN_FILE}.tmp"
-        tmp.write_text(json.dumps(run_config, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, resume_dir / RUN_FILE)
+        with atomic_file(resume_dir / RUN_FILE) as f:
+            f.write(json.dumps(run_config, indent=2, sort_keys=True) + "\n")
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
