@@ -18,6 +18,7 @@
 #   POLS       train.policies (default: the profiles')
 #   SET        more params, "dotted.key=<yaml> ..." (e.g. "evaluate.max_traces=8")
 #   EARLY      1 (default): the untrained policies' evaluate beside the trainings; 0: none. EVAL_EACH: the same for each trained one
+#   EACH_FULL  1 (default): a trained policy's own evaluate makes its whole row (quotes, KL, other text, RULER); 0: RULER alone
 #   EW_BESIDE, EW_ONE, EW_AFTER  evaluate.benchmarks.ruler.workers of the early evaluate (4), a policy's own (3), the final one (6)
 #   B_SET      a second arm: the prepared copy again (KV-B), B_POLS trained (default: the last of POLS) with these
 #              params more, RULER off, evaluated alone (run_stages.py); $OUT/evalB.json. It starts beside the first arm
@@ -102,7 +103,11 @@ eval_copy() {  # eval_copy NAME POLICY|- : the evaluate stage in a copy that sha
   if [ "$pol" = - ]; then
     set_params "$E/params.yaml" "" "train.policies=[] evaluate.benchmarks.ruler.workers=${EW_BESIDE:-4} evaluate.one_pool=false"
   else
-    set_params "$E/params.yaml" "$pol" "evaluate.benchmarks.ruler.workers=${EW_ONE:-3} evaluate.one_pool=false evaluate.policies=[] evaluate.max_traces=1 evaluate.other_text.code=0 evaluate.other_text.prose=0"
+    # EACH_FULL 1 (default): its quotes, KL and other text too, on the rows of the final evaluate (a run cut off before
+    # the final evaluate still has every finished policy's whole row beside eval_early.json's); 0: RULER alone
+    local rest="evaluate.max_traces=1 evaluate.other_text.code=0 evaluate.other_text.prose=0"
+    [ "${EACH_FULL:-1}" = 1 ] && rest=""
+    set_params "$E/params.yaml" "$pol" "evaluate.benchmarks.ruler.workers=${EW_ONE:-3} evaluate.one_pool=false evaluate.policies=[] $rest"
   fi
   if (cd "$E" && PYTHONPATH="$E/src:${PYTHONPATH:-}" $py pipeline/evaluate.py --out metrics/eval.json > "$J/eval_$name.log" 2>&1); then
     cp "$E/metrics/eval.json" "$J/eval_$name.json"; say "evaluate $name done"
