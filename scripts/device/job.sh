@@ -18,6 +18,9 @@
 #   POLS       train.policies (default: the profiles')
 #   SET        more params, "dotted.key=<yaml> ..." (e.g. "evaluate.max_traces=8")
 #   EARLY      1 (default): the untrained policies' evaluate beside the trainings; 0: none. EVAL_EACH: the same for each trained one
+#   EARLY_RULER 1 (default): the early evaluate runs RULER too; 0: its quotes, KL and other text alone (RULER rows of the
+#              untrained policies taken from an earlier run, merged by bench/bench_ruler.py)
+#   FINAL      1 (default): the final evaluate over every policy; 0: none (the rows are the per-policy ones and eval_early.json's)
 #   EACH_FULL  1 (default): a trained policy's own evaluate makes its whole row (quotes, KL, other text, RULER); 0: RULER alone
 #   EW_BESIDE, EW_ONE, EW_AFTER  evaluate.benchmarks.ruler.workers of the early evaluate (4), a policy's own (3), the final one (6)
 #   B_SET      a second arm: the prepared copy again (KV-B), B_POLS trained (default: the last of POLS) with these
@@ -101,7 +104,9 @@ eval_copy() {  # eval_copy NAME POLICY|- : the evaluate stage in a copy that sha
   ln -s "$KV/models/export" "$E/models/export"
   ln -s "$KV/.cache/ruler" "$E/.cache/ruler"
   if [ "$pol" = - ]; then
-    set_params "$E/params.yaml" "" "train.policies=[] evaluate.benchmarks.ruler.workers=${EW_BESIDE:-4} evaluate.one_pool=false"
+    local ruler="evaluate.benchmarks.ruler.workers=${EW_BESIDE:-4}"
+    [ "${EARLY_RULER:-1}" = 1 ] || ruler="evaluate.benchmarks.ruler.samples=0"
+    set_params "$E/params.yaml" "" "train.policies=[] evaluate.one_pool=false $ruler"
   else
     # EACH_FULL 1 (default): its quotes, KL and other text too, on the rows of the final evaluate (a run cut off before
     # the final evaluate still has every finished policy's whole row beside eval_early.json's); 0: RULER alone
@@ -152,9 +157,13 @@ drive() {  # the background part: every policy's chain side by side (and the unt
   wait "${chains[@]}" $early  # not arm B: it ends on its own (armB.done)
   local kept=""
   for pol in $(policies params.yaml); do [ -d "models/export/$pol" ] && kept="$kept $pol"; done
-  set_params params.yaml "$kept" "evaluate.benchmarks.ruler.workers=${EW_AFTER:-6}"
-  say "final evaluate over [$kept ] and the untrained policies"
-  if $py pipeline/run_stages.py --from evaluate > "$J/rest.log" 2>&1; then say "evaluate done"; else say "evaluate failed (rest.log)"; fi
+  if [ "${FINAL:-1}" = 1 ]; then
+    set_params params.yaml "$kept" "evaluate.benchmarks.ruler.workers=${EW_AFTER:-6}"
+    say "final evaluate over [$kept ] and the untrained policies"
+    if $py pipeline/run_stages.py --from evaluate > "$J/rest.log" 2>&1; then say "evaluate done"; else say "evaluate failed (rest.log)"; fi
+  else
+    say "chains done: [$kept ] (FINAL=0: no final evaluate; each policy's own evaluate and eval_early.json hold the rows)"
+  fi
   touch "$J/done"
 }
 
