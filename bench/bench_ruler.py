@@ -10,7 +10,8 @@ written with its provenance (:func:`kvpop.provenance.write_result`), and prints 
 
 ``--eval NAME=PATH`` repeats (one configuration each; the name labels it; runs given the same name are one
 configuration, each policy's rows from the run that has it: :func:`kvpop.ruler.merge_runs`, which refuses runs on
-other samples or a policy whose figures differ between them); ``--provenance FILE`` gives the
+other samples or a policy whose figures differ between them; the configuration's ``"runs"`` then says which policies
+each file gave, with the provenance that file holds, e.g. a section kept from an earlier GPU run); ``--provenance FILE`` gives the
 provenance of runs made on another machine (the GPU's), else this process's is written. A file without a RULER
 section exits with status 2 and says which.
 """
@@ -52,14 +53,22 @@ def main(argv: list[str] | None = None) -> int:
             doc = json.loads(Path(path).read_text())
             if "ruler" not in doc:
                 raise ValueError("no 'ruler' section: run the evaluate stage with evaluate.benchmarks.ruler set")
-            sections.setdefault(name, []).append(doc["ruler"])
+            sections.setdefault(name, []).append((path, doc["ruler"], doc.get("provenance")))
         except (OSError, ValueError) as err:
             print(f"error: {path}: {err}", file=sys.stderr)
             return 2
     configs = []
     for name, runs in sections.items():
         try:
-            configs.append(configuration(name, merge_runs(runs)))
+            config = configuration(name, merge_runs([sec for _, sec, _ in runs]))
+            if len(runs) > 1:  # which run each policy's rows come from (the first that holds it), with that run's provenance where its file has one
+                seen: set[str] = set()
+                config["runs"] = []
+                for path, sec, run_prov in runs:
+                    mine = [p for p in sec["policies"] if p not in seen]
+                    seen.update(mine)
+                    config["runs"].append({"eval": path, "policies": mine, **({"provenance": run_prov} if run_prov else {})})
+            configs.append(config)
         except ValueError as err:
             print(f"error: configuration {name}: {err}", file=sys.stderr)
             return 2

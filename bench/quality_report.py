@@ -8,6 +8,9 @@ configuration of the same name), with the quality issue's bars for the best poli
     python pipeline/profiles.py 4k --write params.yaml && KVPOP_TRACKING=off python pipeline/run_stages.py --parallel train --skip-done
     python bench/quality_report.py --config 4k --eval metrics/eval.json --train metrics/train --out results/quality/h200_pipeline.json
 
+``--eval`` repeated: one run evaluated in parts (scripts/device/job.sh with ``FINAL=0``: each trained policy's own evaluate
+beside the untrained policies' one), joined into one set of rows (the parts must agree on the held-out data).
+
 ``--merge``: the run trained only some policies (one too slow to train beside the others, say) and adds them to the
 configuration of the same name already in the file, made by an earlier run of the same settings: the rows both runs
 hold without training them (dense, streaming_llm, the ceilings) must agree, as must the settings and the held-out
@@ -94,10 +97,35 @@ def merged(earlier: dict, new: dict, *, trained: set[str], run: dict) -> dict:
     return out
 
 
+def combined(evals: list[tuple[str, dict]]) -> dict:
+    """One evaluate run's metrics from several evaluates of it over parts of its policies (scripts/device/job.sh's per-policy
+    evaluates beside the untrained policies' one): rows and other text joined; ValueError where they are not the same run's
+    (other held-out data or budget) or a policy both hold differs by more than :data:`SAME_ROW_TOL`."""
+    (first, out), *rest = evals
+    out = copy.deepcopy(out)
+    for path, ev in rest:
+        for key in ("budget", "eval_tokens", "eval_traces"):
+            if key in out and key in ev and out[key] != ev[key]:
+                raise ValueError(f"{path}: {key} is {ev[key]}, {out[key]} in {first}: not the same run's data")
+        for key in ("eval_tokens", "eval_traces", "mean_trace_tokens", "budget"):
+            out.setdefault(key, ev.get(key))
+        for name, row in ev.get("policies", {}).items():
+            if name in out.setdefault("policies", {}):
+                for key in ("quote_accuracy", "kl", "top1_agreement"):
+                    a, b = out["policies"][name].get(key), row.get(key)
+                    if a is not None and b is not None and abs(a - b) > SAME_ROW_TOL:
+                        raise ValueError(f"{path}: {name}'s {key} is {b}, {a} in {first}")
+            out["policies"][name] = row
+        for kind, rows in ev.get("other_text", {}).items():
+            out.setdefault("other_text", {}).setdefault(kind, {}).update(rows)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="the configuration's name (a profile: 4k, 8k, ...)")
-    ap.add_argument("--eval", default="metrics/eval.json", help="the evaluate stage's metrics")
+    ap.add_argument("--eval", action="append", default=[], help="the evaluate stage's metrics (default metrics/eval.json); repeated: "
+                    "evaluates of one run over parts of its policies, joined (scripts/device/job.sh with FINAL=0)")
     ap.add_argument("--train", default="metrics/train", help="the folder of the trainings' metrics (<policy>.json)")
     ap.add_argument("--params", default="params.yaml", help="the params the run used (budget, train.*)")
     ap.add_argument("--note", help="how the run was made, kept in the configuration (e.g. what did not finish)")
@@ -108,14 +136,15 @@ def main(argv: list[str] | None = None) -> int:
                     "(its untrained rows, settings and held-out tokens must match)")
     args = ap.parse_args(argv)
     try:
-        ev = json.loads(Path(args.eval).read_text())
+        evals = [(path, json.loads(Path(path).read_text())) for path in args.eval or ["metrics/eval.json"]]
         params = yaml.safe_load(Path(args.params).read_text())
         prov = read_provenance(args.provenance) if args.provenance else None
+        for path, ev in evals:
+            if "policies" not in ev:
+                raise ValueError(f"{path} holds no 'policies': not an evaluate stage's metrics")
+        ev = combined(evals)
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
-    if "policies" not in ev:
-        print(f"error: {args.eval} holds no 'policies': not an evaluate stage's metrics", file=sys.stderr)
         return 2
     tr = params.get("train", {})
     train = {}

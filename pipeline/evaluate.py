@@ -351,6 +351,7 @@ def ruler_worker(args) -> None:
     each result to its file."""
     from kvpop import ruler
 
+    t_load = time.monotonic()
     p = params()
     folder = Path(args.ruler_worker)
     job = json.loads((folder / f"job_{args.ruler_part}.json").read_text())
@@ -363,9 +364,14 @@ def ruler_worker(args) -> None:
         fail(f"RULER worker: policies {missing} are not among the evaluated ones")
     samples = torch.load(folder / "samples.pt", weights_only=False)
     opts = ruler_options(p, tok, device)
+    t_start = time.monotonic()
+    console.print(f"RULER worker {args.ruler_part}: policies and samples loaded in {t_start - t_load:.0f} s", highlight=False)
     for name, tasks, out, kept in job["parts"]:
-        def run(sub, on_task, name=name):
-            ruler.evaluate_ruler({t: samples[t] for t in sub}, tok, teacher, [by_name[name]], **opts, on_task=on_task)
+        def stage(what: str, done: int, total: int, name=name) -> None:  # the teacher-forced passes come first, each task's answers after
+            console.print(f"RULER {name}: {what} {done}/{total}, {time.monotonic() - t_start:.0f} s into the worker", highlight=False)
+
+        def run(sub, on_task, name=name, stage=stage):
+            ruler.evaluate_ruler({t: samples[t] for t in sub}, tok, teacher, [by_name[name]], **opts, on_task=on_task, progress=stage)
         again = ruler_policy(tasks, Path(out), Path(kept), run)
         again = f", {again} of them from a run before" if again else ""
         console.print(f"RULER worker {args.ruler_part}: {name} ({', '.join(tasks)}{again}) done", highlight=False)

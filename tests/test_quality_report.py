@@ -94,3 +94,38 @@ def test_a_run_of_some_policies_merges_into_its_configuration(tmp_path):
     moved = dict(later, dense=row(0.70, 0.0))
     proc = run("moved", moved, ["kvpop_pool"], "--merge")
     assert proc.returncode == 2 and "not the same rows: dense's quote_accuracy" in proc.stderr and out.read_text() == before
+
+
+def test_evaluates_of_parts_of_one_run_are_joined(tmp_path):
+    """--eval repeated: the untrained policies' evaluate and each trained policy's own (scripts/device/job.sh, FINAL=0)
+    make one configuration; parts on other held-out data, or disagreeing on a row both hold, are refused, nothing written."""
+    out = tmp_path / "q.json"
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"budget": 512, "sinks": 4, "window": 256, "train": {"policies": ["dbtrimkv", "kvpop_mlp_pool"],
+                                                                                          "seq_len": 4096, "steps": 300}}))
+
+    def part(tag: str, names: list[str], **over) -> str:
+        ev = tmp_path / f"eval_{tag}.json"
+        other = {kind: {n: rows[n] for n in names if n in rows} for kind, rows in OTHER.items()}
+        ev.write_text(json.dumps({"policies": {n: POLICIES[n] for n in names}, "other_text": other, "budget": 512, "eval_tokens": 1000,
+                                  "eval_traces": 16, **over}))
+        return str(ev)
+
+    def run(*evals: str) -> subprocess.CompletedProcess:
+        args = [sys.executable, "bench/quality_report.py", "--config", "4k", "--params", str(params), "--train", str(tmp_path), "--out", str(out)]
+        for ev in evals:
+            args += ["--eval", ev]
+        return subprocess.run(args, cwd=ROOT, env={"PYTHONPATH": str(ROOT / "src"), "PATH": os.environ["PATH"]}, capture_output=True, text=True)
+
+    early, db, pool = part("early", ["dense", "streaming_llm"]), part("db", ["dbtrimkv"]), part("pool", ["kvpop_mlp_pool"])
+    assert run(early, part("other", ["dbtrimkv"], eval_tokens=999)).returncode == 2 and not out.exists()
+    moved = tmp_path / "eval_moved.json"
+    moved.write_text(json.dumps({"policies": {"dense": row(0.70, 0.0)}, "budget": 512, "eval_tokens": 1000}))
+    proc = run(early, str(moved))
+    assert proc.returncode == 2 and "dense's quote_accuracy" in proc.stderr and not out.exists()
+    proc = run(early, db, pool)
+    assert proc.returncode == 0, proc.stderr
+    (c,) = json.loads(out.read_text())["configurations"]
+    assert set(c["policies"]) == {"dense", "streaming_llm", "dbtrimkv", "kvpop_mlp_pool"} and c["eval"]["eval_tokens"] == 1000
+    assert set(c["other_text"]["code"]) == {"streaming_llm", "dbtrimkv", "kvpop_mlp_pool"}
+    assert c["bars"]["policy"] == "kvpop_mlp_pool" and c["bars"]["met"] == {"quotes": False, "kl": True, "code": True, "prose": False}

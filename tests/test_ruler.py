@@ -387,6 +387,8 @@ def test_bench_ruler_gathers_runs_with_their_provenance(tmp_path, capsys):
     assert bench.main(["--eval", *two, "--provenance", str(tmp_path / "prov.json"), "--out", str(out)]) == 0
     (c,) = json.loads(out.read_text())["configurations"]
     assert c["mean"] == {"dense": 0.5, "kvpop_mlp_pool": 0.25} and set(c["teacher_forced_mean"]) == {"dense", "oracle_target", "kvpop_mlp_pool"}
+    assert [(r["eval"], r["policies"], "provenance" in r) for r in c["runs"]] == [
+        (str(tmp_path / "eval.json"), ["dense", "oracle_target"], False), (str(tmp_path / "eval2.json"), ["kvpop_mlp_pool"], False)]
     capsys.readouterr()
     before = out.read_text()
     (tmp_path / "eval2.json").write_text(json.dumps({"ruler": {**more, "policies": {"dense": {**acc, "answers": {"vt": ["other"]}}}}}))

@@ -21,8 +21,10 @@
 #   EARLY_RULER 1 (default): the early evaluate runs RULER too; 0: its quotes, KL and other text alone (RULER rows of the
 #              untrained policies taken from an earlier run, merged by bench/bench_ruler.py)
 #   FINAL      1 (default): the final evaluate over every policy; 0: none (the rows are the per-policy ones and eval_early.json's)
-#   EACH_FULL  1 (default): a trained policy's own evaluate makes its whole row (quotes, KL, other text, RULER); 0: RULER alone
-#   EW_BESIDE, EW_ONE, EW_AFTER  evaluate.benchmarks.ruler.workers of the early evaluate (4), a policy's own (3), the final one (6)
+#   EACH_FULL  1 (default): a trained policy's own evaluates make its whole row: quotes, KL and other text (eval_POL.json,
+#              kept first), then RULER (eval_POL_ruler.json); 0: RULER alone. NO_RULER: trained policies without the RULER part
+#   EW_BESIDE, EW_ONE, EW_AFTER  evaluate.benchmarks.ruler.workers of the early evaluate (4), a policy's own (3 on a card of
+#              100 GB or more, else 2), the final one (6)
 #   B_SET      a second arm: the prepared copy again (KV-B), B_POLS trained (default: the last of POLS) with these
 #              params more, RULER off, evaluated alone (run_stages.py); $OUT/evalB.json. It starts beside the first arm
 set -uo pipefail
@@ -36,6 +38,11 @@ OUT=${OUT:-$SRC/device-out}
 mkdir -p "$OUT"
 py=python3
 say() { echo "[job $(date +%H:%M:%S)] $*" | tee -a "$J/job.log" >&2; }
+# a policy's own RULER workers: 3 on a card of 100 GB or more, else 2 (on an 80 GB H100, 2026-12-07, three beside two
+# trainings and another policy's three ran out of memory, and the stage fell back to one process)
+gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+ew_one=2
+[ "${gpu_mib:-0}" -ge 100000 ] 2>/dev/null && ew_one=3
 
 set_params() {  # set_params FILE POLS "k=v ..."
   $py - "$@" <<'PY'
@@ -98,7 +105,7 @@ eval_copy() {  # eval_copy NAME POLICY|- : the evaluate stage in a copy that sha
   local name=$1 pol=$2 E=$KV-$1
   rm -rf "$E"
   mkdir -p "$E/models" "$E/.cache" "$E/metrics" "$KV/.cache/ruler" "$KV/models/export"
-  for f in pipeline src params.yaml dvc.yaml; do cp -r "$KV/$f" "$E/"; done
+  for f in pipeline src dvc.yaml; do cp -r "$KV/$f" "$E/"; done
   ln -s "$KV/data" "$E/data"
   ln -s "$KV/models/base" "$E/models/base"
   ln -s "$KV/models/export" "$E/models/export"
@@ -106,18 +113,28 @@ eval_copy() {  # eval_copy NAME POLICY|- : the evaluate stage in a copy that sha
   if [ "$pol" = - ]; then
     local ruler="evaluate.benchmarks.ruler.workers=${EW_BESIDE:-4}"
     [ "${EARLY_RULER:-1}" = 1 ] || ruler="evaluate.benchmarks.ruler.samples=0"
-    set_params "$E/params.yaml" "" "train.policies=[] evaluate.one_pool=false $ruler"
-  else
-    # EACH_FULL 1 (default): its quotes, KL and other text too, on the rows of the final evaluate (a run cut off before
-    # the final evaluate still has every finished policy's whole row beside eval_early.json's); 0: RULER alone
-    local rest="evaluate.max_traces=1 evaluate.other_text.code=0 evaluate.other_text.prose=0"
-    [ "${EACH_FULL:-1}" = 1 ] && rest=""
-    set_params "$E/params.yaml" "$pol" "evaluate.benchmarks.ruler.workers=${EW_ONE:-3} evaluate.one_pool=false evaluate.policies=[] $rest"
+    eval_run "$E" "$name" "" "train.policies=[] evaluate.one_pool=false $ruler"
+    return
   fi
+  # a trained policy: its quotes, KL and other text first (seconds; EACH_FULL=1), kept at once as eval_NAME.json (a run
+  # cut off in RULER still has the row), then its RULER tasks alone (eval_NAME_ruler.json), unless NO_RULER names it
+  local one="evaluate.one_pool=false evaluate.policies=[]"
+  if [ "${EACH_FULL:-1}" = 1 ]; then
+    eval_run "$E" "$name" "$pol" "$one evaluate.benchmarks.ruler.samples=0" || return
+  fi
+  case " ${NO_RULER:-} " in *" $pol "*) return ;; esac
+  eval_run "$E" "${name}_ruler" "$pol" \
+    "$one evaluate.benchmarks.ruler.workers=${EW_ONE:-$ew_one} evaluate.max_traces=1 evaluate.other_text.code=0 evaluate.other_text.prose=0 evaluate.rollouts.problems=0 evaluate.memory_lengths=[]"
+}
+
+eval_run() {  # eval_run COPY NAME POLS "k=v ...": the evaluate stage in COPY over the run's params with these, -> $J/eval_NAME.json
+  local E=$1 name=$2
+  cp "$KV/params.yaml" "$E/params.yaml"
+  set_params "$E/params.yaml" "$3" "$4" || return
   if (cd "$E" && PYTHONPATH="$E/src:${PYTHONPATH:-}" $py pipeline/evaluate.py --out metrics/eval.json > "$J/eval_$name.log" 2>&1); then
     cp "$E/metrics/eval.json" "$J/eval_$name.json"; say "evaluate $name done"
   else
-    say "evaluate $name failed (eval_$name.log)"
+    say "evaluate $name failed (eval_$name.log)"; return 1
   fi
 }
 

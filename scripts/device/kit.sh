@@ -23,7 +23,8 @@ get .whl "$(pin pydantic)" "$(pin gguf)"
 core=$(unzip -p .whl/pydantic-*.whl '*/METADATA' | sed -n 's/^Requires-Dist: pydantic-core *(*==\([^);]*\).*/\1/p' | head -1)
 get .whl "pydantic-core==${core:?pydantic names no pydantic-core pin}" annotated-types typing-inspection
 # nltk imports defusedxml, which the image lacks; the generators import none of the package's other needs but scipy (there)
-get .whl-rx $(grep -o '^ruler = \[.*\]' pyproject.toml | grep -o '"[^"]*"' | tr -d '"') defusedxml
+# and tenacity (an H100 image lacked it on 2026-12-07; the ruler validation names it)
+get .whl-rx $(grep -o '^ruler = \[.*\]' pyproject.toml | grep -o '"[^"]*"' | tr -d '"') defusedxml tenacity
 if [ -x ../shared/tools/device-model.sh ] && [ ! -f .devmodel-b/SHA256 ]; then
   ../shared/tools/device-model.sh >/dev/null
 fi

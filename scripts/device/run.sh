@@ -21,5 +21,5 @@ for d in .whl .whl-rx; do
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$d"/*.whl || exit
   fi
 done
-if [ -f "$gguf" ]; then mkdir -p .cache/embedded && cp -n "$gguf" .cache/embedded/; fi
+if [ -f "$gguf" ] && [ ! -f ".cache/embedded/${gguf##*/}" ]; then mkdir -p .cache/embedded && cp "$gguf" .cache/embedded/; fi
 "$@"
