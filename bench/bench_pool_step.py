@@ -14,6 +14,7 @@ chunked pass alone (the same call outside the step), and both as ratios to ``kvp
     PYTHONPATH=src python bench/bench_pool_step.py                                  # CUDA: 4,096 tokens, delays 64, 128, 192
     PYTHONPATH=src python bench/bench_pool_step.py --cpu-smoke --out /tmp/pool.json  # CPU: 2 layers, 512 tokens, window 64
     PYTHONPATH=src python bench/bench_pool_step.py --scorer-kl 30 --delays --out /tmp/kl.json  # the KL signal's cost alone
+    PYTHONPATH=src python bench/bench_pool_step.py --graphs --delays 64            # the pass and the step from CUDA graphs (train.pool_graphs)
 
 ``--out`` defaults to ``results/bench_pool_step/<device>[_small].json`` (:func:`kvpop.provenance.write_result`).
 Needs pydantic (:class:`kvpop.config.TrainConfig`).
@@ -33,7 +34,7 @@ from kvpop.attention import register
 from kvpop.benchmarking import default_out, smollm2_config, sync
 from kvpop.config import TrainConfig
 from kvpop.geometry import CacheLayout
-from kvpop.pool import pool_chunked
+from kvpop.pool import ChunkedGraphs, pool_chunked
 from kvpop.provenance import write_result
 from kvpop.train import PackedDataset, build_training
 
@@ -63,31 +64,52 @@ def smollm2_model(layers: int, dev: torch.device):
     return AutoModelForCausalLM.from_config(cfg).to(dev).eval().requires_grad_(False)
 
 
-def run_variant(teacher, name: str, delay: int | None, rows: PackedDataset, args, dev: torch.device, scorer_kl: float = 0.0) -> dict:
+def fit_variant(teacher, name: str, delay: int | None, rows: PackedDataset, args, dev: torch.device, scorer_kl: float, graphs: bool):
+    """One variant's training by the pipeline's loop -> (its Training, the step seconds after the warm-up)."""
     cuda = dev.type == "cuda"
     cfg = TrainConfig(steps=args.warmup + args.steps, batch_size=1, top_logits=args.top_logits, scorer_delay=delay, target="max",
-                      boundary_weight="uniform", scorer_kl=scorer_kl, precision="bf16-mixed" if cuda else "32-true", accelerator=dev.type)
+                      boundary_weight="uniform", scorer_kl=scorer_kl, precision="bf16-mixed" if cuda else "32-true", accelerator=dev.type,
+                      pool_graphs=graphs)
     training = build_training(teacher, name, rows, cfg=cfg, layout=CacheLayout(args.budget, args.sinks, args.window), seed=0)
-    policy, student = training.policy.to(dev), training.student
     with torch.no_grad():
-        for cell in policy.scorer.layers:  # read-outs that differ per token: a scattered selection
+        for cell in training.policy.scorer.layers:  # read-outs that differ per token: a scattered selection
             torch.nn.init.normal_(cell.w2 if hasattr(cell, "w2") else cell.w_o)
     timer = StepTimer(dev)
     training.fit(callbacks=[timer], enable_progress_bar=False, default_root_dir=args.tmp_dir)
-    ids = rows.t["input_ids"][:1].to(dev)
-    student, policy = student.to(dev), policy.to(dev)  # Lightning's fit hands the module back on the CPU
-    layout = training.module.s.layout
-    chunked = []
-    for _ in range(args.warmup + args.steps):
+    return training, statistics.median(timer.seconds[args.warmup :])
+
+
+def time_pass(run, n: int, warmup: int, dev: torch.device, cuda: bool) -> float:
+    """Median seconds of ``run()`` (the chunked pass) after ``warmup`` calls, under the training's autocast."""
+    seconds = []
+    for _ in range(n):
         sync(dev)
         t0 = time.perf_counter()
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
-            pool_chunked(student, policy, ids, layout=layout)
+            run()
         sync(dev)
-        chunked.append(time.perf_counter() - t0)
-    reach = args.window - (policy.read_delay(args.window) or 0)
-    return {"policy": name, "delay": delay, "scorer_kl": scorer_kl, "chunk": reach, "chunks": -(-args.tokens // reach), "long_range": layout.long_range,
-            "step_s": statistics.median(timer.seconds[args.warmup :]), "chunked_s": statistics.median(chunked[args.warmup :])}
+        seconds.append(time.perf_counter() - t0)
+    return statistics.median(seconds[warmup:])
+
+
+def run_variant(teacher, name: str, delay: int | None, rows: PackedDataset, args, dev: torch.device, scorer_kl: float = 0.0) -> dict:
+    cuda = dev.type == "cuda"
+    training, step_s = fit_variant(teacher, name, delay, rows, args, dev, scorer_kl, graphs=False)
+    ids = rows.t["input_ids"][:1].to(dev)
+    student, policy = training.student.to(dev), training.policy.to(dev)  # Lightning's fit hands the module back on the CPU
+    layout = training.module.s.layout
+    n = args.warmup + args.steps
+    row = {"policy": name, "delay": delay, "scorer_kl": scorer_kl, "chunk": args.window - (policy.read_delay(args.window) or 0),
+           "long_range": layout.long_range, "step_s": step_s,
+           "chunked_s": time_pass(lambda: pool_chunked(student, policy, ids, layout=layout), n, args.warmup, dev, cuda)}
+    row["chunks"] = -(-args.tokens // row["chunk"])
+    if args.graphs:  # the same pass replayed from a CUDA graph (captured in the first call), then a training with train.pool_graphs
+        doc, pos = torch.zeros_like(ids), torch.arange(ids.shape[1], device=dev).expand_as(ids)
+        graphs = ChunkedGraphs(student, policy, layout=layout)
+        row["chunked_graph_s"] = time_pass(lambda: graphs(ids, doc_ids=doc, pos=pos), n, args.warmup, dev, cuda)
+        row["graph_fallback"] = graphs.fallback  # why the eager pass ran instead, if it did
+        row["step_graph_s"] = fit_variant(teacher, name, delay, rows, args, dev, scorer_kl, graphs=True)[1]
+    return row
 
 
 def main() -> None:
@@ -100,6 +122,8 @@ def main() -> None:
                     "--cpu-smoke 16 32 48; none given: no kvpop_pool row)")
     ap.add_argument("--scorer-kl", type=float, nargs="*", default=[], help="kvpop_mlp_pool with train.scorer_kl A, one variant each "
                     "(the KL's signal to the scorer: every layer scored before its attention, a float mask with a gradient)")
+    ap.add_argument("--graphs", action="store_true", help="also each variant's chunked pass replayed from a CUDA graph (kvpop.pool.ChunkedGraphs) "
+                    "and its step with train.pool_graphs (a second training): chunked_graph_s, step_graph_s")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--top-logits", type=int, default=256)
     ap.add_argument("--warmup", type=int, default=2)
@@ -136,8 +160,13 @@ def main() -> None:
         base = res["variants"][0] if res["variants"] else row
         row.update(step_ratio=round(row["step_s"] / base["step_s"], 3), chunked_ratio=round(row["chunked_s"] / base["chunked_s"], 3))
         res["variants"].append(row)
+        graphs = ""
+        if "chunked_graph_s" in row:
+            why = f" (eager: {row['graph_fallback']})" if row["graph_fallback"] else ""
+            graphs = (f"; CUDA graph{why}: pass {row['chunked_graph_s']:.3f} s ({row['chunked_s'] / row['chunked_graph_s']:.2f}x faster), "
+                      f"step {row['step_graph_s']:.3f} s ({row['step_s'] / row['step_graph_s']:.2f}x faster)")
         print(f"{name:15s} delay {delay!s:>4} scorer_kl {kl:g} chunk {row['chunk']:4d}: step {row['step_s']:.3f} s ({row['step_ratio']:.2f}x), "
-              f"chunked pass {row['chunked_s']:.3f} s ({row['chunked_ratio']:.2f}x)", flush=True)
+              f"chunked pass {row['chunked_s']:.3f} s ({row['chunked_ratio']:.2f}x){graphs}", flush=True)
         write_result(out, res)
     print(f"wrote {out}")
 

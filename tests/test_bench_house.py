@@ -152,7 +152,7 @@ SLOW = [  # each 15-25 s on two shared cores
     ("bench/kernels/profile_pool_prefill.py", ["--small", "--ops"], {"s_per_chunk", "table_host", "table_device", "ops_per_chunk"}),
     ("bench/bench_pool_prefill.py", ["--small", "--context", "1024", "--decay-block", "16"], {"rows", "budget", "tokens"}),
     ("bench/kernels/profile_pool_train.py", ["--small"], {"pass_s", "ranges", "table_host"}),
-    ("bench/bench_pool_step.py", ["--cpu-smoke", "--scorer-kl", "30", "--delays", "16"], {"config", "variants"}),
+    ("bench/bench_pool_step.py", ["--cpu-smoke", "--scorer-kl", "30", "--delays", "16", "--graphs"], {"config", "variants"}),
     ("bench/bench_ruler_decode.py", ["--small", "--prompts", "3", "--context", "300", "--budget", "96", "--new", "4", "--batch", "2",
                                      "--policies", "dense", "kvpop_mlp", "dbtrimkv"], {"config", "policies"}),
 ]

@@ -411,15 +411,11 @@ def test_delayed_mlstm_pool_chunked_equals_the_flex_fixed_point_decoding_and_the
     assert torch.equal(again.long(), got_p) and bool((got_p < 160).any())
 
 
-@pytest.mark.parametrize("policy_name", ["kvpop_mlp_pool", "kvpop_pool"])
-def test_stacked_scorers_equal_the_layer_by_layer_twins_on_cuda(policy_name, tiny_model):
-    """On CUDA, as training runs them (FlexAttention, bf16 autocast): the chunked pass that scores a chunk's every
-    layer in one call (Policy.all_layers) gives its layer-by-layer twin's times on packed rows, and the training
-    forward whose scorers run once after the forward (SparseContext.stack_scorers) its twin's logits, loss and
-    gradients."""
+def pool_policy_case(policy_name: str, tiny_model):
+    """A tiny llama on CUDA and ``policy_name`` (kvpop_mlp_pool, or kvpop_pool at delay 3) with random weights, seeded,
+    and its layout (budget 21, sinks 2, window 8): (device, model, policy, layout)."""
     from kvpop.decode import enable
     from kvpop.policies import make_policy
-    from kvpop.pool import pool_chunked
 
     dev = torch.device("cuda")
     model = enable(tiny_model("llama").to(dev))
@@ -432,7 +428,18 @@ def test_stacked_scorers_equal_the_layer_by_layer_twins_on_cuda(policy_name, tin
             for p in cell.parameters():
                 p.normal_(std=0.3)
     policy.to(dev)
-    layout = CacheLayout(21, 2, 8).for_policy(policy, head_dim=16)
+    return dev, model, policy, CacheLayout(21, 2, 8).for_policy(policy, head_dim=16)
+
+
+@pytest.mark.parametrize("policy_name", ["kvpop_mlp_pool", "kvpop_pool"])
+def test_stacked_scorers_equal_the_layer_by_layer_twins_on_cuda(policy_name, tiny_model):
+    """On CUDA, as training runs them (FlexAttention, bf16 autocast): the chunked pass that scores a chunk's every
+    layer in one call (Policy.all_layers) gives its layer-by-layer twin's times on packed rows, and the training
+    forward whose scorers run once after the forward (SparseContext.stack_scorers) its twin's logits, loss and
+    gradients."""
+    from kvpop.pool import pool_chunked
+
+    dev, model, policy, layout = pool_policy_case(policy_name, tiny_model)
     ids, doc, pos = (t.to(dev) for t in packed_toy(2, 160, seed=4))
     with torch.autocast("cuda", dtype=torch.bfloat16):
         evict, _ = pool_chunked(model, policy, ids, layout=layout, doc_ids=doc, pos=pos)
@@ -453,6 +460,37 @@ def test_stacked_scorers_equal_the_layer_by_layer_twins_on_cuda(policy_name, tin
     assert abs(float(ls - ls2)) <= 1e-5 * max(1.0, abs(float(ls2)))
     for name in gr:
         assert _maxdiff(gr[name], gr2[name]) <= 1e-4 * max(1.0, float(gr2[name].abs().max())), name
+
+
+@pytest.mark.parametrize("policy_name", ["kvpop_mlp_pool", "kvpop_pool"])
+def test_chunked_graphs_replay_the_eager_pass(policy_name, tiny_model):
+    """kvpop.pool.ChunkedGraphs (train.pool_graphs): the chunked pool pass captured once per row shape and replayed
+    gives the eager pass's times under bf16 autocast as training runs it: on the rows it was captured with, on new
+    packed rows, and after the scorer's and the model's weights change in place (an optimizer step); a new shape
+    is a second graph. A capture that falls back to the eager pass fails here, naming why."""
+    from kvpop.pool import ChunkedGraphs, pool_chunked
+
+    dev, model, policy, layout = pool_policy_case(policy_name, tiny_model)
+    run = ChunkedGraphs(model, policy, layout=layout)
+
+    def both(ids, doc, pos):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            got = run(ids, doc_ids=doc, pos=pos)
+            want, _ = pool_chunked(model, policy, ids, layout=layout, doc_ids=doc, pos=pos)
+        assert run.fallback is None, run.fallback
+        return got, want
+
+    rows = [tuple(t.to(dev) for t in packed_toy(2, 160, seed=s)) for s in (4, 5)]
+    for ids, doc, pos in rows:
+        got, want = both(ids, doc, pos)
+        assert torch.equal(got, want) and bool((want < 160).any())
+    with torch.no_grad():  # an optimizer step: the weights change where they are
+        for p in [*policy.parameters(), *model.parameters()]:
+            p.add_(torch.randn_like(p) * 0.05)
+    got, want = both(*rows[0])
+    assert torch.equal(got, want)
+    got, want = both(*(t.to(dev) for t in packed_toy(1, 96, seed=6)))
+    assert torch.equal(got, want) and len(run.graphs) == 2
 
 
 def random_policy(name: str):

@@ -292,6 +292,24 @@ def test_training_runs_under_the_pools_pattern_with_one_loss_for_the_model(llama
     assert all(p.grad is None for p in llama.parameters())
 
 
+def test_chunked_graphs_off_the_gpu_are_the_eager_pass(llama):
+    """kvpop.pool.ChunkedGraphs (train.pool_graphs) off a GPU, or asked for no graphs: the eager pass's times, on
+    packed rows; it captures nothing and says why it runs eagerly only where graphs were asked off (the CUDA
+    graphs against the eager pass: tests/test_gpu.py -k chunked_graphs)."""
+    from kvpop.pool import ChunkedGraphs
+
+    policy = OnePool(scorer(seed=8))
+    ids = torch.randint(0, 96, (2, 70), generator=torch.Generator().manual_seed(9))
+    doc = torch.tensor([[0] * 40 + [1] * 30, [0] * 70])
+    pos = torch.cat([torch.cat([torch.arange(40), torch.arange(30)])[None], torch.arange(70)[None]])
+    want, _ = pool_chunked(llama, policy, ids, layout=LAYOUT, doc_ids=doc, pos=pos)
+    for graphs in (True, False):
+        run = ChunkedGraphs(llama, policy, layout=LAYOUT, graphs=graphs)
+        assert torch.equal(run(ids, doc_ids=doc, pos=pos), want) and not run.graphs
+        assert run.fallback == (None if graphs else "graphs off")
+    assert (want < 70).any()
+
+
 @pytest.mark.parametrize("levels", [None, 3])
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_closed_form_is_the_pools_simulation(levels, packed):

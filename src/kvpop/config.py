@@ -143,7 +143,7 @@ class FilterConfig(_Section):
 
 #: train keys that do not change a training run's result: a resumed run may differ in them, and the
 #: pipeline's train stage does not depend on them (dvc.yaml lists every other key; a test checks it)
-TRAIN_KEYS_NOT_IN_RESULT = ("policies", "log_every", "checkpoint_every")
+TRAIN_KEYS_NOT_IN_RESULT = ("policies", "log_every", "checkpoint_every", "pool_graphs")
 
 
 #: training settings that one policy may set apart (train.per_policy): its loss and optimizer (and a pool's per-head
@@ -253,6 +253,11 @@ class TrainConfig(_Section):
     )
     activation_checkpointing: bool = Field(
         False, description="recompute each decoder layer in backward (less activation memory, ~1/3 more compute)"
+    )
+    pool_graphs: bool = Field(
+        False, description="CUDA, kvpop_mlp_pool and kvpop_pool: the chunked pool pass before each step (its eviction times) replayed from "
+        "a CUDA graph per row shape instead of launched op by op (kvpop.pool.ChunkedGraphs; the same times, the eager pass where a "
+        "capture fails); measured by bench/bench_pool_step.py --graphs",
     )
     grad_clip: float = Field(1.0, gt=0)
     log_every: int = Field(1, gt=0)

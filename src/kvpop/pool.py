@@ -214,3 +214,80 @@ def pool_chunked(model, policy: Policy, input_ids: Tensor, *, layout: CacheLayou
         if keep_logits:
             logits.append(out.logits.float())
     return times(None).long(), (torch.cat(logits, 1) if keep_logits else None)  # every query's (the last ones included)
+
+
+class ChunkedGraphs:
+    """:func:`pool_chunked`'s eviction times replayed from one CUDA graph per input shape (training's pool pass).
+
+    At the embedded model's size the chunked pass is bound by kernel launches, not arithmetic: about 2,000
+    eager operations per chunk (the model's layers, the closed form's times, the scorers), each a launch of
+    some 24 microseconds, 16 chunks per 4,096-token row (BENCHMARKS.md, "Training step of the pool's
+    policies"). The pass is the same sequence of operations on the same shapes for every row of one shape
+    (its Python decides nothing from tensor values), so it is captured once into a CUDA graph and replayed:
+    the row is copied into the graph's own input buffers, the replay re-reads the model's and scorer's
+    weights where they live (the optimizer updates them in place), and the times are copied out.
+
+    Before capturing, one eager run on a side stream (the warm-up CUDA graphs need) runs under
+    ``torch.cuda.set_sync_debug_mode("error")``: an operation that waits for the host (``.item()``, a mask
+    with a data-dependent size) raises there, and this object then says why and runs the eager pass from
+    then on (:attr:`fallback`), the same times. Autocast's weight cache is off inside the capture (a cached
+    cast would be captured once, its memory outside the graph). Off the GPU, it is :func:`pool_chunked`.
+
+    The eager pass is the twin: ``tests/test_gpu.py -k chunked_graphs`` holds the replayed times equal to it
+    on new rows and after the weights change."""
+
+    def __init__(self, model, policy: Policy, *, layout: CacheLayout, chunk: int | None = None, graphs: bool = True, say=None):
+        self.model, self.policy, self.layout, self.chunk = model, policy, layout, chunk
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, Tensor], Tensor]] = {}
+        #: why the eager pass runs (``graphs`` False: asked so; else a capture that failed), or None
+        self.fallback: str | None = None if graphs else "graphs off"
+        self.say = say or (lambda msg: print(msg))
+
+    def eager(self, input_ids: Tensor, doc_ids: Tensor, pos: Tensor) -> Tensor:
+        return pool_chunked(self.model, self.policy, input_ids, layout=self.layout, doc_ids=doc_ids, pos=pos, chunk=self.chunk)[0]
+
+    @torch.no_grad()
+    def __call__(self, input_ids: Tensor, *, doc_ids: Tensor, pos: Tensor) -> Tensor:
+        """Eviction times (L, B, Hk, S) int64 of rows ``input_ids`` (B, S) with ``doc_ids``, ``pos`` (B, S), as
+        :func:`pool_chunked` gives them."""
+        if not input_ids.is_cuda or self.fallback is not None:
+            return self.eager(input_ids, doc_ids, pos)
+        amp = torch.is_autocast_enabled("cuda")
+        key = (tuple(input_ids.shape), amp, torch.get_autocast_dtype("cuda") if amp else None)
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = self._capture(input_ids, doc_ids, pos, amp)
+            except RuntimeError as err:  # a host synchronization in the warm-up, or the capture refused
+                self.fallback = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                self.say(f"pool pass: no CUDA graph ({self.fallback}); the eager pass runs")
+                return self.eager(input_ids, doc_ids, pos)
+        graph, static, out = self.graphs[key]
+        static["ids"].copy_(input_ids)
+        static["doc"].copy_(doc_ids)
+        static["pos"].copy_(pos)
+        graph.replay()
+        return out.clone()
+
+    def _capture(self, input_ids: Tensor, doc_ids: Tensor, pos: Tensor, amp: bool):
+        static = {"ids": input_ids.clone(), "doc": doc_ids.clone(), "pos": pos.clone()}
+        dtype = torch.get_autocast_dtype("cuda")
+
+        def run() -> Tensor:
+            with torch.autocast("cuda", dtype=dtype, enabled=amp, cache_enabled=False):
+                return self.eager(static["ids"], static["doc"], static["pos"])
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for _ in range(2):  # the warm-up (lazy initialisations, the selection kernels' first compile): a host synchronization raises here
+                    run()
+            finally:
+                torch.cuda.set_sync_debug_mode(mode)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        return graph, static, out

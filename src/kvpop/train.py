@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +56,7 @@ from kvpop.export import CheckpointError
 from kvpop.geometry import CacheLayout
 from kvpop.modeling import model_shape
 from kvpop.policies import Dense, Policy, make_policy
-from kvpop.pool import pool_chunked
+from kvpop.pool import ChunkedGraphs
 
 if TYPE_CHECKING:  # kvpop.config needs pydantic; this module does not
     from kvpop.config import TrainConfig
@@ -152,6 +153,7 @@ class TrainSettings:
     top_logits: int = 256
     scorer_training: ScorerTraining | None = None
     activation_checkpointing: bool = False
+    pool_graphs: bool = False  # the pool policies' chunked pass from a CUDA graph (kvpop.pool.ChunkedGraphs), single-device runs
     gate_training: GateTraining | None = None  # gated policies (dms, trimkv)
 
     @classmethod
@@ -167,6 +169,7 @@ class TrainSettings:
                 generator=torch.Generator().manual_seed(seed),
             ),
             activation_checkpointing=cfg.activation_checkpointing,
+            pool_graphs=cfg.pool_graphs,
             gate_training=GateTraining(tau=cfg.gate_tau, generator=torch.Generator().manual_seed(seed + 1),
                                        loss_weight=cfg.compression_weight, loss_ramp=cfg.compression_ramp),
         )
@@ -201,6 +204,7 @@ class DistillModule(L.LightningModule):
             student.requires_grad_(False)
         if settings.activation_checkpointing:  # recompute each decoder layer in backward
             student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self._pool_pass: ChunkedGraphs | None = None  # one_pool policies: the chunked pass before each step (its first step makes it)
 
     def on_fit_start(self) -> None:
         # after the strategy has set up the student: replicate (single, DDP) or shard (FSDP) the teacher
@@ -242,8 +246,10 @@ class DistillModule(L.LightningModule):
         ctx = self._ctx(self.policy, batch, self.s.scorer_training if self.policy.learned and not gated else None,
                         self.s.gate_training if gated else None)
         if self.policy.one_pool and not gated:  # trained in the pool (kvpop_mlp_pool, kvpop_pool): its pattern under the current scorer, exactly
-            with torch.no_grad():
-                ctx.global_evict, _ = pool_chunked(self.student, self.policy, ids, layout=self.s.layout, doc_ids=batch["doc_ids"], pos=pos)
+            if self._pool_pass is None:  # CUDA graphs on one device only (a sharded student gathers its weights in the forward)
+                self._pool_pass = ChunkedGraphs(self.student, self.policy, layout=self.s.layout, graphs=self.s.pool_graphs and not distributed,
+                                                say=warnings.warn)
+            ctx.global_evict = self._pool_pass(ids, doc_ids=batch["doc_ids"], pos=pos)
         s_logits = self.student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx, use_cache=False).logits
         ctx.finish_scorer_losses()
         kl = topk_kl(s_logits, top_logp, top_idx, mask, denom)
