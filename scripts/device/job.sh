@@ -25,6 +25,8 @@
 #              kept first), then RULER (eval_POL_ruler.json); 0: RULER alone. NO_RULER: trained policies without the RULER part
 #   EW_BESIDE, EW_ONE, EW_AFTER  evaluate.benchmarks.ruler.workers of the early evaluate (4), a policy's own (3 on a card of
 #              100 GB or more, else 2), the final one (6)
+#   GRAPHS     auto: tests/test_gpu.py -k chunked_graphs runs beside the preparation and, where it passes, the pool policies
+#              train with train.pool_graphs (their chunked pass from CUDA graphs; the same times); 0 (default): the params' value
 #   B_SET      a second arm: the prepared copy again (KV-B), B_POLS trained (default: the last of POLS) with these
 #              params more, RULER off, evaluated alone (run_stages.py); $OUT/evalB.json. It starts beside the first arm
 set -uo pipefail
@@ -84,7 +86,15 @@ prepare() {
   set_params params.yaml "${POLS:-}" "${SET:-}" || exit
   echo "${KVPOP_GIT_COMMIT:-unknown}" > "$J/commit"
   say "prepare: train.policies [$(policies params.yaml)], commit $(cat "$J/commit")"
+  if [ "${GRAPHS:-0}" = auto ]; then  # the pool pass from CUDA graphs where its GPU twins pass here (about a minute, beside the preparation)
+    (PYTHONPATH="$KV/src:${PYTHONPATH:-}" $py -m pytest -q -p no:cacheprovider tests/test_gpu.py -k chunked_graphs > "$J/graphs_check.log" 2>&1) &
+    local check=$!
+  fi
   $py pipeline/run_stages.py --to pack > "$J/prep.log" 2>&1 || { tail -30 "$J/prep.log"; exit 1; }
+  if [ "${GRAPHS:-0}" = auto ]; then
+    if wait "$check"; then set_params params.yaml "" "train.pool_graphs=true" && say "train.pool_graphs on: tests/test_gpu.py -k chunked_graphs passed"
+    else say "train.pool_graphs off: its GPU twins failed (graphs_check.log)"; fi
+  fi
   say "prepared in $(( $(date +%s) - t_start )) s"
 }
 
