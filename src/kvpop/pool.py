@@ -288,6 +288,6 @@ class ChunkedGraphs:
                 torch.cuda.set_sync_debug_mode(mode)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the loader's pin-memory thread may use CUDA meanwhile
             out = run()
         return graph, static, out
