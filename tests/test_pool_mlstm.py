@@ -50,10 +50,12 @@ def test_the_layout_holds_k_slots_beside_the_state():
 
 
 # --- the mLSTM stream ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("delay", [None, 5])
 @pytest.mark.parametrize("chunk", [1, 3, 7, 64])
-def test_the_stream_is_the_chunkwise_form(chunk):
+def test_the_stream_is_the_chunkwise_form(chunk, delay):
     """Fed in chunks, on packed rows (documents that start inside a chunk, padding): every token is read
-    out exactly once, with the chunkwise form's score over the whole row."""
+    out exactly once, with the chunkwise form's score over the whole row; the readers' range either the union
+    over the rows (from the host) or, with the delay given, the chunk's own ``[c0 - d, c1)`` (no host sync)."""
     torch.manual_seed(1)
     cell = HeadwiseMLSTM(2, 16, d_k=4, d_v=4).double()  # float64: the two forms agree to rounding, not float32's carry over 50 chunks
     with torch.no_grad():
@@ -63,10 +65,13 @@ def test_the_stream_is_the_chunkwise_form(chunk):
     start, tau = readout_times(doc, 2, 50, 5)
     with torch.no_grad():
         want = cell.chunkwise(k, v, start, tau, chunk=16)  # (B, Hk, S)
-        stream, got, reads = ChunkwiseStream(cell, start, tau), torch.zeros_like(want), torch.zeros(2, 50, dtype=torch.long)
+        stream, got, reads = ChunkwiseStream(cell, start, tau, delay=delay), torch.zeros_like(want), torch.zeros(2, 50, dtype=torch.long)
+        assert (stream.tau_host is None) == (delay is not None)
         for c in range(0, 50, chunk):
             r_hat, r0, read = stream.feed(k[:, :, c : c + chunk], v[:, :, c : c + chunk])
             R = r_hat.shape[-1]
+            if delay is not None:
+                assert (r0, R) == (max(0, c - delay), min(c + chunk, 50) - max(0, c - delay))
             assert bool((((tau[:, r0 : r0 + R] >= c) & (tau[:, r0 : r0 + R] < c + chunk)) == read).all())
             got[:, :, r0 : r0 + R] += torch.where(read[:, None], r_hat, 0.0)
             reads[:, r0 : r0 + R] += read.long()

@@ -312,12 +312,18 @@ class ChunkwiseStream:
     read-out delay as its ``window``). :meth:`feed` takes the next chunk and reads out the tokens whose
     ``tau`` falls in it, each exactly once, so a token's score is ready once the chunk that holds its
     ``tau`` has been fed. Keeps every fed token's read-out side (q~, the direct term): a reader may sit
-    in an earlier chunk. One host sync per stream (the read-out times, copied to the host once, give each
-    feed's readers without another)."""
+    in an earlier chunk.
 
-    def __init__(self, cell: HeadwiseMLSTM, start: Tensor, tau: Tensor):
+    ``delay``: the read-out delay ``d`` that laid ``tau`` out (``t <= tau_t <= t + d``, :func:`readout_times`), if
+    known: a feed then reads out tokens ``[c0 - d, c1)``, a range fixed by the chunk alone, with no host
+    synchronization (so that the pass can be captured in a CUDA graph, :class:`kvpop.pool.ChunkedGraphs`); the
+    tokens not read in it are masked as always. Without it, the readers' union over the rows, from the read-out
+    times copied to the host once per stream (one host synchronization)."""
+
+    def __init__(self, cell: HeadwiseMLSTM, start: Tensor, tau: Tensor, delay: int | None = None):
         self.cell, self.start, self.tau = cell, start.to(torch.int64), tau.to(torch.int64).contiguous()
-        self.tau_host = self.tau.cpu()  # (B, S): the readers' ranges without a sync per feed
+        self.delay = delay
+        self.tau_host = self.tau.cpu() if delay is None else None  # (B, S): the readers' ranges without a sync per feed
         self.seen = 0  # tokens fed
         self.q: Tensor | None = None  # (B, Hk, seen, d_k) read-out queries of every fed token
         self.direct: Tensor | None = None  # (B, Hk, seen) their direct terms
@@ -337,9 +343,13 @@ class ChunkwiseStream:
         if self.state is None:  # the empty state, as chunkwise starts
             self.state = (f.k.new_zeros(B, Hk, self.cell.d_k, self.cell.d_v + 1),
                           torch.full((B, Hk), float("-inf"), device=k.device, dtype=torch.float64))
-        # readers: tau in [c0, c1), a contiguous range of t per row (tau is non-decreasing); their union over rows
-        bounds = torch.searchsorted(self.tau_host, torch.tensor([c0, c1]).expand(B, 2).contiguous())  # (B, 2)
-        r0, r1 = int(bounds[:, 0].min()), int(bounds[:, 1].max())
+        # readers: tau in [c0, c1), a contiguous range of t per row (tau is non-decreasing); their union over rows, or
+        # [c0 - d, c1), which holds it (t <= tau_t <= t + d)
+        if self.delay is not None:
+            r0, r1 = max(0, c0 - self.delay), c1
+        else:
+            bounds = torch.searchsorted(self.tau_host, torch.tensor([c0, c1]).expand(B, 2).contiguous())  # (B, 2)
+            r0, r1 = int(bounds[:, 0].min()), int(bounds[:, 1].max())
         vn = torch.cat([f.v, torch.ones_like(f.v[..., :1])], dim=-1)  # (B, Hk, C, d_v + 1)
         ta, st = self.tau[:, r0:r1] - c0, self.start[:, r0:r1] - c0  # (B, R) relative to the chunk
         h, Cn, m = _chunkwise_chunk(*self.state, self.q[:, :, r0:r1], f.k, vn, f.i_pre, f.log_f, ta, st, self.start[:, c1 - 1] - c0)

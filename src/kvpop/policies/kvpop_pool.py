@@ -119,5 +119,6 @@ class KvpopPool(Kvpop):
 
     def score_stream(self, layer: int, doc_ids: Tensor, pos: Tensor, *, window: int) -> PoolScoreStream:
         B, S = doc_ids.shape
-        start, tau = readout_times(doc_ids, B, S, self.read_delay(window), device=doc_ids.device)
-        return PoolScoreStream(self, layer, ChunkwiseStream(self.scorer.layers[layer], start, tau), pos)
+        d = self.read_delay(window)
+        start, tau = readout_times(doc_ids, B, S, d, device=doc_ids.device)
+        return PoolScoreStream(self, layer, ChunkwiseStream(self.scorer.layers[layer], start, tau, delay=d), pos)
