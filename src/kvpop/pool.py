@@ -227,10 +227,11 @@ class ChunkedGraphs:
     the row is copied into the graph's own input buffers, the replay re-reads the model's and scorer's
     weights where they live (the optimizer updates them in place), and the times are copied out.
 
-    Before capturing, one eager run on a side stream (the warm-up CUDA graphs need) runs under
-    ``torch.cuda.set_sync_debug_mode("error")``: an operation that waits for the host (``.item()``, a mask
-    with a data-dependent size) raises there, and this object then says why and runs the eager pass from
-    then on (:attr:`fallback`), the same times. Autocast's weight cache is off inside the capture (a cached
+    Before capturing, two eager runs on a side stream (the warm-up CUDA graphs need): the first as it comes (lazy
+    initialisations, the selection kernels' compiles and autotuning, which synchronize), the second under
+    ``torch.cuda.set_sync_debug_mode("error")``: an operation of the steady pass that waits for the host
+    (``.item()``, a mask with a data-dependent size) raises there, and this object then says why and runs the
+    eager pass from then on (:attr:`fallback`), the same times. Autocast's weight cache is off inside the capture (a cached
     cast would be captured once, its memory outside the graph). Off the GPU, it is :func:`pool_chunked`.
 
     The eager pass is the twin: ``tests/test_gpu.py -k chunked_graphs`` holds the replayed times equal to it
@@ -279,11 +280,11 @@ class ChunkedGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
+            run()  # lazy initialisations, kernel compiles and autotuning (these may synchronize)
             mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                for _ in range(2):  # the warm-up (lazy initialisations, the selection kernels' first compile): a host synchronization raises here
-                    run()
+                run()  # the steady pass: a host synchronization raises here, before anything is captured
             finally:
                 torch.cuda.set_sync_debug_mode(mode)
         torch.cuda.current_stream().wait_stream(side)
