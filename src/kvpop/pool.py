@@ -234,8 +234,9 @@ class ChunkedGraphs:
     eager pass from then on (:attr:`fallback`), the same times. Autocast's weight cache is off inside the capture (a cached
     cast would be captured once, its memory outside the graph). Off the GPU, it is :func:`pool_chunked`.
 
-    The eager pass is the twin: ``tests/test_gpu.py -k chunked_graphs`` holds the replayed times equal to it
-    on new rows and after the weights change."""
+    The graphs read the weights where they were captured: where they have moved since (a module sent to another device
+    and back), the graphs are captured again. The eager pass is the twin: ``tests/test_gpu.py -k chunked_graphs`` holds
+    the replayed times equal to it on new rows and after the weights change."""
 
     def __init__(self, model, policy: Policy, *, layout: CacheLayout, chunk: int | None = None, graphs: bool = True, say=None):
         self.model, self.policy, self.layout, self.chunk = model, policy, layout, chunk
@@ -243,6 +244,12 @@ class ChunkedGraphs:
         #: why the eager pass runs (``graphs`` False: asked so; else a capture that failed), or None
         self.fallback: str | None = None if graphs else "graphs off"
         self.say = say or (lambda msg: print(msg))
+        self._captured_on: tuple[int, ...] = ()  # where the weights were when the graphs were captured
+
+    def _weights(self) -> tuple[int, ...]:
+        """The addresses of the model's and the policy's weights (and buffers), which a replay reads."""
+        tensors = [*self.model.parameters(), *self.model.buffers(), *self.policy.parameters(), *self.policy.buffers()]
+        return tuple(t.data_ptr() for t in tensors)
 
     def eager(self, input_ids: Tensor, doc_ids: Tensor, pos: Tensor) -> Tensor:
         return pool_chunked(self.model, self.policy, input_ids, layout=self.layout, doc_ids=doc_ids, pos=pos, chunk=self.chunk)[0]
@@ -253,6 +260,10 @@ class ChunkedGraphs:
         :func:`pool_chunked` gives them."""
         if not input_ids.is_cuda or self.fallback is not None:
             return self.eager(input_ids, doc_ids, pos)
+        ptrs = self._weights()
+        if ptrs != self._captured_on:  # weights moved (a module sent to another device and back): the graphs read the old memory
+            self.graphs.clear()
+            self._captured_on = ptrs
         amp = torch.is_autocast_enabled("cuda")
         key = (tuple(input_ids.shape), amp, torch.get_autocast_dtype("cuda") if amp else None)
         if key not in self.graphs:

@@ -207,6 +207,7 @@ class DistillModule(L.LightningModule):
         self._pool_pass: ChunkedGraphs | None = None  # one_pool policies: the chunked pass before each step (its first step makes it)
 
     def on_fit_start(self) -> None:
+        self._pool_pass = None  # a pass captured in an earlier fit read the weights where they were then
         # after the strategy has set up the student: replicate (single, DDP) or shard (FSDP) the teacher
         self.__dict__["teacher"] = place_teacher(self.teacher, self.trainer.strategy)
 
