@@ -92,8 +92,9 @@ prepare() {
   fi
   $py pipeline/run_stages.py --to pack > "$J/prep.log" 2>&1 || { tail -30 "$J/prep.log"; exit 1; }
   if [ "${GRAPHS:-0}" = auto ]; then
-    if wait "$check"; then set_params params.yaml "" "train.pool_graphs=true" && say "train.pool_graphs on: tests/test_gpu.py -k chunked_graphs passed"
-    else say "train.pool_graphs off: its GPU twins failed (graphs_check.log)"; fi
+    if wait "$check" && grep -q " passed" "$J/graphs_check.log"; then  # passed, not skipped (no CUDA)
+      set_params params.yaml "" "train.pool_graphs=true" && say "train.pool_graphs on: tests/test_gpu.py -k chunked_graphs passed"
+    else say "train.pool_graphs off: its GPU twins did not pass (graphs_check.log)"; fi
   fi
   say "prepared in $(( $(date +%s) - t_start )) s"
 }
