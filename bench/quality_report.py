@@ -68,6 +68,16 @@ def bars(policies: dict, other: dict, quote_bar: float) -> dict:
 SAME_ROW_TOL = 1e-4
 
 
+def check_same_rows(a: dict, b: dict, names, a_from: str, b_from: str) -> None:
+    """ValueError where a row of ``names`` (policy -> metrics, held by both ``a`` and ``b``) differs by more than
+    :data:`SAME_ROW_TOL` in quote accuracy, KL or top-1 agreement; ``a_from``, ``b_from`` say where each came from."""
+    for name in names:
+        for key in ("quote_accuracy", "kl", "top1_agreement"):
+            x, y = a[name].get(key), b[name].get(key)
+            if x is not None and y is not None and abs(x - y) > SAME_ROW_TOL:
+                raise ValueError(f"not the same rows: {name}'s {key} is {y} {b_from}, {x} {a_from}")
+
+
 def merged(earlier: dict, new: dict, *, trained: set[str], run: dict) -> dict:
     """``earlier`` (a configuration of the file) with ``new``'s trained policies added (rows, other text, training
     figures, ``per_policy``) and the bars taken again over all; ValueError where the two runs are not the same
@@ -80,11 +90,8 @@ def merged(earlier: dict, new: dict, *, trained: set[str], run: dict) -> dict:
                          f"{earlier.get('eval', {}).get('eval_tokens')}")
     if not trained & set(new["policies"]):
         raise ValueError("this run evaluated none of its trained policies")
-    for name in set(earlier["policies"]) & set(new["policies"]) - trained:
-        for key in ("quote_accuracy", "kl", "top1_agreement"):
-            a, b = earlier["policies"][name].get(key), new["policies"][name].get(key)
-            if a is not None and b is not None and abs(a - b) > SAME_ROW_TOL:
-                raise ValueError(f"not the same rows: {name}'s {key} is {b} here, {a} in the file")
+    check_same_rows(earlier["policies"], new["policies"], sorted(set(earlier["policies"]) & set(new["policies"]) - trained),
+                    "in the file", "here")
     out = copy.deepcopy(earlier)
     add = {n for n in new["policies"] if ranked_policy(n) in trained}  # the one-pool twins too
     out["policies"] = dict(sorted({**out["policies"], **{n: new["policies"][n] for n in add}}.items()))
@@ -109,15 +116,11 @@ def combined(evals: list[tuple[str, dict]]) -> dict:
                 raise ValueError(f"{path}: {key} is {ev[key]}, {out[key]} in {first}: not the same run's data")
         for key in ("eval_tokens", "eval_traces", "mean_trace_tokens", "budget"):
             out.setdefault(key, ev.get(key))
-        for name, row in ev.get("policies", {}).items():
-            if name in out.setdefault("policies", {}):
-                for key in ("quote_accuracy", "kl", "top1_agreement"):
-                    a, b = out["policies"][name].get(key), row.get(key)
-                    if a is not None and b is not None and abs(a - b) > SAME_ROW_TOL:
-                        raise ValueError(f"{path}: {name}'s {key} is {b}, {a} in {first}")
-            out["policies"][name] = row
-        for kind, rows in ev.get("other_text", {}).items():
-            out.setdefault("other_text", {}).setdefault(kind, {}).update(rows)
+        rows = out.setdefault("policies", {})
+        check_same_rows(rows, ev.get("policies", {}), sorted(set(rows) & set(ev.get("policies", {}))), f"in {first}", f"in {path}")
+        rows.update(ev.get("policies", {}))
+        for kind, by_policy in ev.get("other_text", {}).items():
+            out.setdefault("other_text", {}).setdefault(kind, {}).update(by_policy)
     return out
 
 

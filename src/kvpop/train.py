@@ -204,10 +204,13 @@ class DistillModule(L.LightningModule):
             student.requires_grad_(False)
         if settings.activation_checkpointing:  # recompute each decoder layer in backward
             student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self._pool_pass: ChunkedGraphs | None = None  # one_pool policies: the chunked pass before each step (its first step makes it)
+        self._pool_pass: ChunkedGraphs | None = None  # one_pool policies: the chunked pass before each step (on_fit_start makes it)
 
     def on_fit_start(self) -> None:
-        self._pool_pass = None  # a pass captured in an earlier fit read the weights where they were then
+        if self.policy.one_pool and not self.policy.gated:  # trained in the pool: CUDA graphs on one device only (a sharded
+            # student gathers its weights in the forward); a fit starts without the graphs of an earlier one
+            self._pool_pass = ChunkedGraphs(self.student, self.policy, layout=self.s.layout, graphs=self.s.pool_graphs and self.trainer.world_size == 1,
+                                            say=warnings.warn)
         # after the strategy has set up the student: replicate (single, DDP) or shard (FSDP) the teacher
         self.__dict__["teacher"] = place_teacher(self.teacher, self.trainer.strategy)
 
@@ -247,9 +250,6 @@ class DistillModule(L.LightningModule):
         ctx = self._ctx(self.policy, batch, self.s.scorer_training if self.policy.learned and not gated else None,
                         self.s.gate_training if gated else None)
         if self.policy.one_pool and not gated:  # trained in the pool (kvpop_mlp_pool, kvpop_pool): its pattern under the current scorer, exactly
-            if self._pool_pass is None:  # CUDA graphs on one device only (a sharded student gathers its weights in the forward)
-                self._pool_pass = ChunkedGraphs(self.student, self.policy, layout=self.s.layout, graphs=self.s.pool_graphs and not distributed,
-                                                say=warnings.warn)
             ctx.global_evict = self._pool_pass(ids, doc_ids=batch["doc_ids"], pos=pos)
         s_logits = self.student(input_ids=ids, position_ids=pos, kvpop_ctx=ctx, use_cache=False).logits
         ctx.finish_scorer_losses()
