@@ -292,6 +292,32 @@ def test_training_runs_under_the_pools_pattern_with_one_loss_for_the_model(llama
     assert all(p.grad is None for p in llama.parameters())
 
 
+def test_the_chunked_forward_reads_nothing_back_from_the_gpu(llama, monkeypatch):
+    """Its forwards give transformers a 4-D mask to pass through (kvpop.pool.PATTERN_IN_CONTEXT), so the model does
+    not look for packed rows in ``position_ids``: that check reads its answer on the host, a synchronization per chunk
+    that CUDA-graph capture skips (train.pool_graphs refused both pool policies on an H100, 2026-12-07). The times
+    and logits are those without it (the pattern is the context's)."""
+    import transformers.masking_utils as masking
+
+    import kvpop.pool
+
+    policy = OnePool(scorer(seed=12))
+    ids = torch.randint(0, 96, (2, 70), generator=torch.Generator().manual_seed(13))
+    doc = torch.tensor([[0] * 40 + [1] * 30, [0] * 70])
+    pos = torch.cat([torch.cat([torch.arange(40), torch.arange(30)])[None], torch.arange(70)[None]])
+    seen = []
+    find = masking.find_packed_sequence_indices
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda *a, **k: seen.append(1) or find(*a, **k))
+    with monkeypatch.context() as m:
+        m.setattr(kvpop.pool, "PATTERN_IN_CONTEXT", None)  # no mask: the model looks for packed rows, each chunk
+        want, want_logits = pool_chunked(llama, policy, ids, layout=LAYOUT, doc_ids=doc, pos=pos, keep_logits=True)
+    assert seen  # the check above can fail
+    seen.clear()
+    got, logits = pool_chunked(llama, policy, ids, layout=LAYOUT, doc_ids=doc, pos=pos, keep_logits=True)
+    assert not seen
+    assert torch.equal(got, want) and torch.equal(logits, want_logits) and (want < 70).any()
+
+
 def test_chunked_graphs_off_the_gpu_are_the_eager_pass(llama):
     """kvpop.pool.ChunkedGraphs (train.pool_graphs) off a GPU, or asked for no graphs: the eager pass's times, on
     packed rows; it captures nothing and says why it runs eagerly only where graphs were asked off (the CUDA

@@ -163,6 +163,13 @@ def check_policy_layout(policy: Policy, layout: CacheLayout, *, head_dim: int) -
                          f"{layout.long_range} and {layout.floor}: pass layout.for_policy(policy, head_dim=...)")
 
 
+# A 4-D ``attention_mask`` that transformers passes through as it is (``masking_utils``: a 4-D mask is taken as already
+# prepared), and the chunk context ignores: the pattern is the context's. Without one, the model looks for packed rows in
+# ``position_ids`` and reads the answer on the host (``find_packed_sequence_indices``): a synchronization per chunk, which
+# CUDA-graph capture skips (transformers checks for a capture), so the captured pass would differ from the eager one.
+PATTERN_IN_CONTEXT = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+
+
 @torch.no_grad()
 def pool_chunked(model, policy: Policy, input_ids: Tensor, *, layout: CacheLayout, doc_ids: Tensor | None = None,
                  pos: Tensor | None = None, chunk: int | None = None, keep_logits: bool = False, stack_layers: bool = True) -> tuple[Tensor, Tensor | None]:
@@ -209,7 +216,7 @@ def pool_chunked(model, policy: Policy, input_ids: Tensor, *, layout: CacheLayou
             ctx.evict = times(c + C)
         ctx.start, ctx.rows = c, None
         out = model(input_ids=input_ids[:, c : c + C], position_ids=pos[:, c : c + C], kvpop_ctx=ctx, use_cache=False,
-                    **({} if keep_logits else {"logits_to_keep": 1}))
+                    attention_mask=PATTERN_IN_CONTEXT, **({} if keep_logits else {"logits_to_keep": 1}))
         ctx.score_chunk()
         if keep_logits:
             logits.append(out.logits.float())
