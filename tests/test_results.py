@@ -52,12 +52,13 @@ def test_the_checks_fail_on_bad_files(tmp_path):
         "bench_x/cpu_noenv.json": json.dumps({"configurations": []}),
         "bench_x/cpu_broken.json": "{",
         "bench_x/profile.txt": "a table",
-        "flat.json": json.dumps(_doc()),
+        "flat.json": json.dumps(_doc()),  # at the top, but no issue names it
     }
     for rel, text in bad.items():
         (tmp_path / rel).write_text(text)
+    (tmp_path / "ruler_h200.json").write_text(json.dumps(_doc()))  # a file an issue names at the top: indexed
     entries, problems = collect(tmp_path)
-    assert {e.path for e in entries} == {"bench_x/cpu.json", "bench_x/cpu_new.json"}
+    assert {e.path for e in entries} == {"bench_x/cpu.json", "bench_x/cpu_new.json", "ruler_h200.json"}
     for rel in bad:
         assert any(p.startswith(rel + ":") for p in problems), rel
     assert any("git_commit" in p for p in problems) and any('"what"' in p for p in problems)
