@@ -332,9 +332,14 @@ def _ruler_round(tmp: Path, left_jobs: list, jobs: list, workers: int, split: in
                         continue
                     log.close()
                     left.remove(item)
+                    text = (tmp / f"worker_{procs.index(item)}.log").read_text(errors="replace")
                     if proc.returncode != 0:
-                        tail = "\n".join((tmp / f"worker_{procs.index(item)}.log").read_text().splitlines()[-20:])
-                        return group, proc.returncode, tail
+                        return group, proc.returncode, "\n".join(text.splitlines()[-20:])
+                    # its timings (loading, each teacher-forced stage, each task kept) into the stage's own log: the
+                    # worker's log goes with the temporary folder
+                    for line in text.splitlines():
+                        if line.startswith("RULER "):
+                            say(f"  worker {procs.index(item)}: {line}")
                 time.sleep(0.5)
             bar.update(tasks_done(), workers=0)
     finally:  # a worker failed, or this process is stopped (an exception, Ctrl-C): no worker outlives the round

@@ -236,6 +236,8 @@ def test_ruler_in_worker_processes_equals_one_process(micro, tmp_path, monkeypat
     stage_module.ruler_in_workers(two, list(split), 4, split, base="models/base", exports=Path("models/export"), say=print)
     said = " ".join(capsys.readouterr().out.split())
     assert "RULER: 2 policies, each in 2 parts of its tasks, in 4 processes" in said
+    # each worker's timings reach the stage's own output (its log goes with the temporary folder)
+    assert "worker 0: RULER worker 0: policies and samples loaded in" in said and "niah_single_1 kept," in said
     for n in whole:
         assert json.loads(split[n].read_text()) == json.loads(whole[n].read_text()), n
     assert not list((run / ".cache/ruler").glob("split-*.part*"))  # merged, then removed
