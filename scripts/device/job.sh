@@ -10,7 +10,7 @@
 # them the evaluate stage over the untrained policies alone (EARLY). Each such evaluate keeps its RULER tasks in the
 # shared .cache/ruler under the keys of the final one, so the final evaluate (every policy whose chain ended) takes
 # them as done. A policy whose training fails twice is left out and the run goes on. $OUT gets: status.txt,
-# eval.json (the final metrics/eval.json), eval_early.json, evalB.json (the second arm's), logs.tgz (every stage's and
+# eval.json (the final metrics/eval.json), eval_early.json, eval_arm_NAME.json (each arm's), logs.tgz (every stage's and
 # RULER worker's log, the per-policy evaluates' JSON), ruler.tgz (.cache/ruler).
 # Settings, read by the call that starts the run (environment):
 #   KVPOP_GIT_COMMIT  the commit the copy was made from (the host's copy has no .git): the results' provenance
@@ -27,9 +27,17 @@
 #              100 GB or more, else 2), the final one (6)
 #   GRAPHS     auto: tests/test_gpu.py -k chunked_graphs runs beside the preparation and, where it passes, the pool policies
 #              train with train.pool_graphs (their chunked pass from CUDA graphs; the same times); 0 (default): the params' value
-#   B_SET      a second arm: the prepared copy again (KV-B), B_POLS trained (default: the last of POLS) with these
-#              params more, RULER off, evaluated alone (run_stages.py); $OUT/evalB.json. It starts beside the first arm
+#   ARMS       more arms, side by side with the run, e.g. ARMS="kl30 floor8" ARM_kl30="train.per_policy.kvpop_mlp_pool.scorer_kl=30"
+#              ARM_floor8="train.per_policy.kvpop_mlp_pool.pool_floor=8": each the prepared copy again (KV-arm-NAME),
+#              ARM_NAME_POLS trained (default: the last of POLS) with ARM_NAME's params more, side by side, RULER off, then
+#              the evaluate stage (run_stages.py) over them and the untrained policies: $OUT/eval_arm_NAME.json.
+#              B_SET (B_POLS) is the arm named B
 set -uo pipefail
+if [ -n "${B_SET:-}" ]; then export ARMS="${ARMS:+$ARMS }B" ARM_B="$B_SET" ARM_B_POLS="${B_POLS:-}"; fi
+for a in ${ARMS:-}; do
+  [[ $a =~ ^[A-Za-z0-9_]+$ ]] || { echo "job.sh: arm name '$a' (ARMS) is not letters, digits and _" >&2; exit 2; }
+  [ -n "$(printenv "ARM_$a")" ] || { echo "job.sh: arm '$a' has no params (ARM_$a=\"dotted.key=value ...\")" >&2; exit 2; }
+done
 mode=${1:?usage: job.sh run|status SECONDS}
 limit=${2:-0}
 t_start=$(date +%s)
@@ -164,17 +172,29 @@ policy_chain() {  # train (one retry: a training resumes from its checkpoint), e
   return 0
 }
 
-drive() {  # the background part: every policy's chain side by side (and the untrained policies' evaluate), then the final evaluate
+arm_copy() {  # arm_copy NAME: the prepared copy again, before any training writes into it (checkpoints, exports)
+  local A=$KV-arm-$1
+  rm -rf "$A" && cp -a "$KV" "$A" && rm -rf "$A/.job" "$A/.cache/ruler" "$A/checkpoints" "$A/models/train" "$A/models/export" "$A/metrics/train"
+}
+
+arm() {  # arm NAME: its copy's policies trained with ARM_NAME's params more, then evaluated alone
+  local a=$1 A=$KV-arm-$1 pols
+  pols=$(printenv "ARM_${a}_POLS")
+  set_params "$A/params.yaml" "${pols:-$(policies params.yaml | awk '{print $NF}')}" \
+    "evaluate.benchmarks.ruler.samples=0 evaluate.one_pool=false $(printenv "ARM_$a")" || { say "arm $a: bad params"; touch "$J/arm_$a.done"; return 1; }
+  say "arm $a: train.policies [$(policies "$A/params.yaml")] with $(printenv "ARM_$a")"
+  if (cd "$A" && PYTHONPATH="$A/src:${PYTHONPATH:-}" $py pipeline/run_stages.py --from train --parallel train --skip-done > "$J/arm_$a.log" 2>&1); then
+    cp "$A/metrics/eval.json" "$J/eval_arm_$a.json" && say "arm $a done"
+  else say "arm $a failed (arm_$a.log)"; fi
+  touch "$J/arm_$a.done"
+}
+
+drive() {  # the background part: every policy's chain side by side (and the untrained policies' evaluate, and the arms), then the final evaluate
   cd "$KV"
   mkdir -p logs
-  if [ -n "${B_SET:-}" ]; then
-    local B=$KV-B
-    rm -rf "$B" && cp -a "$KV" "$B" && rm -rf "$B/.job" "$B/.cache/ruler"
-    set_params "$B/params.yaml" "${B_POLS:-$(policies params.yaml | awk '{print $NF}')}" "evaluate.benchmarks.ruler.samples=0 evaluate.one_pool=false $B_SET"
-    touch "$J/armB"
-    (cd "$B" && PYTHONPATH="$B/src:${PYTHONPATH:-}" $py pipeline/run_stages.py --from train --parallel train --skip-done > "$J/armB.log" 2>&1 &&
-      cp metrics/eval.json "$J/evalB.json" && say "arm B done" || say "arm B failed (armB.log)"; touch "$J/armB.done") &
-  fi
+  local a
+  for a in ${ARMS:-}; do arm_copy "$a" || { say "arm $a: no copy"; touch "$J/arm_$a.done"; }; done
+  for a in ${ARMS:-}; do [ -f "$J/arm_$a.done" ] || arm "$a" & done  # they end on their own (arm_NAME.done)
   local early=""
   if [ "${EARLY:-1}" = 1 ]; then eval_copy early - & early=$!; fi
   local chains=() pol
@@ -182,7 +202,7 @@ drive() {  # the background part: every policy's chain side by side (and the unt
     policy_chain "$pol" &
     chains+=($!)
   done
-  wait "${chains[@]}" $early  # not arm B: it ends on its own (armB.done)
+  wait "${chains[@]}" $early  # not the arms: each ends on its own (arm_NAME.done)
   local kept=""
   for pol in $(policies params.yaml); do [ -d "models/export/$pol" ] && kept="$kept $pol"; done
   if [ "${FINAL:-1}" = 1 ]; then
@@ -199,16 +219,16 @@ collect() {
   {
     echo "commit $(cat "$J/commit" 2>/dev/null); $(date -u +%FT%TZ); $(( $(date +%s) - t_start )) s in this call"
     cat "$J/job.log" 2>/dev/null
-    for f in "$KV"/logs/train@*.log "$KV-B"/logs/train@*.log; do
+    for f in "$KV"/logs/train@*.log "$KV"-arm-*/logs/train@*.log; do
       [ -f "$f" ] && echo "== $f: $(tr '\r' '\n' < "$f" | grep -a '^train [0-9]' | tail -1)"
     done
-    for f in "$J"/rest.log "$J"/eval_*.log "$J"/armB.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -n 6 "$f"; }; done
+    for f in "$J"/rest.log "$J"/eval_*.log "$J"/arm_*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -n 6 "$f"; }; done
     ls "$KV"/.cache/ruler 2>/dev/null | head -50
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null
   } > "$OUT/status.txt" 2>&1
   [ -f "$KV/metrics/eval.json" ] && [ -f "$J/done" ] && cp "$KV/metrics/eval.json" "$OUT/eval.json"
   [ -f "$J/eval_early.json" ] && cp "$J/eval_early.json" "$OUT/eval_early.json"  # the untrained policies' (the trained ones' own: logs.tgz)
-  [ -f "$J/evalB.json" ] && cp "$J/evalB.json" "$OUT/evalB.json"
+  for f in "$J"/eval_arm_*.json; do [ -f "$f" ] && cp "$f" "$OUT/"; done
   tar -czf "$OUT/logs.tgz" -C / --ignore-failed-read $(cd / && ls -d "${J#/}" "${KV#/}/logs" "${KV#/}/metrics" tmp/kvpop-ruler-* 2>/dev/null) 2>/dev/null
   [ -d "$KV/.cache/ruler" ] && tar -czf "$OUT/ruler.tgz" -C "$KV/.cache" ruler
   cat "$OUT/status.txt"
@@ -218,11 +238,15 @@ case $mode in
   run)
     if [ ! -f "$J/started" ]; then
       prepare
+      echo "${ARMS:-}" > "$J/arms"
       touch "$J/started"
       # from the copy: the host re-copies the checkout at each call, and bash reads a script as it runs
       setsid nohup bash "$KV/scripts/device/job.sh" _drive > "$J/drive.log" 2>&1 < /dev/null &
     fi
-    finished() { [ -f "$J/done" ] && { [ ! -f "$J/armB" ] || [ -f "$J/armB.done" ]; }; }
+    finished() {
+      [ -f "$J/done" ] || return 1
+      local a; for a in $(cat "$J/arms" 2>/dev/null); do [ -f "$J/arm_$a.done" ] || return 1; done  # the arms the run started with
+    }
     while ! finished && [ $(( $(date +%s) - t_start )) -lt $(( limit - 20 )) ]; do sleep 5; done
     collect
     ;;
