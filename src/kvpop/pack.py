@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 FORMAT = "kvpop.packed.v1"
 _TENSORS = ("input_ids", "doc_ids", "position_ids", "loss_mask")
@@ -160,8 +160,23 @@ def save_packed(packed: PackedRows, path: str | Path) -> None:
         "record_index": json.dumps(packed.record_index),
     }
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
+    tmp.write_bytes(stable_safetensors(tensors, metadata))
     tmp.replace(path)
+
+
+def stable_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """safetensors bytes of ``tensors`` with ``metadata`` that are the same on every call: the library writes the
+    metadata map in a hash map's order, which changes from call to call (so the same rows gave another file, and DVC
+    another hash for ``data/packed``); here the header is written again with the metadata's keys sorted (the same JSON
+    reordered, so the same length, and the tensors' offsets unchanged)."""
+    raw = save(tensors, metadata=metadata)
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    meta = header.pop("__metadata__", {})
+    text = json.dumps({"__metadata__": dict(sorted(meta.items())), **dict(sorted(header.items()))}, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(text) > n:  # cannot happen for the library's compact JSON; kept as it came rather than moving the data
+        return raw
+    return raw[:8] + text + b" " * (n - len(text)) + raw[8 + n :]  # the library pads its header with spaces too
 
 
 def load_packed(path: str | Path) -> PackedRows:
