@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -358,10 +359,10 @@ def pooled_rows(args, model, kvpop_mlp, done, *, contexts, budget, batch, wbytes
     bounded_pre = grow(eng, args.batch_context, vocab, args.batch_context)
     del eng
     torch.cuda.empty_cache() if dev.type == "cuda" else None
-    for name in args.pooled_policies.split(","):
-        pol = pooled_policy(name, model, kvpop_mlp, dev)
-        extra = {"policy": name, "bounded_prefill_s": round(bounded_pre, 2), "bounded_prefill_context": args.batch_context,
-                 **({"chunk_graphs": True} if args.chunk_graphs else {})}
+    pols = {name: pooled_policy(name, model, kvpop_mlp, dev) for name in args.pooled_policies.split(",")}
+    graphs = {"chunk_graphs": True} if args.chunk_graphs else {}
+    for name, pol in pols.items():  # every policy's batch-1 rows first: a batch row that fails ends nothing before it
+        extra = {"policy": name, "bounded_prefill_s": round(bounded_pre, 2), "bounded_prefill_context": args.batch_context, **graphs}
         eng = DecodeEngine(model, pol, layout=layout, batch_size=1, chunk=args.chunk, compile_mode=modes[0], chunk_graphs=args.chunk_graphs)
         for ctx in contexts:
             eng.reset()
@@ -373,14 +374,22 @@ def pooled_rows(args, model, kvpop_mlp, done, *, contexts, budget, batch, wbytes
                      base_bytes=base, dev=dev, prefill_s=pre, extra={**extra, "prefill_s": round(pre, 2)}))
         del eng
         torch.cuda.empty_cache() if dev.type == "cuda" else None
+    for name, pol in pols.items():
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        eng = DecodeEngine(model, pol, layout=layout, batch_size=batch, chunk=args.chunk, compile_mode=modes[0], chunk_graphs=args.chunk_graphs)
-        pre = fill_cache(eng, args.batch_context, args.batch_context + batch)
-        timed = time_steps(eng, args.steps, args.warmup)
-        done(row("pooled", B=batch, ctx=args.batch_context, budget=budget, timed=timed, eng=eng,
-                 floor_bytes=wbytes + batch * min(args.batch_context, eng.slots) * per_tok, bw=bw, base_bytes=base, dev=dev, prefill_s=pre,
-                 extra={"policy": name}))
+        eng = None
+        try:
+            eng = DecodeEngine(model, pol, layout=layout, batch_size=batch, chunk=args.chunk, compile_mode=modes[0], chunk_graphs=args.chunk_graphs)
+            pre = fill_cache(eng, args.batch_context, args.batch_context + batch)
+            timed = time_steps(eng, args.steps, args.warmup)
+        except Exception as e:  # noqa: BLE001 -- recorded as the row (e.g. a compiler's refusal), the other policies still measured
+            traceback.print_exc()
+            done({"engine": "pooled", "policy": name, "batch": batch, "context": args.batch_context, "budget": budget,
+                  "error": f"{type(e).__name__}: {str(e)[:2000]}"})
+        else:
+            done(row("pooled", B=batch, ctx=args.batch_context, budget=budget, timed=timed, eng=eng,
+                     floor_bytes=wbytes + batch * min(args.batch_context, eng.slots) * per_tok, bw=bw, base_bytes=base, dev=dev, prefill_s=pre,
+                     extra={"policy": name}))
         del eng
         torch.cuda.empty_cache() if dev.type == "cuda" else None
 
@@ -506,6 +515,9 @@ def summarize(info: dict, rows: list[dict]) -> None:
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
+        if "error" in r:
+            print(f"{r['engine'] + ' ' + r.get('policy', ''):<18}{'':>8}{r['batch']:>4}{r['context']:>9}{r['budget'] or '':>7}  failed: {r['error'][:200]}")
+            continue
         if "ms_per_step" not in r:
             print(f"{r['engine']:<18}{'':>8}{r['batch']:>4}{r['context']:>9}{'':>7}  does not fit: needs {r['needs_cache_gb']} GB of cache, "
                   f"{r['free_gb']} GB free")

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 33's measurements on a lent GPU in one call: each part under its own time limit, its log and JSON written
+# to $OUT as it goes (a part cut short keeps the rows it finished). Started through scripts/device/run.sh (carry .whl
+# on a fresh machine; no model needed: the GPU twins build tiny random models, the benches Qwen3-4B's architecture):
+#   bash scripts/device/run.sh bash scripts/device/engine.sh twins decode
+#   POOLED=dbtrimkv DECODE_PARTS=pooled bash scripts/device/run.sh bash scripts/device/engine.sh decode
+# Parts, in the order given:
+#   twins   tests/test_gpu.py's pool, chunked and chunk-graph twins (the compiled pooled engine == OnePoolCache, ...)
+#   decode  bench/bench_decode.py: DECODE_PARTS (default b1,batch,pooled) at budget 2,048, batch 64, no dense rows, the
+#           pooled policies POOLED (default kvpop_mlp,dbtrimkv) with chunk graphs (GRAPHS=0: without), contexts CONTEXTS
+#   step    bench/bench_pool_step.py --graphs --delays 64 (train.pool_graphs, issue 32)
+# LIMIT (default 570) is the call's seconds from this script's start; each part gets what is left less 15 s.
+set -uo pipefail
+t0=$(date +%s)
+LIMIT=${LIMIT:-570}
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+left() { echo $(( LIMIT - ($(date +%s) - t0) - 15 )); }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" >> "$OUT/gpu.txt" 2>&1
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(twins decode)
+for part in "${parts[@]}"; do
+  s=$(left)
+  [ "$s" -gt 30 ] || { echo "engine.sh: no time left for $part" | tee -a "$OUT/parts.txt"; continue; }
+  p0=$(date +%s)
+  case $part in
+    twins) timeout "$s" python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k "pool or chunked" > "$OUT/twins.log" 2>&1 ;;
+    decode)
+      g=--chunk-graphs
+      [ "${GRAPHS:-1}" = 0 ] && g=
+      timeout "$s" python3 bench/bench_decode.py --parts "${DECODE_PARTS:-b1,batch,pooled}" --budgets 2048 --batches 64 \
+        --contexts "${CONTEXTS:-4096,32768,131072}" --dense-modes none --eager-new 0 --pooled-policies "${POOLED:-kvpop_mlp,dbtrimkv}" $g \
+        --out "$OUT/decode${TAG:-}.json" > "$OUT/decode${TAG:-}.log" 2>&1 ;;
+    step) timeout "$s" python3 bench/bench_pool_step.py --graphs --delays 64 --out "$OUT/pool_step.json" > "$OUT/pool_step.log" 2>&1 ;;
+    *) echo "engine.sh: unknown part '$part' (twins, decode, step)" >&2; exit 2 ;;
+  esac
+  rc=$?
+  echo "$part rc=$rc $(( $(date +%s) - p0 )) s" | tee -a "$OUT/parts.txt"
+done
+tail -n 3 "$OUT"/*.log
