@@ -332,14 +332,15 @@ def _ruler_round(tmp: Path, left_jobs: list, jobs: list, workers: int, split: in
                         continue
                     log.close()
                     left.remove(item)
-                    text = (tmp / f"worker_{procs.index(item)}.log").read_text(errors="replace")
+                    w = procs.index(item)
+                    text = (tmp / f"worker_{w}.log").read_text(errors="replace")
                     if proc.returncode != 0:
                         return group, proc.returncode, "\n".join(text.splitlines()[-20:])
                     # its timings (loading, each teacher-forced stage, each task kept) into the stage's own log: the
                     # worker's log goes with the temporary folder
                     for line in text.splitlines():
                         if line.startswith("RULER "):
-                            say(f"  worker {procs.index(item)}: {line}")
+                            say(f"  worker {w}: {line}")
                 time.sleep(0.5)
             bar.update(tasks_done(), workers=0)
     finally:  # a worker failed, or this process is stopped (an exception, Ctrl-C): no worker outlives the round

@@ -292,15 +292,20 @@ def test_training_runs_under_the_pools_pattern_with_one_loss_for_the_model(llama
     assert all(p.grad is None for p in llama.parameters())
 
 
-def test_the_chunked_forward_reads_nothing_back_from_the_gpu(llama, monkeypatch):
-    """Its forwards give transformers a 4-D mask to pass through (kvpop.pool.PATTERN_IN_CONTEXT), so the model does
-    not look for packed rows in ``position_ids``: that check reads its answer on the host, a synchronization per chunk
-    that CUDA-graph capture skips (train.pool_graphs refused both pool policies on an H100, 2026-12-07). The times
-    and logits are those without it (the pattern is the context's)."""
+@pytest.mark.parametrize("attention", ["kvpop", "kvpop_cache"])
+def test_the_forwards_read_nothing_back_from_the_gpu(attention, llama, tiny_model, monkeypatch):
+    """Neither the chunked pass nor the training forward (a SparseContext over packed rows) makes transformers look for
+    packed rows in ``position_ids``: that check reads its answer on the host, a synchronization per forward that
+    CUDA-graph capture skips (train.pool_graphs refused both pool policies on an H100, 2026-12-07). The "kvpop"
+    attention (training) registers no mask function, so transformers prepares none; "kvpop_cache" (decoding, and the
+    chunked pass in evaluation) keeps its mask function, and the chunked pass gives it a 4-D mask to pass through
+    (kvpop.pool.PATTERN_IN_CONTEXT). With the check reached instead, the times and logits are the same."""
     import transformers.masking_utils as masking
 
     import kvpop.pool
+    from kvpop.attention import SparseContext, register
 
+    model = llama if attention == "kvpop_cache" else tiny_model("llama", attn_implementation=register())
     policy = OnePool(scorer(seed=12))
     ids = torch.randint(0, 96, (2, 70), generator=torch.Generator().manual_seed(13))
     doc = torch.tensor([[0] * 40 + [1] * 30, [0] * 70])
@@ -308,14 +313,22 @@ def test_the_chunked_forward_reads_nothing_back_from_the_gpu(llama, monkeypatch)
     seen = []
     find = masking.find_packed_sequence_indices
     monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda *a, **k: seen.append(1) or find(*a, **k))
-    with monkeypatch.context() as m:
-        m.setattr(kvpop.pool, "PATTERN_IN_CONTEXT", None)  # no mask: the model looks for packed rows, each chunk
-        want, want_logits = pool_chunked(llama, policy, ids, layout=LAYOUT, doc_ids=doc, pos=pos, keep_logits=True)
-    assert seen  # the check above can fail
+
+    def forwards():
+        got = pool_chunked(model, policy, ids, layout=LAYOUT, doc_ids=doc, pos=pos, keep_logits=True)
+        ctx = SparseContext(policy=make_policy("streaming_llm"), doc_ids=doc, pos=pos, layout=LAYOUT)
+        return got, model(input_ids=ids, position_ids=pos, kvpop_ctx=ctx, use_cache=False).logits
+
+    with monkeypatch.context() as m:  # the check reached: a mask function for "kvpop", no pass-through mask for the chunks
+        m.setitem(masking.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "kvpop", lambda *a, **k: None)
+        m.setattr(kvpop.pool, "PATTERN_IN_CONTEXT", None)
+        (want, want_logits), want_dense = forwards()
+    assert len(seen) > 1  # the check above can fail
     seen.clear()
-    got, logits = pool_chunked(llama, policy, ids, layout=LAYOUT, doc_ids=doc, pos=pos, keep_logits=True)
-    assert not seen
+    (got, logits), dense = forwards()
+    assert seen == ([] if attention == "kvpop" else [1])  # kvpop_cache: its training-style forward still checks (not used in training)
     assert torch.equal(got, want) and torch.equal(logits, want_logits) and (want < 70).any()
+    assert torch.equal(dense, want_dense)
 
 
 def test_chunked_graphs_off_the_gpu_are_the_eager_pass(llama):

@@ -525,16 +525,16 @@ def kvpop_attention_forward(module, query, key, value, attention_mask, scaling=N
     return kvpop_ctx.attend(module.layer_idx, query, key, value, scale), None
 
 
-def _no_mask(*args, **kwargs):
-    """The pattern comes from the context; transformers need not build a mask."""
-    return None
-
-
 def register() -> str:
-    """Register the ``kvpop`` attention (idempotent); returns its name."""
+    """Register the ``kvpop`` attention (idempotent); returns its name.
+
+    No mask function is registered with it: the pattern is the context's, and transformers (``masking_utils``)
+    prepares no mask for an implementation without one. With one registered, every forward that passes
+    ``position_ids`` without a mask would look for packed rows in them and read the answer on the host
+    (``find_packed_sequence_indices``): a synchronization in every training forward and in every chunk of
+    :func:`kvpop.pool.pool_chunked`, which CUDA-graph capture skips, so a captured pass would differ from the eager one
+    (``train.pool_graphs`` refused both pool policies on an H100 for it, 2026-12-07)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, kvpop_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
     return ATTN_IMPLEMENTATION
