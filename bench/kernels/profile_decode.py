@@ -7,7 +7,8 @@
     PYTHONPATH=src python3 bench/kernels/profile_decode.py --policy dbtrimkv --out /tmp/pool.json   # the pooled engine (one pool)
 
 Prints the ms per step (mean of 200 replays) above the kernel table, and writes both as JSON
-(``ms_per_step``, the settings, and the profiler's table as text under ``"table"``) through
+(``ms_per_step``, the settings, the profiler's table as text under ``"table"``, every kernel's microseconds and launches
+per step under ``"kernels"``, and their sum, ``gpu_busy_ms``, against the wall time) through
 :func:`kvpop.provenance.write_result`. Needs CUDA.
 """
 
@@ -81,12 +82,20 @@ def main() -> None:
         for _ in range(10):
             eng.step()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+    avg = prof.key_averages()
+    table = avg.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
     print(head + table)
+    # every kernel (the table keeps the top 40): name, microseconds and launches per step
+    dev_us = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)  # noqa: E731
+    kernels = sorted(({"name": e.key, "us_per_step": round(dev_us(e) / 10, 2), "calls_per_step": e.count / 10} for e in avg if dev_us(e) > 0),
+                     key=lambda k: -k["us_per_step"])
+    busy = sum(k["us_per_step"] for k in kernels)
+    print(f"GPU busy {busy / 1e3:.3f} ms per step in {sum(k['calls_per_step'] for k in kernels):.0f} kernels, of {ms:.3f} ms wall")
     write_result(out, {"model": "qwen3-small" if args.small else "Qwen3-4B architecture (random weights)", "compile": mode, "policy": args.policy,
                        "engine": eng.kind, "list_steps": eng.store.list_steps if eng.store is not None else None,
                        "batch": args.batch, "context": args.context, "budget": 2048, "ms_per_step": round(ms, 3),
-                       "steps_timed": 200, "steps_profiled": 10, "summary": head.strip(), "table": table})
+                       "steps_timed": 200, "steps_profiled": 10, "summary": head.strip(), "gpu_busy_ms": round(busy / 1e3, 3),
+                       "kernels_per_step": sum(k["calls_per_step"] for k in kernels), "table": table, "kernels": kernels})
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@
 #   twins   tests/test_gpu.py's pool, chunked and chunk-graph twins (the compiled pooled engine == OnePoolCache, ...)
 #   decode  bench/bench_decode.py: DECODE_PARTS (default b1,batch,pooled) at budget 2,048, batch 64, no dense rows, the
 #           pooled policies POOLED (default kvpop_mlp,dbtrimkv) with chunk graphs (GRAPHS=0: without), contexts CONTEXTS
+#   profile bench/kernels/profile_decode.py at batch 1, 4K: the bounded step (kvpop_mlp) and the pooled one (PROFILE_POLICY, default
+#           dbtrimkv), every kernel listed
 #   step    bench/bench_pool_step.py --graphs --delays 64 (train.pool_graphs, issue 32)
 # LIMIT (default 570) is the call's seconds from this script's start; each part gets what is left less 15 s.
 set -uo pipefail
@@ -32,8 +34,12 @@ for part in "${parts[@]}"; do
       timeout "$s" python3 bench/bench_decode.py --parts "${DECODE_PARTS:-b1,batch,pooled}" --budgets 2048 --batches 64 \
         --contexts "${CONTEXTS:-4096,32768,131072}" --dense-modes none --eager-new 0 --pooled-policies "${POOLED:-kvpop_mlp,dbtrimkv}" $g \
         --out "$OUT/decode${TAG:-}.json" > "$OUT/decode${TAG:-}.log" 2>&1 ;;
+    profile)
+      timeout "$s" python3 bench/kernels/profile_decode.py --out "$OUT/profile_bounded${TAG:-}.json" > "$OUT/profile${TAG:-}.log" 2>&1 &&
+        timeout "$(left)" python3 bench/kernels/profile_decode.py --policy "${PROFILE_POLICY:-dbtrimkv}" --out "$OUT/profile_pooled${TAG:-}.json" \
+          >> "$OUT/profile${TAG:-}.log" 2>&1 ;;
     step) timeout "$s" python3 bench/bench_pool_step.py --graphs --delays 64 --out "$OUT/pool_step.json" > "$OUT/pool_step.log" 2>&1 ;;
-    *) echo "engine.sh: unknown part '$part' (twins, decode, step)" >&2; exit 2 ;;
+    *) echo "engine.sh: unknown part '$part' (twins, decode, profile, step)" >&2; exit 2 ;;
   esac
   rc=$?
   echo "$part rc=$rc $(( $(date +%s) - p0 )) s" | tee -a "$OUT/parts.txt"
