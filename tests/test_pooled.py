@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvpop.decode import DecodeEngine, OnePoolCache, choose_path, enable, engine_refusal, generate, teacher_forced_logits
-from kvpop.decode.pooled import PoolStore, select_lowest
+from kvpop.decode.pooled import PoolStore, select_lowest, select_lowest_set
 from kvpop.geometry import CacheLayout
 from kvpop.policies import OnePool, make_policy
 from kvpop.selection import NEVER, pool_leavers
@@ -365,9 +365,10 @@ def test_memory_is_flat_and_sized_for_short_generations(model, tie_policy):
     assert (engine_logits(short, x, 10) - ref[:, 9:]).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("select", [select_lowest, select_lowest_set])
 @pytest.mark.parametrize("levels", [None, 3])
-def test_select_lowest_is_pool_leavers(levels):
-    """The engine's selection (two topk) against the reference's (kthvalue): the same n candidates."""
+def test_select_lowest_is_pool_leavers(levels, select):
+    """The engine's selections (two topk, sorted or not) against the reference's (kthvalue): the same n candidates."""
     g = torch.Generator().manual_seed(7)
     B, N, pairs = 3, 200, 8
     for n in (1, 5, 8, 12, 40):
@@ -379,8 +380,23 @@ def test_select_lowest_is_pool_leavers(levels):
         want = pool_leavers(pos, pair, lb, 70, pairs, n)
         score = torch.where(pos >= 0, (70 - pos).double() * lb, float("-inf"))
         tie = torch.where(pos >= 0, pos * pairs + (pairs - 1 - pair), -1)
-        got = torch.zeros_like(want).scatter_(1, select_lowest(score, tie, n), True)
+        sel = select(score, tie, n)
+        got = torch.zeros_like(want).scatter_(1, sel, True)
         assert torch.equal(got, want), n
+        assert (sel.sort(1).values.diff(1) > 0).all()  # n distinct candidates
+
+
+def test_small_ranks_are_a_stable_sort():
+    """small_ranks (pairwise, the decode step's) is the inverse of a stable sort, many equal keys included; order_of its
+    indices."""
+    from kvpop.decode.pooled import order_of, small_ranks
+
+    g = torch.Generator().manual_seed(3)
+    for n, hi in ((1, 5), (7, 3), (288, 40), (300, 10**12)):
+        key = torch.randint(-hi, hi, (4, n), generator=g)
+        want = key.sort(dim=1, stable=True).indices
+        assert torch.equal(order_of(key), want)
+        assert torch.equal(torch.empty_like(want).scatter_(1, want, torch.arange(n).expand(4, -1)), small_ranks(key))
 
 
 def test_block_masks_follow_inductors_index_dtype():

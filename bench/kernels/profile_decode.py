@@ -5,6 +5,7 @@
     PYTHONPATH=src python3 bench/kernels/profile_decode.py --fused off --out /tmp/p.json      # the tensor insert instead of the kernel
     PYTHONPATH=src python3 bench/kernels/profile_decode.py --batch 64 --context 32768 --out /tmp/p64.json   # batch 64 at 32K
     PYTHONPATH=src python3 bench/kernels/profile_decode.py --policy dbtrimkv --out /tmp/pool.json   # the pooled engine (one pool)
+    PYTHONPATH=src python3 bench/kernels/profile_decode.py --policy dbtrimkv --sorted --out /tmp/pool_sorted.json   # its selection sorted
 
 Prints the ms per step (mean of 200 replays) above the kernel table, and writes both as JSON
 (``ms_per_step``, the settings, the profiler's table as text under ``"table"``, every kernel's microseconds and launches
@@ -39,6 +40,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--policy", default="kvpop_mlp", help="kvpop_mlp (the bounded engine), or a one-pool policy on the pooled engine "
                     "(bench_decode.py's: dbtrimkv with a random gate, kvpop_mlp_one_pool for OnePool(kvpop_mlp))")
+    ap.add_argument("--sorted", action="store_true", help="the pooled step's selection by sorted topk and sort "
+                    "(kvpop.decode.pooled.RANKED_SELECTION off: the twins of the default's pairwise ranks)")
     ap.add_argument("--list-steps", type=int, default=None, help="the pooled engine's candidate list: steps per refresh (0: the whole "
                     "pool at every step; default: the engine's)")
     args = ap.parse_args()
@@ -61,6 +64,10 @@ def main() -> None:
         policy = pooled_policy("kvpop_mlp" if args.policy == "kvpop_mlp_one_pool" else args.policy, model, policy, dev)
     fused = {"auto": None, "off": False, "on": True}[args.fused]
     extra = {} if args.list_steps is None else {"list_steps": args.list_steps}
+    if args.sorted:
+        import kvpop.decode.pooled
+
+        kvpop.decode.pooled.RANKED_SELECTION = False
     eng = DecodeEngine(model, policy, layout=CacheLayout(2048, 4, 256), batch_size=args.batch, fused=fused, **extra)
     if args.batch == 1:
         eng.prefill(random_ids(1, args.context, cfg.vocab_size, 0, dev))
@@ -92,7 +99,8 @@ def main() -> None:
     busy = sum(k["us_per_step"] for k in kernels)
     print(f"GPU busy {busy / 1e3:.3f} ms per step in {sum(k['calls_per_step'] for k in kernels):.0f} kernels, of {ms:.3f} ms wall")
     write_result(out, {"model": "qwen3-small" if args.small else "Qwen3-4B architecture (random weights)", "compile": mode, "policy": args.policy,
-                       "engine": eng.kind, "list_steps": eng.store.list_steps if eng.store is not None else None,
+                       "engine": eng.kind, "selection": "sorted" if args.sorted else "ranked",
+                       "list_steps": eng.store.list_steps if eng.store is not None else None,
                        "batch": args.batch, "context": args.context, "budget": 2048, "ms_per_step": round(ms, 3),
                        "steps_timed": 200, "steps_profiled": 10, "summary": head.strip(), "gpu_busy_ms": round(busy / 1e3, 3),
                        "kernels_per_step": sum(k["calls_per_step"] for k in kernels), "table": table, "kernels": kernels})

@@ -9,7 +9,7 @@
 #   decode  bench/bench_decode.py: DECODE_PARTS (default b1,batch,pooled) at budget 2,048, batch 64, no dense rows, the
 #           pooled policies POOLED (default kvpop_mlp,dbtrimkv) with chunk graphs (GRAPHS=0: without), contexts CONTEXTS
 #   profile bench/kernels/profile_decode.py at batch 1, 4K: the bounded step (kvpop_mlp) and the pooled one (PROFILE_POLICY, default
-#           dbtrimkv), every kernel listed
+#           dbtrimkv), and the pooled one with its selection sorted (--sorted), every kernel listed
 #   step    bench/bench_pool_step.py --graphs --delays 64 (train.pool_graphs, issue 32)
 # LIMIT (default 570) is the call's seconds from this script's start; each part gets what is left less 15 s.
 set -uo pipefail
@@ -37,6 +37,8 @@ for part in "${parts[@]}"; do
     profile)
       timeout "$s" python3 bench/kernels/profile_decode.py --out "$OUT/profile_bounded${TAG:-}.json" > "$OUT/profile${TAG:-}.log" 2>&1 &&
         timeout "$(left)" python3 bench/kernels/profile_decode.py --policy "${PROFILE_POLICY:-dbtrimkv}" --out "$OUT/profile_pooled${TAG:-}.json" \
+          >> "$OUT/profile${TAG:-}.log" 2>&1 &&
+        timeout "$(left)" python3 bench/kernels/profile_decode.py --policy "${PROFILE_POLICY:-dbtrimkv}" --sorted --out "$OUT/profile_sorted${TAG:-}.json" \
           >> "$OUT/profile${TAG:-}.log" 2>&1 ;;
     step) timeout "$s" python3 bench/bench_pool_step.py --graphs --delays 64 --out "$OUT/pool_step.json" > "$OUT/pool_step.log" 2>&1 ;;
     *) echo "engine.sh: unknown part '$part' (twins, decode, profile, step)" >&2; exit 2 ;;

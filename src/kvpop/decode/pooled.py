@@ -44,9 +44,9 @@ SDPA under the same boolean mask.
 The competition (:meth:`PoolStore.update`): static shapes, no host synchronization
 ------------------------------------------------------------------------------------
 The candidates are the pool's slots, the ``F`` leavers and ``F`` virtual empty entries, of which
-``F - r`` rank lowest (``r``: the candidates beyond ``P``); :func:`select_lowest` takes the ``F``
-lowest by (rank, tie) with two ``topk`` (the twin of :func:`kvpop.selection.pool_leavers`, tested
-equal). So ``r`` real candidates go, exactly the reference's. Everything after is gathers, cumsums and
+``F - r`` rank lowest (``r``: the candidates beyond ``P``); :func:`select_lowest_set` takes the ``F``
+lowest by (rank, tie) with two unsorted ``topk`` and pairwise ranks (:func:`select_lowest`, sorted, is its twin,
+and :func:`kvpop.selection.pool_leavers` theirs, tested equal). So ``r`` real candidates go, exactly the reference's. Everything after is gathers, cumsums and
 ``index_put_`` over ``O(F + L x F)`` entries: the step's CUDA graph holds it. With ``list_steps = T``
 the pool's part of the candidates is a list (:meth:`PoolStore.refresh_list`, every ``T`` steps: the entries
 whose rank can be among the lowest in those steps, at most ``C0 = 2 (F + F T)``, plus the leavers that enter
@@ -138,6 +138,51 @@ def select_lowest(score: Tensor, tie: Tensor, n: int) -> Tensor:
     at_v = torch.where(score == v, tie, I64_MAX).topk(n, dim=1, largest=False, sorted=True).indices  # (B, n)
     i = torch.arange(n, device=score.device)
     return torch.where(i < below, idx, at_v.gather(1, (i - below).clamp(min=0)))
+
+
+
+def small_ranks(key: Tensor) -> Tensor:
+    """Each entry's place in its row sorted by key, equal keys by index: key (B, n) -> (B, n) int64, a permutation
+    of ``0 .. n - 1`` per row (a stable sort's inverse). By pairwise comparison, ``O(n^2)`` per row in one fused
+    pass: for the few hundred entries of a decode step's competition this is one kernel where a sort of so few
+    is a radix sort of one thread block per row (tests/test_pooled.py: equal to ``sort(stable=True)``)."""
+    n = key.shape[1]
+    i = torch.arange(n, device=key.device)
+    a, b = key[:, :, None], key[:, None, :]  # (B, n, 1) this entry, (B, 1, n) the others
+    return ((b < a) | ((b == a) & (i[None, :] < i[:, None])[None])).sum(2)
+
+
+def order_of(key: Tensor) -> Tensor:
+    """The indices that sort each row of key (B, n) ascending, equal keys by index (``key.sort(stable=True).indices``)
+    from :func:`small_ranks`: one scatter of the ranks."""
+    n = key.shape[1]
+    return torch.empty_like(key, dtype=torch.int64).scatter_(1, small_ranks(key), torch.arange(n, device=key.device).expand_as(key))
+
+
+def select_lowest_set(score: Tensor, tie: Tensor, n: int) -> Tensor:
+    """:func:`select_lowest`'s ``n`` candidates (the ``n`` lowest by (score, tie)) in no particular order: score (B, N)
+    float, tie (B, N) int64 (distinct within a row among equal scores) -> (B, n) indices.
+
+    Its decode-step form: both ``topk`` unsorted (a sorted ``topk`` adds a radix sort of its ``n`` results), and the
+    ties at the ``n``-th lowest score ``v`` ordered among the ``n`` lowest of them by :func:`small_ranks`."""
+    B = score.shape[0]
+    dev = score.device
+    vals, idx = score.topk(n, dim=1, largest=False, sorted=False)  # (B, n) the n lowest scores, any of those at v
+    v = vals.max(1, keepdim=True).values  # (B, 1) the n-th lowest score
+    is_below = vals < v  # (B, n) every candidate below v is among the n lowest
+    below = is_below.sum(1, keepdim=True)  # (B, 1)
+    tv, ti = torch.where(score == v, tie, I64_MAX).topk(n, dim=1, largest=False, sorted=False)  # (B, n) the lowest ties at v
+    rt = small_ranks(tv)  # (B, n)
+    take = rt < n - below  # (B, n) the n - below lowest of them (at least that many are at v)
+    place = torch.where(is_below, is_below.cumsum(1) - 1, n)  # (B, n): the below-v ones first, then the ties taken
+    out = torch.zeros(B, n + 1, dtype=torch.int64, device=dev).scatter_(1, place, idx)  # column n: the ones not taken
+    return out.scatter_(1, torch.where(take, below + rt, n), ti)[:, :n]
+
+
+#: the decode step's and a decaying prefill query's selection: :func:`select_lowest_set` and :func:`order_of` (True), or
+#: their sorted twins :func:`select_lowest` and ``sort`` (False; the same decisions: ``bench/kernels/profile_decode.py
+#: --sorted`` measures both)
+RANKED_SELECTION = True
 
 
 class PoolStore:
@@ -333,7 +378,8 @@ class PoolStore:
         vi = torch.arange(F, device=dev)
         vscore = torch.where(vi < F - r[:, None], -inf, inf)  # (B, F)
         vtie = (-1 - vi).expand(B, F)
-        gone = select_lowest(torch.cat([score, lscore, vscore], 1), torch.cat([tie, ltie, vtie], 1), F)  # (B, F)
+        pick = select_lowest_set if RANKED_SELECTION else select_lowest
+        gone = pick(torch.cat([score, lscore, vscore], 1), torch.cat([tie, ltie, vtie], 1), F)  # (B, F), any order
         # removed pool entries (holes) and leavers that do not stay
         is_hole = gone < NC
         hole = torch.where(is_hole, PS0 + gone if cs is None else cs.gather(1, gone.clamp(max=NC - 1)), self.dump)  # (B, F) store slots
@@ -347,7 +393,8 @@ class PoolStore:
         n = self.count
         n2 = n - hcount + acount
         start = hcount.cumsum(1) - hcount  # (B, L) a layer's first hole in the sorted list
-        order = (h_layer * (NP + 1) + h_lidx).sort(1).indices  # holes by (layer, index), non-holes last
+        hkey = h_layer * (NP + 1) + h_lidx  # (B, F)
+        order = order_of(hkey) if RANKED_SELECTION else hkey.sort(1).indices  # holes by (layer, index), non-holes last
         s_slot, s_lidx = hole.gather(1, order), h_lidx.gather(1, order)  # (B, F)
         # the entering leavers: the layer's first holes, then appended at n_l, n_l + 1, ...
         lay = self.pair // Hk  # (F,)
@@ -644,7 +691,8 @@ class PoolStore:
         tie = torch.where(here, b["key"], I64_MAX)
         r = (count + F - P).clamp(min=0)  # (B,) real candidates beyond P
         vscore = torch.where(vi < F - r[:, None], -inf, inf)
-        gone = select_lowest(torch.cat([score, vscore], 1), torch.cat([tie, (-1 - vi).expand(B, F)], 1), F)  # (B, F)
+        pick = select_lowest_set if RANKED_SELECTION else select_lowest
+        gone = pick(torch.cat([score, vscore], 1), torch.cat([tie, (-1 - vi).expand(B, F)], 1), F)  # (B, F), any order
         e.scatter_(1, torch.where(gone < S, gone, S), q.expand(B, F))
         count.add_(F - r)
         q.add_(1)
@@ -752,4 +800,4 @@ class PoolStore:
         self._sync_block_masks()
 
 
-__all__ = ["NEVER", "PoolStore", "block_index_dtype", "select_lowest"]
+__all__ = ["NEVER", "PoolStore", "block_index_dtype", "order_of", "select_lowest", "select_lowest_set", "small_ranks"]
