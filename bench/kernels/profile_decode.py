@@ -42,6 +42,7 @@ def main() -> None:
                     "(bench_decode.py's: dbtrimkv with a random gate, kvpop_mlp_one_pool for OnePool(kvpop_mlp))")
     ap.add_argument("--sorted", action="store_true", help="the pooled step's selection by sorted topk and sort "
                     "(kvpop.decode.pooled.RANKED_SELECTION off: the twins of the default's pairwise ranks)")
+    ap.add_argument("--split-kv", type=int, default=None, help="the pooled step's FlexAttention decode split (kvpop.decode.engine.POOL_SPLIT_KV)")
     ap.add_argument("--list-steps", type=int, default=None, help="the pooled engine's candidate list: steps per refresh (0: the whole "
                     "pool at every step; default: the engine's)")
     args = ap.parse_args()
@@ -64,6 +65,10 @@ def main() -> None:
         policy = pooled_policy("kvpop_mlp" if args.policy == "kvpop_mlp_one_pool" else args.policy, model, policy, dev)
     fused = {"auto": None, "off": False, "on": True}[args.fused]
     extra = {} if args.list_steps is None else {"list_steps": args.list_steps}
+    if args.split_kv:
+        import kvpop.decode.engine
+
+        kvpop.decode.engine.POOL_SPLIT_KV = args.split_kv
     if args.sorted:
         import kvpop.decode.pooled
 
@@ -99,7 +104,7 @@ def main() -> None:
     busy = sum(k["us_per_step"] for k in kernels)
     print(f"GPU busy {busy / 1e3:.3f} ms per step in {sum(k['calls_per_step'] for k in kernels):.0f} kernels, of {ms:.3f} ms wall")
     write_result(out, {"model": "qwen3-small" if args.small else "Qwen3-4B architecture (random weights)", "compile": mode, "policy": args.policy,
-                       "engine": eng.kind, "selection": "sorted" if args.sorted else "ranked",
+                       "engine": eng.kind, "selection": "sorted" if args.sorted else "ranked", "split_kv": args.split_kv,
                        "list_steps": eng.store.list_steps if eng.store is not None else None,
                        "batch": args.batch, "context": args.context, "budget": 2048, "ms_per_step": round(ms, 3),
                        "steps_timed": 200, "steps_profiled": 10, "summary": head.strip(), "gpu_busy_ms": round(busy / 1e3, 3),

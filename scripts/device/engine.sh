@@ -9,7 +9,8 @@
 #   decode  bench/bench_decode.py: DECODE_PARTS (default b1,batch,pooled) at budget 2,048, batch 64, no dense rows, the
 #           pooled policies POOLED (default kvpop_mlp,dbtrimkv) with chunk graphs (GRAPHS=0: without), contexts CONTEXTS
 #   profile bench/kernels/profile_decode.py at batch 1, 4K: the bounded step (kvpop_mlp) and the pooled one (PROFILE_POLICY, default
-#           dbtrimkv), and the pooled one with its selection sorted (--sorted), every kernel listed
+#           dbtrimkv), and the pooled one with its selection sorted (--sorted), then with each FlexAttention split of SPLITS
+#           (e.g. "32 64": --split-kv), every kernel listed
 #   step    bench/bench_pool_step.py --graphs --delays 64 (train.pool_graphs, issue 32)
 # LIMIT (default 570) is the call's seconds from this script's start; each part gets what is left less 15 s.
 set -uo pipefail
@@ -39,7 +40,11 @@ for part in "${parts[@]}"; do
         timeout "$(left)" python3 bench/kernels/profile_decode.py --policy "${PROFILE_POLICY:-dbtrimkv}" --out "$OUT/profile_pooled${TAG:-}.json" \
           >> "$OUT/profile${TAG:-}.log" 2>&1 &&
         timeout "$(left)" python3 bench/kernels/profile_decode.py --policy "${PROFILE_POLICY:-dbtrimkv}" --sorted --out "$OUT/profile_sorted${TAG:-}.json" \
-          >> "$OUT/profile${TAG:-}.log" 2>&1 ;;
+          >> "$OUT/profile${TAG:-}.log" 2>&1
+      for n in ${SPLITS:-}; do
+        [ "$(left)" -gt 60 ] && timeout "$(left)" python3 bench/kernels/profile_decode.py --policy "${PROFILE_POLICY:-dbtrimkv}" --split-kv "$n" \
+          --out "$OUT/profile_split$n${TAG:-}.json" >> "$OUT/profile${TAG:-}.log" 2>&1
+      done ;;
     step) timeout "$s" python3 bench/bench_pool_step.py --graphs --delays 64 --out "$OUT/pool_step.json" > "$OUT/pool_step.log" 2>&1 ;;
     *) echo "engine.sh: unknown part '$part' (twins, decode, profile, step)" >&2; exit 2 ;;
   esac

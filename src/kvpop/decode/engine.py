@@ -124,6 +124,11 @@ COMPILE_MODES: tuple[str, ...] = ("layer", "step")
 # the pooled prefill's attention on CUDA: SDPA's backends but cuDNN's, which builds a plan for every new shape
 _NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 POOL_LIST_STEPS = 8  # the pooled step's candidate list serves this many steps per refresh (kvpop.decode.pooled)
+#: the pooled step's FlexAttention decode: how many parts each layer's block list is split into (``SPLIT_KV``; None:
+#: inductor's, ``2 x SMs / (B x 1)`` with the layer's query heads as one head, where the per-head step has ``2 x SMs /
+#: (B x Hk)``: each part writes a partial output of every query head, read back by the combining kernel). Read when the
+#: step compiles (``bench/kernels/profile_decode.py --split-kv``)
+POOL_SPLIT_KV: int | None = None
 
 #: the environment variable naming the folder of compiled decode steps (default: COMPILE_CACHE_DEFAULT)
 COMPILE_CACHE_ENV = "KVPOP_COMPILE_CACHE"
@@ -750,7 +755,9 @@ class DecodeEngine:
                 return tag[b, kv_idx] == first + q_idx // G
 
             bm = BlockMask.from_kv_blocks(bm_num, bm_idx, BLOCK_SIZE=st.page, mask_mod=mask_mod, seq_lengths=(H, st.NS), compute_q_blocks=False)
-            out = flex_attention(q.transpose(1, 2), st.keys.view(B, 1, st.NS, -1), st.values.view(B, 1, st.NS, -1), block_mask=bm, scale=self.scale)
+            opts = {"kernel_options": {"SPLIT_KV": POOL_SPLIT_KV}} if POOL_SPLIT_KV else {}
+            out = flex_attention(q.transpose(1, 2), st.keys.view(B, 1, st.NS, -1), st.values.view(B, 1, st.NS, -1), block_mask=bm, scale=self.scale,
+                                 **opts)
             out = out.transpose(1, 2)  # (B, 1, H, D) -> (B, H, 1, D)
         else:
             i = int(li)
