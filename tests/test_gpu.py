@@ -596,12 +596,15 @@ def test_compiled_engine_prefills_prompts_of_any_length_without_recompiling(poli
 
 
 @pytest.mark.parametrize("policy_name", ["dbtrimkv", "kvpop_mlp, one pool", "kvpop_pool"])
-def test_compiled_pooled_engine_equals_one_pool_cache(policy_name, tiny_model):
+def test_compiled_pooled_engine_equals_one_pool_cache(policy_name, tiny_model, monkeypatch):
     """The pooled engine (kvpop.decode.pooled) on CUDA: the compiled step (FlexAttention's decoding kernel over
     each layer's pages, the pool's competition inside the CUDA graph) and the prefill's competitions (in one pass
     per chunk, and their twin: one graph replayed per query) equal the eager engine and token-by-token OnePoolCache; two rows, a prompt
     longer than the budget (six whole chunks, then a partial one), then steps; both hold the same entries. With
-    ``chunk_graphs`` each whole chunk's layers run as CUDA graphs on static buffers (one per layer and width)."""
+    ``chunk_graphs`` each whole chunk's layers run as CUDA graphs on static buffers (one per layer and width). The step's
+    attention split into 3 parts (engine.POOL_SPLIT_KV) and the selection by sorts (pooled.RANKED_SELECTION off) too."""
+    import kvpop.decode.engine
+    import kvpop.decode.pooled
     from kvpop.decode import enable, teacher_forced_logits
     from kvpop.decode.engine import DecodeEngine
     from kvpop.policies import OnePool
@@ -621,11 +624,14 @@ def test_compiled_pooled_engine_equals_one_pool_cache(policy_name, tiny_model):
     # (compiled, one pass, list steps, chunk graphs): the prefill chunks' competitions in one pass (PoolStore.compete_static,
     # a static rule; compete_decaying, dbtrimkv's candidate lists) and their twin, the graphed per-query replay; the step
     # over its candidate list (every 8 steps, PoolStore.refresh_list) and over the whole pool (list_steps=0); the
-    # whole chunks' layers as CUDA graphs
-    modes = [(False, True, 8, False), (True, True, 8, False), (True, False, 8, False), (True, True, 0, False), (True, True, 8, True)]
-    if base == "kvpop_pool":  # prefill chunks of window - d = 24 (192: eight whole ones); no chunk graphs for a recurrent state
-        modes = modes[:-1]
-    for compiled, closed, list_steps, graphs in modes:
+    # whole chunks' layers as CUDA graphs; (split, sorted): the step's attention in 3 parts, the sorted selection
+    modes = [(False, True, 8, False, None), (True, True, 8, False, None), (True, False, 8, False, None), (True, True, 0, False, None),
+             (True, True, 8, False, "split"), (True, True, 8, False, "sorted")]
+    if base != "kvpop_pool":  # prefill chunks of window - d = 24 (192: eight whole ones); no chunk graphs for a recurrent state
+        modes.append((True, True, 8, True, None))
+    for compiled, closed, list_steps, graphs, variant in modes:
+        monkeypatch.setattr(kvpop.decode.engine, "POOL_SPLIT_KV", 3 if variant == "split" else None)
+        monkeypatch.setattr(kvpop.decode.pooled, "RANKED_SELECTION", variant != "sorted")
         eng = DecodeEngine(model, policy, layout=layout, batch_size=2, compile=compiled, list_steps=list_steps, chunk_graphs=graphs)
         eng.pool_closed_form = closed
         assert eng.kind == "pooled" and eng.store.page == 128 and eng.store.list_steps == list_steps
@@ -637,16 +643,16 @@ def test_compiled_pooled_engine_equals_one_pool_cache(policy_name, tiny_model):
             logits.append(eng.step().clone())
         if compiled:
             assert (True in eng._graphs) == bool(list_steps)  # the graph over the list ran
-        got[compiled, closed, list_steps, graphs] = torch.stack(logits, 1)
+        got[compiled, closed, list_steps, graphs, variant] = torch.stack(logits, 1)
         st = eng.store
-        held[compiled, closed, list_steps, graphs] = sorted(h for h in zip(st.tag.flatten().tolist(), st.pos.flatten().tolist(),
+        held[compiled, closed, list_steps, graphs, variant] = sorted(h for h in zip(st.tag.flatten().tolist(), st.pos.flatten().tolist(),
                                                        [b for b in range(2) for _ in range(st.NS)]) if h[0] >= 0)
     eager = got[modes[0]]
     d_ref = _maxdiff(eager, ref[:, [191, *range(pre - 1, S)]])
     d_comp = {m: _maxdiff(x, eager) for m, x in got.items() if m != modes[0]}
     print(f"pooled engine {policy_name}: eager vs OnePoolCache {d_ref:.2e}; vs eager: "
-          + ", ".join(f"compiled{' one pass' if c else ' replay'}{'' if n else ' whole pool'}{' chunk graphs' if g else ''} {d:.2e}"
-                      for (_, c, n, g), d in d_comp.items()))
+          + ", ".join(f"compiled{' one pass' if c else ' replay'}{'' if n else ' whole pool'}{' chunk graphs' if g else ''} {v or ''} {d:.2e}"
+                      for (_, c, n, g, v), d in d_comp.items()))
     assert d_ref < 1e-4 and max(d_comp.values()) < 1e-4
     assert all(h == held[modes[0]] for h in held.values())
 
