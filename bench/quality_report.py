@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -41,8 +42,52 @@ def quote_bar(config: str) -> float:
     return QUOTE_BAR.get(config.split("+")[0], 0.95)
 
 
+#: resamples and seed of :func:`paired_interval` (fixed: the same rows give the same interval)
+RESAMPLES, SEED = 2000, 0
+
+
+def paired_interval(a: dict, b: dict, stat, *, level: float = 0.95, resamples: int = RESAMPLES, seed: int = SEED) -> list[float] | None:
+    """A paired bootstrap interval over held-out traces: ``a``, ``b`` two policies' ``per_trace`` lists (the evaluate stage's:
+    trace index, quote hits and tokens, KL sum and tokens); the traces both scored are resampled with replacement and
+    ``stat(sums_a, sums_b)`` (each a dict of the lists' sums over the resample) taken each time -> ``[lo, hi]`` at ``level``,
+    rounded to 4 digits; None where either lacks per-trace sums or they share no trace. A resample where ``stat`` is
+    undefined (it returns None: no quote token in it, say) is drawn again."""
+    if not a or not b:
+        return None
+    ia, ib = {t: i for i, t in enumerate(a["trace"])}, {t: i for i, t in enumerate(b["trace"])}
+    common = sorted(set(ia) & set(ib))
+    if not common:
+        return None
+    keys = [k for k in a if k != "trace"]
+    rows = [({k: a[k][ia[t]] for k in keys}, {k: b[k][ib[t]] for k in keys}) for t in common]
+    rng = random.Random(seed)
+    vals: list[float] = []
+    while len(vals) < resamples:
+        pick = [rows[rng.randrange(len(rows))] for _ in rows]
+        v = stat({k: sum(r[0][k] for r in pick) for k in keys}, {k: sum(r[1][k] for r in pick) for k in keys})
+        if v is not None:
+            vals.append(v)
+    vals.sort()
+    lo, hi = vals[int((1 - level) / 2 * resamples)], vals[min(resamples - 1, int((1 + level) / 2 * resamples))]
+    return [round(lo, 4), round(hi, 4)]
+
+
+def quote_ratio(x: dict, y: dict) -> float | None:
+    """Quote accuracy of ``x`` over ``y``'s (per-trace sums), None where undefined."""
+    if not x["quote_tokens"] or not y["quote_tokens"] or not y["quote_hits"]:
+        return None
+    return (x["quote_hits"] / x["quote_tokens"]) / (y["quote_hits"] / y["quote_tokens"])
+
+
+def kl_difference(x: dict, y: dict) -> float | None:
+    """Mean KL of ``x`` less ``y``'s (per-trace sums)."""
+    return x["kl_sum"] / x["tokens"] - y["kl_sum"] / y["tokens"] if x["tokens"] and y["tokens"] else None
+
+
 def bars(policies: dict, other: dict, quote_bar: float) -> dict:
-    """The quality issue's bars for the ``kvpop*`` policy of highest quote accuracy."""
+    """The quality issue's bars for the ``kvpop*`` policy of highest quote accuracy. Where the rows hold per-trace sums,
+    also 95% paired bootstrap intervals over the held-out traces: ``quote_ratio_ci95`` (its quote accuracy over dense's:
+    a bar inside it is met or missed within the noise of these traces) and ``kl_minus_dbtrimkv_ci95``."""
     kv = {n: m for n, m in policies.items() if n.startswith("kvpop")}
     if not kv or "dense" not in policies:
         return {}
@@ -50,9 +95,13 @@ def bars(policies: dict, other: dict, quote_bar: float) -> dict:
     out = {"policy": best, "quote_accuracy_vs_dense": round(kv[best]["quote_accuracy"] / policies["dense"]["quote_accuracy"], 4),
            "quote_bar": quote_bar, "kl": kv[best]["kl"]}
     met = {"quotes": out["quote_accuracy_vs_dense"] >= quote_bar}
+    if (ci := paired_interval(kv[best].get("per_trace"), policies["dense"].get("per_trace"), quote_ratio)) is not None:
+        out["quote_ratio_ci95"] = ci
     if "dbtrimkv" in policies:
         out["kl_bar_dbtrimkv"] = policies["dbtrimkv"]["kl"]
         met["kl"] = kv[best]["kl"] <= policies["dbtrimkv"]["kl"]
+        if (ci := paired_interval(kv[best].get("per_trace"), policies["dbtrimkv"].get("per_trace"), kl_difference)) is not None:
+            out["kl_minus_dbtrimkv_ci95"] = ci
     for kind in ("code", "prose"):
         rows = other.get(kind, {})
         if best in rows and "streaming_llm" in rows:
@@ -93,6 +142,9 @@ def merged(earlier: dict, new: dict, *, trained: set[str], run: dict) -> dict:
     check_same_rows(earlier["policies"], new["policies"], sorted(set(earlier["policies"]) & set(new["policies"]) - trained),
                     "in the file", "here")
     out = copy.deepcopy(earlier)
+    for name in set(out["policies"]) & set(new["policies"]) - trained:  # the same untrained rows: their per-trace sums where the file's lack them
+        if "per_trace" in new["policies"][name]:
+            out["policies"][name].setdefault("per_trace", new["policies"][name]["per_trace"])
     add = {n for n in new["policies"] if ranked_policy(n) in trained}  # the one-pool twins too
     out["policies"] = dict(sorted({**out["policies"], **{n: new["policies"][n] for n in add}}.items()))
     for kind, rows in new.get("other_text", {}).items():
@@ -156,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         if f.is_file():
             m = json.loads(f.read_text())
             train[name] = {k: m[k] for k in ("kl", "score_loss", "boundary_agreement", "beta_mean", "seconds", "steps", "resumed_from_step") if k in m}
-    policies = {n: {k: m[k] for k in ("quote_accuracy", "kl", "top1_agreement", "occupancy", "traces", "quote_tokens") if k in m}
+    policies = {n: {k: m[k] for k in ("quote_accuracy", "kl", "top1_agreement", "occupancy", "traces", "quote_tokens", "per_trace") if k in m}
                 for n, m in sorted(ev["policies"].items())}
     other = ev.get("other_text", {})
     config = {"config": args.config, "profile": f"profiles/{args.config}.yaml", "seq_len": tr.get("seq_len"), "budget": params.get("budget"),
@@ -189,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     write_result(out, {"what": what, "configurations": configs}, provenance=prov)
     b = config["bars"]
     if b:
-        print(f"{args.config}: best kvpop policy {b['policy']}: quotes {b['quote_accuracy_vs_dense']:.3f} x dense (bar {b['quote_bar']}), "
+        ci = f" (95% paired interval over the traces {b['quote_ratio_ci95']})" if "quote_ratio_ci95" in b else ""
+        print(f"{args.config}: best kvpop policy {b['policy']}: quotes {b['quote_accuracy_vs_dense']:.3f} x dense{ci} (bar {b['quote_bar']}), "
               f"KL {b['kl']:.5f}; met: {b['met']}")
     print(f"wrote {out}")
     return 0

@@ -513,7 +513,8 @@ def main() -> None:
         with atomic_dir(args.summary) as tmp:  # whole: no policy's file left from an earlier run
             for stem, numbers in summary(out).items():
                 write_json(tmp / f"{stem}.json", numbers)
-        points = [{"budget": p.budget, "policy": n, **{k: v for k, v in m.items() if k != "occupancy_map"}} for n, m in results.items()]
+        points = [{"budget": p.budget, "policy": n, **{k: v for k, v in m.items() if k not in ("occupancy_map", "per_trace")}}
+                  for n, m in results.items()]
         # this run's points only: across budgets, DVC compares experiments (dvc plots diff <exp>...), from their own files
         write_json(plots / "budget_points.json", points)
         plot_memory_curve(curves, plots / "cache_memory.png")  # no lines where evaluate.memory_lengths is []

@@ -283,11 +283,15 @@ def test_the_batched_fixed_point_equals_one_trace_at_a_time(llama):
     for b in (2, 8):
         for key in ("kl", "quote_accuracy", "top1_agreement", "occupancy"):
             assert got[b][key] == pytest.approx(got[1][key], rel=1e-5, abs=1e-7), (b, key)
-    kl = 0.0
+    kls = []
     for rec, (logits, _) in zip(recs, singles + [captured_forward(llama, policy, ids[:1, :50], layout=LAYOUT)]):
         ref = torch.log_softmax(llama(input_ids=torch.tensor([rec["input_ids"]])).logits[0].float(), -1)
-        kl += (ref.exp() * (ref - torch.log_softmax(logits, -1))).sum(-1)[:-1].sum().item()
-    assert got[8]["kl"] == pytest.approx(kl / sum(len(r["input_ids"]) - 1 for r in recs), rel=1e-4)
+        kls.append((ref.exp() * (ref - torch.log_softmax(logits, -1))).sum(-1)[:-1].sum().item())
+    assert got[8]["kl"] == pytest.approx(sum(kls) / sum(len(r["input_ids"]) - 1 for r in recs), rel=1e-4)
+    # each trace's own sums, kept apart (bench/quality_report.py's paired intervals)
+    per = got[8]["per_trace"]
+    assert per["trace"] == [0, 1, 2, 3] and per["tokens"] == [len(r["input_ids"]) - 1 for r in recs]
+    assert per["kl_sum"] == pytest.approx(kls, rel=1e-4) and per["quote_tokens"] == [0] * 4 and per["quote_hits"] == [0] * 4
 
 
 def test_generate_equals_a_greedy_loop_over_the_fixed_point(llama, tiny_tokenizer):

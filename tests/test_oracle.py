@@ -175,6 +175,9 @@ def test_evaluation_reports_oracles_only_where_they_apply(tiny_model):
     assert set(res) == {"dense", "h2o", "oracle_target", "oracle_sources"}
     for name in ("oracle_target", "oracle_sources"):
         assert res[name]["kl"] == pytest.approx(0.0, abs=1e-6) and res[name]["top1_agreement"] == 1.0
+    per = res["dense"]["per_trace"]  # the one trace's own sums: its two quote tokens, the totals
+    assert per["trace"] == [0] and per["quote_tokens"] == [2] and per["tokens"] == [res["dense"]["tokens"]]
+    assert per["quote_hits"] == [round(2 * res["dense"]["quote_accuracy"])]
     res = evaluate_fidelity([{**rec, "quote_source_positions": []}], model, cands, layout=CacheLayout(12, 2, 4))
     assert set(res) == {"dense", "h2o", "oracle_target"}
 

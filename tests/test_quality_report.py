@@ -11,7 +11,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from quality_report import bars  # noqa: E402
+from quality_report import bars, kl_difference, paired_interval, quote_ratio  # noqa: E402
 
 
 def row(q, kl):
@@ -29,6 +29,34 @@ def test_the_bars_of_the_best_kvpop_policy():
     assert b["met"] == {"quotes": False, "kl": True, "code": True, "prose": False}  # prose 0.1 > streaming_llm's 0.09
     assert b["code_aim_dbtrimkv"] == 0.02
     assert bars({"dense": row(0.69, 0)}, {}, 0.95) == {}  # no kvpop policy: no bars
+
+
+def per_trace(hits, kl, quotes=24, tokens=1000, traces=None):
+    return {"trace": list(traces or range(len(hits))), "quote_hits": list(hits), "quote_tokens": [quotes] * len(hits),
+            "kl_sum": [k * tokens for k in kl], "tokens": [tokens] * len(hits)}
+
+
+def test_paired_intervals_over_the_traces():
+    """A paired bootstrap over the traces both policies scored: it holds the point ratio, narrows as the traces agree,
+    pairs by trace index, and is absent where a row has no per-trace sums."""
+    dense = per_trace([20, 18, 22, 16, 20, 19, 21, 17], [0] * 8)
+    close = per_trace([19, 18, 21, 16, 19, 19, 20, 17], [0.005] * 8)  # a point ratio of 0.968
+    far = per_trace([12, 18, 22, 4, 20, 9, 21, 17], [0.001, 0.02] * 4)
+    ci = paired_interval(close, dense, quote_ratio)
+    assert ci[0] <= 149 / 153 <= ci[1] and ci[1] - ci[0] < 0.05
+    wide = paired_interval(far, dense, quote_ratio)
+    assert wide[1] - wide[0] > 2 * (ci[1] - ci[0])
+    assert paired_interval(close, dense, quote_ratio) == ci  # seeded: the same rows give the same interval
+    assert paired_interval(close, dense, kl_difference) == [0.005, 0.005]
+    shifted = per_trace([19, 18, 21, 16], [0.005] * 4, traces=[4, 5, 6, 7])  # pairs with dense's traces 4-7 alone
+    assert paired_interval(shifted, dense, quote_ratio) == paired_interval(shifted, per_trace([20, 19, 21, 17], [0] * 4, traces=[4, 5, 6, 7]),
+                                                                           quote_ratio)
+    assert paired_interval(None, dense, quote_ratio) is None and paired_interval(per_trace([1], [0], traces=[99]), dense, quote_ratio) is None
+    policies = {**POLICIES, "dense": {**row(0.69, 0.0), "per_trace": dense}, "kvpop_mlp_pool": {**row(0.974, 0.0059), "per_trace": close},
+                "dbtrimkv": {**row(0.69, 0.0097), "per_trace": per_trace([20] * 8, [0.0097] * 8)}}
+    b = bars(policies, OTHER, 0.95)
+    assert b["quote_ratio_ci95"] == ci and b["kl_minus_dbtrimkv_ci95"] == [-0.0047, -0.0047]
+    assert "quote_ratio_ci95" not in bars(POLICIES, OTHER, 0.95)
 
 
 def test_a_configuration_replaces_its_namesake(tmp_path):

@@ -17,7 +17,10 @@ policy's pattern at the run's budget and is compared with the dense teacher on t
 * ``occupancy_map`` (policies with a full-sequence pattern): the same per layer and KV head,
   ``[layer][head]``, mean over traces (its mean is ``occupancy``): 1 everywhere for a top-k rule, below 1
   where a gate evicts more than it must (``dms``), above 1 where a ``one_pool`` policy
-  (``dbtrimkv``) gave a head more of its one pool than the per-head budget.
+  (``dbtrimkv``) gave a head more of its one pool than the per-head budget;
+* ``per_trace``: each scored trace's record index, quote hits and quote tokens, KL sum and scored tokens
+  (:data:`PER_TRACE_KEYS`, one list entry per trace), for paired intervals between policies on the same rows
+  (``bench/quality_report.py``).
 
 Scored positions are the next-token predictions of assistant tokens (the trace's loss mask).
 
@@ -85,6 +88,10 @@ def ranked_policy(name: str) -> str:
     return re.sub(rf"{FLOOR_SUFFIX}\d+$", "", name).removesuffix(ONE_POOL_SUFFIX)
 
 
+#: the lists of a policy's ``per_trace`` result (:func:`evaluate_fidelity`), one entry per scored trace
+PER_TRACE_KEYS = ("trace", "quote_hits", "quote_tokens", "kl_sum", "tokens")
+
+
 @dataclass
 class _Acc:
     kl: float = 0.0
@@ -95,8 +102,20 @@ class _Acc:
     occupancy: float = 0.0  # summed over traces
     fill: float = 0.0  # summed over traces
     occupancy_map: Tensor | None = None  # (L, Hk) summed over traces (policies with a full-sequence pattern)
+    #: each scored trace's own sums, for paired comparisons on the same rows (bench/quality_report.py's intervals):
+    #: {"trace": record index, "quote_hits", "quote_tokens", "kl_sum", "tokens": one list entry per trace}
+    per_trace: dict[str, list] = field(default_factory=lambda: {k: [] for k in PER_TRACE_KEYS})
 
     traces: int = 0
+
+    def add_trace(self, n: int, *, kl_sum: float, tokens: int, quote_hits: int, quotes: int) -> None:
+        """Record index ``n``'s sums: added to the totals and kept apart in :attr:`per_trace`."""
+        self.kl += kl_sum
+        self.tokens += tokens
+        self.quote_hit += quote_hits
+        self.quotes += quotes
+        for key, value in zip(PER_TRACE_KEYS, (n, quote_hits, quotes, round(kl_sum, 9), tokens), strict=True):
+            self.per_trace[key].append(value)
 
     def result(self) -> dict[str, float]:
         extra = {}
@@ -111,6 +130,7 @@ class _Acc:
             "quote_tokens": self.quotes,  # 0: the records mark no quote (quote_accuracy then says nothing)
             "occupancy": self.occupancy / max(1, self.traces),
             "fill": self.fill / max(1, self.traces),
+            "per_trace": self.per_trace,
             **extra,
         }
 
@@ -382,14 +402,11 @@ def evaluate_fidelity(
             at = logits[scored].float()  # (N, V): each row gathered once
             kl = (ref_logp.exp() * (ref_logp - torch.log_softmax(at, -1))).sum(-1)  # (N,)
             a = acc[c.name]
-            a.kl += kl.sum().item()
             a.agree += (at.argmax(-1) == ref_top).sum().item()
-            a.tokens += scored.numel()
             a.occupancy += occupancy
             a.fill += fill
-            if quotes.numel():
-                a.quote_hit += (logits.argmax(-1)[quotes] == targets[quotes]).sum().item()
-                a.quotes += quotes.numel()
+            hits = (logits.argmax(-1)[quotes] == targets[quotes]).sum().item() if quotes.numel() else 0
+            a.add_trace(n, kl_sum=kl.sum().item(), tokens=scored.numel(), quote_hits=hits, quotes=quotes.numel())
         if progress:
             progress(n + 1, len(records))
     # an oracle that no trace could serve (e.g. oracle_sources without recorded sources) reports nothing
