@@ -43,15 +43,16 @@ SDPA under the same boolean mask.
 
 The competition (:meth:`PoolStore.update`): static shapes, no host synchronization
 ------------------------------------------------------------------------------------
-The candidates are the pool's slots, the ``F`` leavers and ``F`` virtual empty entries, of which
-``F - r`` rank lowest (``r``: the candidates beyond ``P``); :func:`select_lowest_set` takes the ``F``
-lowest by (rank, tie) with two unsorted ``topk`` and pairwise ranks (:func:`select_lowest`, sorted, is its twin,
-and :func:`kvpop.selection.pool_leavers` theirs, tested equal). So ``r`` real candidates go, exactly the reference's. Everything after is gathers, cumsums and
-``index_put_`` over ``O(F + L x F)`` entries: the step's CUDA graph holds it. With ``list_steps = T``
-the pool's part of the candidates is a list (:meth:`PoolStore.refresh_list`, every ``T`` steps: the entries
-whose rank can be among the lowest in those steps, at most ``C0 = 2 (F + F T)``, plus the leavers that enter
-meanwhile: ``C = C0 + F T`` places, each entry's place in ``lpos``) instead of the pool's ``NP`` slots; the
-engine captures a graph for each kind of step and runs the whole pool's where a refresh overflows.
+The candidates are the pool's slots, the ``F`` leavers and ``F`` virtual empty entries, of which ``F - r``
+rank lowest (``r``: the candidates beyond ``P``); :func:`select_lowest_set` takes the ``F`` lowest by (rank,
+tie) with two unsorted ``topk`` and pairwise ranks (:func:`select_lowest`, sorted, is its twin, and
+:func:`kvpop.selection.pool_leavers` theirs, tested equal). So ``r`` real candidates go, exactly the
+reference's. Everything after is gathers, cumsums and ``index_put_`` over ``O(F + L x F)`` entries: the
+step's CUDA graph holds it. With ``list_steps = T`` the pool's part of the candidates is a list
+(:meth:`PoolStore.refresh_list`, every ``T`` steps: the entries whose rank can be among the lowest in those
+steps, at most ``C0 = 2 (F + F T)``, plus the leavers that enter meanwhile: ``C = C0 + F T`` places, each
+entry's place in ``lpos``) instead of the pool's ``NP`` slots; the engine captures a graph for each kind of
+step and runs the whole pool's where a refresh overflows.
 
 A prefill chunk's competitions (at most ``window`` queries, every leaver from an earlier chunk) run on the
 bookkeeping before the chunk attends: with a static rule in one pass, :meth:`PoolStore.compete_static`
@@ -138,7 +139,6 @@ def select_lowest(score: Tensor, tie: Tensor, n: int) -> Tensor:
     at_v = torch.where(score == v, tie, I64_MAX).topk(n, dim=1, largest=False, sorted=True).indices  # (B, n)
     i = torch.arange(n, device=score.device)
     return torch.where(i < below, idx, at_v.gather(1, (i - below).clamp(min=0)))
-
 
 
 def small_ranks(key: Tensor) -> Tensor:
