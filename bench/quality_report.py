@@ -51,7 +51,8 @@ def paired_interval(a: dict, b: dict, stat, *, level: float = 0.95, resamples: i
     trace index, quote hits and tokens, KL sum and tokens); the traces both scored are resampled with replacement and
     ``stat(sums_a, sums_b)`` (each a dict of the lists' sums over the resample) taken each time -> ``[lo, hi]`` at ``level``,
     rounded to 4 digits; None where either lacks per-trace sums or they share no trace. A resample where ``stat`` is
-    undefined (it returns None: no quote token in it, say) is drawn again."""
+    undefined (it returns None: no quote token in it, say) is drawn again, up to ten times ``resamples`` draws in all;
+    None where fewer than ``resamples`` were defined (the traces hold no quote, say)."""
     if not a or not b:
         return None
     ia, ib = {t: i for i, t in enumerate(a["trace"])}, {t: i for i, t in enumerate(b["trace"])}
@@ -62,11 +63,15 @@ def paired_interval(a: dict, b: dict, stat, *, level: float = 0.95, resamples: i
     rows = [({k: a[k][ia[t]] for k in keys}, {k: b[k][ib[t]] for k in keys}) for t in common]
     rng = random.Random(seed)
     vals: list[float] = []
-    while len(vals) < resamples:
+    for _ in range(10 * resamples):
         pick = [rows[rng.randrange(len(rows))] for _ in rows]
         v = stat({k: sum(r[0][k] for r in pick) for k in keys}, {k: sum(r[1][k] for r in pick) for k in keys})
         if v is not None:
             vals.append(v)
+            if len(vals) == resamples:
+                break
+    if len(vals) < resamples:
+        return None
     vals.sort()
     lo, hi = vals[int((1 - level) / 2 * resamples)], vals[min(resamples - 1, int((1 + level) / 2 * resamples))]
     return [round(lo, 4), round(hi, 4)]

@@ -52,6 +52,7 @@ def test_paired_intervals_over_the_traces():
     assert paired_interval(shifted, dense, quote_ratio) == paired_interval(shifted, per_trace([20, 19, 21, 17], [0] * 4, traces=[4, 5, 6, 7]),
                                                                            quote_ratio)
     assert paired_interval(None, dense, quote_ratio) is None and paired_interval(per_trace([1], [0], traces=[99]), dense, quote_ratio) is None
+    assert paired_interval(close, per_trace([0] * 8, [0] * 8), quote_ratio) is None  # never defined (dense hits no quote): no interval
     policies = {**POLICIES, "dense": {**row(0.69, 0.0), "per_trace": dense}, "kvpop_mlp_pool": {**row(0.974, 0.0059), "per_trace": close},
                 "dbtrimkv": {**row(0.69, 0.0097), "per_trace": per_trace([20] * 8, [0.0097] * 8)}}
     b = bars(policies, OTHER, 0.95)

@@ -13,6 +13,7 @@
 #           (e.g. "32 64": --split-kv), every kernel listed
 #   step    bench/bench_pool_step.py --graphs --delays 64 (train.pool_graphs, issue 32)
 # LIMIT (default 570) is the call's seconds from this script's start; each part gets what is left less 15 s.
+# At most 8 files come back from a call's $OUT: the profile part with two SPLITS writes 8 with gpu.txt and parts.txt, so run it alone.
 # The issue's whole command (every part of bench_decode.py, over 10 minutes) runs across calls with scripts/device/bg.sh:
 #   bash scripts/device/run.sh bash scripts/device/bg.sh decode 560 python3 bench/bench_decode.py --out '$BG/bench_decode_h200.json'
 set -uo pipefail
