@@ -31,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from kvpop.evaluate import ranked_policy
+from kvpop.evaluate import PER_TRACE_KEYS, ranked_policy
 from kvpop.provenance import envelope, read_provenance, write_result
 
 QUOTE_BAR = {"4k": 0.95, "8k": 0.90}
@@ -55,6 +55,10 @@ def paired_interval(a: dict, b: dict, stat, *, level: float = 0.95, resamples: i
     None where fewer than ``resamples`` were defined (the traces hold no quote, say)."""
     if not a or not b:
         return None
+    for side in (a, b):
+        lengths = {k: len(v) if isinstance(v, list) else None for k, v in side.items()}
+        if set(lengths) != set(PER_TRACE_KEYS) or None in lengths.values() or len(set(lengths.values())) != 1:
+            raise ValueError(f"per_trace must hold equally long lists {', '.join(PER_TRACE_KEYS)}; got lengths {lengths}")
     ia, ib = {t: i for i, t in enumerate(a["trace"])}, {t: i for i, t in enumerate(b["trace"])}
     common = sorted(set(ia) & set(ib))
     if not common:
@@ -220,7 +224,12 @@ def main(argv: list[str] | None = None) -> int:
               "sinks": params.get("sinks"), "window": params.get("window"), "steps": tr.get("steps"), "per_policy": tr.get("per_policy", {}),
               "target": tr.get("target"), **({"note": args.note} if args.note else {}), "policies": policies, "other_text": other,
               "train": train, "eval": {k: ev[k] for k in ("budget", "eval_tokens", "eval_traces", "mean_trace_tokens") if k in ev},
-              "bars": bars(policies, other, quote_bar(args.config))}
+              "bars": {}}
+    try:
+        config["bars"] = bars(policies, other, quote_bar(args.config))
+    except ValueError as err:
+        print(f"error: {err}; nothing written", file=sys.stderr)
+        return 2
     out = Path(args.out)
     doc = json.loads(out.read_text()) if out.is_file() else {}
     old = doc.get("configurations", [])

@@ -95,6 +95,21 @@ def test_metrics_without_policies_are_refused(tmp_path):
     assert proc.returncode == 2 and "holds no 'policies'" in proc.stderr and not (tmp_path / "q.json").exists()
 
 
+def test_malformed_per_trace_sums_are_refused(tmp_path):
+    """Per-trace lists of unequal length (a hand-edited metrics file): a clear error, the result file left as it was."""
+    bad = per_trace([20, 18], [0, 0])
+    bad["quote_hits"] = [20]
+    ev = tmp_path / "eval.json"
+    ev.write_text(json.dumps({"policies": {"dense": {**row(0.69, 0.0), "per_trace": per_trace([20, 18], [0, 0])},
+                                           "kvpop_mlp_pool": {**row(0.6, 0.005), "per_trace": bad}}}))
+    out = tmp_path / "q.json"
+    out.write_text("{}")
+    proc = subprocess.run([sys.executable, "bench/quality_report.py", "--config", "4k", "--eval", str(ev), "--params", "params.yaml",
+                           "--out", str(out)], cwd=ROOT, env={"PYTHONPATH": str(ROOT / "src"), "PATH": os.environ["PATH"]},
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "per_trace must hold equally long lists" in proc.stderr and out.read_text() == "{}"
+
+
 def test_a_run_of_some_policies_merges_into_its_configuration(tmp_path):
     """--merge: a later run that trained only kvpop_pool adds its rows to the file's 4k configuration (the untrained rows,
     settings and held-out tokens agree), keeps both runs' provenance and takes the bars again; a run whose untrained rows

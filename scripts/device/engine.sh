@@ -26,6 +26,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > 
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" >> "$OUT/gpu.txt" 2>&1
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(twins decode)
+for part in "${parts[@]}"; do  # every name checked before anything runs
+  case $part in twins|decode|profile|step) ;; *) echo "engine.sh: unknown part '$part' (twins, decode, profile, step)" >&2; exit 2 ;; esac
+done
 for part in "${parts[@]}"; do
   s=$(left)
   [ "$s" -gt 30 ] || { echo "engine.sh: no time left for $part" | tee -a "$OUT/parts.txt"; continue; }
@@ -49,7 +52,6 @@ for part in "${parts[@]}"; do
           --out "$OUT/profile_split$n${TAG:-}.json" >> "$OUT/profile${TAG:-}.log" 2>&1
       done ;;
     step) timeout "$s" python3 bench/bench_pool_step.py --graphs --delays 64 --out "$OUT/pool_step.json" > "$OUT/pool_step.log" 2>&1 ;;
-    *) echo "engine.sh: unknown part '$part' (twins, decode, profile, step)" >&2; exit 2 ;;
   esac
   rc=$?
   echo "$part rc=$rc $(( $(date +%s) - p0 )) s" | tee -a "$OUT/parts.txt"
