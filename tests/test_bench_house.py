@@ -150,6 +150,7 @@ SLOW = [  # each 15-25 s on two shared cores
     ("bench/bench_decode.py", ["--small", "--parts", "b1"], {"info", "rows"}),
     ("bench/bench_ttft.py", ["--small", "--modes", "eager"], {"info", "modes"}),
     ("bench/kernels/profile_pool_prefill.py", ["--small", "--ops"], {"s_per_chunk", "table_host", "table_device", "ops_per_chunk"}),
+    ("bench/kernels/profile_pool_prefill.py", ["--small", "--timeline", "--chunk-graphs"], {"timeline", "first_s", "prefill_s", "phases"}),
     ("bench/bench_pool_prefill.py", ["--small", "--context", "1024", "--decay-block", "16"], {"rows", "budget", "tokens"}),
     ("bench/kernels/profile_pool_train.py", ["--small"], {"pass_s", "ranges", "table_host"}),
     ("bench/bench_pool_step.py", ["--cpu-smoke", "--scorer-kl", "30", "--delays", "16", "--graphs"], {"config", "variants"}),

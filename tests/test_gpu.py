@@ -493,8 +493,10 @@ def test_chunked_graphs_replay_the_eager_pass(policy_name, tiny_model):
     assert torch.equal(got, want)
     got, want = both(*(t.to(dev) for t in packed_toy(1, 96, seed=6)))
     assert torch.equal(got, want) and len(run.graphs) == 2
-    policy.cpu()  # the weights move (to the CPU and back, as a fit's end does): the graphs are captured again
-    policy.to(dev)
+    held = [p.data for p in policy.parameters()]  # their memory stays taken, so the weights come back elsewhere (else the
+    policy.cpu()  # caching allocator may hand back the same addresses: the graphs stay right, and are kept)
+    policy.to(dev)  # the weights move (to the CPU and back, as a fit's end does): the graphs are captured again
+    del held
     got, want = both(*rows[1])
     assert torch.equal(got, want) and len(run.graphs) == 1
 

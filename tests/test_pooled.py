@@ -400,7 +400,7 @@ def test_small_ranks_are_a_stable_sort():
 
 
 def test_block_masks_follow_inductors_index_dtype():
-    """int32 block masks up to int32's range of store elements, int64 past it (the kernel's 64-bit indexing)."""
+    """int32 ``kv_num_blocks`` up to int32's range of store elements, int64 past it (the kernel's 64-bit indexing)."""
     from kvpop.decode.pooled import block_index_dtype
 
     assert block_index_dtype(2**31 - 1) == torch.int32
@@ -420,14 +420,15 @@ def test_the_compiled_steps_attention_on_the_cpu(model, page, index_dtype, tie_p
     pool pages, ``kv_num_blocks`` of them) covers exactly the slots of its heads' entries; and the step's
     FlexAttention form (query heads as the queries of one head over the store, the layer's block mask, the
     tag mask_mod; run eagerly here) gives the eager gather's output, with int32 block masks and with the
-    int64 ones of a store past int32's range (:func:`kvpop.decode.pooled.block_index_dtype`)."""
+    int64 ``kv_num_blocks`` of a store past int32's range (:func:`kvpop.decode.pooled.block_index_dtype`;
+    ``kv_indices`` int32 always)."""
     import kvpop.decode.pooled as pooled
 
     monkeypatch.setattr(pooled, "block_index_dtype", lambda n: index_dtype)
     policy = make("dbtrimkv", tie_policy)
     eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, page=page)
     st = eng.store
-    assert st.bm_idx.dtype == st.bm_num[0].dtype == index_dtype
+    assert st.bm_num[0].dtype == index_dtype and st.bm_idx.dtype == torch.int32
     st.flex = True  # keep the block masks, as a compiled engine does
     x = ids(n=90, seed=5)
     engine_logits(eng, x[:, :80], 60)

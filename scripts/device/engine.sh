@@ -12,6 +12,8 @@
 #           dbtrimkv), and the pooled one with its selection sorted (--sorted), then with each FlexAttention split of SPLITS
 #           (e.g. "32 64": --split-kv), every kernel listed
 #   step    bench/bench_pool_step.py --graphs --delays 64 (train.pool_graphs, issue 32)
+#   prefill bench/kernels/profile_pool_prefill.py --chunk-graphs --timeline at PREFILL_CONTEXT (default 32768) for each of
+#           PREFILL_POLICIES (default "dbtrimkv kvpop_mlp"): every chunk's seconds and graphs, the phases, the kernels
 # LIMIT (default 570) is the call's seconds from this script's start; each part gets what is left less 15 s.
 # At most 8 files come back from a call's $OUT: the profile part with two SPLITS writes 8 with gpu.txt and parts.txt, so run it alone.
 # The issue's whole command (every part of bench_decode.py, over 10 minutes) runs across calls with scripts/device/bg.sh:
@@ -27,7 +29,7 @@ python3 -c "import torch, transformers; print(torch.__version__, transformers.__
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(twins decode)
 for part in "${parts[@]}"; do  # every name checked before anything runs
-  case $part in twins|decode|profile|step) ;; *) echo "engine.sh: unknown part '$part' (twins, decode, profile, step)" >&2; exit 2 ;; esac
+  case $part in twins|decode|profile|step|prefill) ;; *) echo "engine.sh: unknown part '$part' (twins, decode, profile, step, prefill)" >&2; exit 2 ;; esac
 done
 for part in "${parts[@]}"; do
   s=$(left)
@@ -52,6 +54,11 @@ for part in "${parts[@]}"; do
           --out "$OUT/profile_split$n${TAG:-}.json" >> "$OUT/profile${TAG:-}.log" 2>&1
       done ;;
     step) timeout "$s" python3 bench/bench_pool_step.py --graphs --delays 64 --out "$OUT/pool_step.json" > "$OUT/pool_step.log" 2>&1 ;;
+    prefill)
+      for pol in ${PREFILL_POLICIES:-dbtrimkv kvpop_mlp}; do
+        [ "$(left)" -gt 60 ] && timeout "$(left)" python3 bench/kernels/profile_pool_prefill.py --policy "$pol" --context "${PREFILL_CONTEXT:-32768}" \
+          --chunk-graphs --timeline --out "$OUT/prefill_$pol${TAG:-}.json" >> "$OUT/prefill${TAG:-}.log" 2>&1
+      done ;;
   esac
   rc=$?
   echo "$part rc=$rc $(( $(date +%s) - p0 )) s" | tee -a "$OUT/parts.txt"

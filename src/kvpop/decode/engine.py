@@ -101,6 +101,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import record_function
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvpop.decode.pooled import PoolStore
@@ -819,48 +820,52 @@ class DecodeEngine:
         q0 = max(c0, self.sinks + self.window)  # the first query whose leaver competes
         orig = e = None
         fns = self._chunk_fns if C == self.pool_chunk else {}
-        if q0 < c1:
-            leaver_prio = fns["prio"] if c1 - q0 == self.pool_chunk and fns else self._leaver_prio
-            prio = leaver_prio(torch.arange(q0 - self.window, c1 - self.window, device=dev))  # (B, F, c1 - q0)
-            if self.pool_closed_form:  # static priorities: the chunk's competitions in one pass; decaying: on a candidate list
-                orig, e = st.compete_decaying(q0, prio) if st.decays else st.compete_static(q0, prio)
+        with record_function("kvpop.prefill.compete"):  # the phases a profile names (bench/kernels/profile_pool_prefill.py)
+            if q0 < c1:
+                leaver_prio = fns["prio"] if c1 - q0 == self.pool_chunk and fns else self._leaver_prio
+                prio = leaver_prio(torch.arange(q0 - self.window, c1 - self.window, device=dev))  # (B, F, c1 - q0)
+                if self.pool_closed_form:  # static priorities: the chunk's competitions in one pass; decaying: on a candidate list
+                    orig, e = st.compete_decaying(q0, prio) if st.decays else st.compete_static(q0, prio)
+                else:
+                    orig = torch.arange(st.NS, device=dev).expand(B, -1).clone()  # (B, NS) the chunk-start slot of each slot's entry
+                    e = torch.full((B, st.NS), NEVER, dtype=torch.int64, device=dev)  # (B, NS) eviction time by chunk-start slot
+                    self._pool_competitions(q0, prio, orig, e)
+        with record_function("kvpop.prefill.entries"):
+            pos = torch.arange(c0, c1, device=dev)
+            x = self.model.model.embed_tokens(ids)
+            cos, sin = self.model.model.rotary_emb(x, pos.expand(B, C))
+            static = self.chunk_graphs and C == self.pool_chunk
+            entries = self._pool_chunk_entries(snap, e, pos, bucket=self.chunk_bucket if static else st.page)
+        with record_function("kvpop.prefill.layers"):
+            if static:  # every layer on static buffers (one CUDA graph each when compiled)
+                x, kv = self._pool_chunk_layers_static(x, cos, sin, entries)
+                knew, vnew = kv[:, 0], kv[:, 1]  # (L, B, Hk, C, D) each
             else:
-                orig = torch.arange(st.NS, device=dev).expand(B, -1).clone()  # (B, NS) the chunk-start slot of each slot's entry
-                e = torch.full((B, st.NS), NEVER, dtype=torch.int64, device=dev)  # (B, NS) eviction time by chunk-start slot
-                self._pool_competitions(q0, prio, orig, e)
-        pos = torch.arange(c0, c1, device=dev)
-        x = self.model.model.embed_tokens(ids)
-        cos, sin = self.model.model.rotary_emb(x, pos.expand(B, C))
-        static = self.chunk_graphs and C == self.pool_chunk
-        entries = self._pool_chunk_entries(snap, e, pos, bucket=self.chunk_bucket if static else st.page)
-        if static:  # every layer on static buffers (one CUDA graph each when compiled)
-            x, kv = self._pool_chunk_layers_static(x, cos, sin, entries)
-            knew, vnew = kv[:, 0], kv[:, 1]  # (L, B, Hk, C, D) each
-        else:
-            ks, vs, read = [], [], []
-            if self.pool_delay is not None:  # the tokens whose j + d the chunk holds (sinks never compete)
-                d = self.pool_delay
-                rpos = torch.arange(max(self.sinks, c0 - d), max(self.sinks, c1 - d), device=dev)  # (R,)
-            for i in range(len(self.layers)):
-                x, k, v = self._pool_chunk_layer(i, x, cos, sin, self._layer_entries(entries, i), entries["qpos"], fns)
-                ks.append(k)
-                vs.append(v)
-                if self.pool_delay is not None:
-                    read.append(self._pool_chunk_read_out(i, k, v, c0, rpos))
-            knew, vnew = torch.stack(ks), torch.stack(vs)  # (L, B, Hk, C, D) each
-        if orig is not None:  # the pool's entries where the bookkeeping put them
-            idx = orig[..., None].expand(-1, -1, self.D)
-            st.keys.copy_(st.keys.gather(1, idx))
-            st.values.copy_(st.values.gather(1, idx))
-        # the chunk enters every layer's rings at once: pair f = layer * Hk + head, its slots (F, C)
-        slots = st.pair_slots(pos).view(-1)  # (F C,)
-        st.keys[:, slots] = knew.transpose(0, 1).reshape(B, -1, self.D)  # (L, B, Hk, C, D) -> (B, F C, D)
-        st.values[:, slots] = vnew.transpose(0, 1).reshape(B, -1, self.D)
-        st.pos[:, slots] = pos.repeat(st.F)
-        st.tag[:, slots] = st.pair.repeat_interleave(C)
-        if self.pool_delay is not None and rpos.numel():  # the read-out priorities into their ring slots, every layer's
-            st.prio[:, st.pair_slots(rpos).view(-1)] = torch.stack(read, 1).view(B, -1)  # (B, L, Hk, R)
-        st._sync_block_masks()
+                ks, vs, read = [], [], []
+                if self.pool_delay is not None:  # the tokens whose j + d the chunk holds (sinks never compete)
+                    d = self.pool_delay
+                    rpos = torch.arange(max(self.sinks, c0 - d), max(self.sinks, c1 - d), device=dev)  # (R,)
+                for i in range(len(self.layers)):
+                    x, k, v = self._pool_chunk_layer(i, x, cos, sin, self._layer_entries(entries, i), entries["qpos"], fns)
+                    ks.append(k)
+                    vs.append(v)
+                    if self.pool_delay is not None:
+                        read.append(self._pool_chunk_read_out(i, k, v, c0, rpos))
+                knew, vnew = torch.stack(ks), torch.stack(vs)  # (L, B, Hk, C, D) each
+        with record_function("kvpop.prefill.store"):
+            if orig is not None:  # the pool's entries where the bookkeeping put them
+                idx = orig[..., None].expand(-1, -1, self.D)
+                st.keys.copy_(st.keys.gather(1, idx))
+                st.values.copy_(st.values.gather(1, idx))
+            # the chunk enters every layer's rings at once: pair f = layer * Hk + head, its slots (F, C)
+            slots = st.pair_slots(pos).view(-1)  # (F C,)
+            st.keys[:, slots] = knew.transpose(0, 1).reshape(B, -1, self.D)  # (L, B, Hk, C, D) -> (B, F C, D)
+            st.values[:, slots] = vnew.transpose(0, 1).reshape(B, -1, self.D)
+            st.pos[:, slots] = pos.repeat(st.F)
+            st.tag[:, slots] = st.pair.repeat_interleave(C)
+            if self.pool_delay is not None and rpos.numel():  # the read-out priorities into their ring slots, every layer's
+                st.prio[:, st.pair_slots(rpos).view(-1)] = torch.stack(read, 1).view(B, -1)  # (B, L, Hk, R)
+            st._sync_block_masks()
         self.seen = c1
         self.p.fill_(c1)
         return self.model.lm_head(self.model.model.norm(x[:, -1:]))[:, -1].float()

@@ -79,15 +79,19 @@ I64_MAX = torch.iinfo(torch.int64).max
 
 
 def block_index_dtype(store_elements: int) -> torch.dtype:
-    """The dtype of the compiled step's block masks (``kv_num_blocks``, ``kv_indices``) over a store of
-    ``store_elements`` keys (B x NS x D): int32, or int64 where the store is past int32's range.
+    """The dtype of the compiled step's ``kv_num_blocks`` over a store of ``store_elements`` keys (B x NS x D):
+    int32, or int64 where the store is past int32's range. ``kv_indices`` stay int32 whatever the store.
 
     Inductor indexes a FlexAttention kernel in 64 bits when any buffer it reads holds more than ``2**31 - 1``
-    elements (``TritonScheduling.can_use_32bit_indexing``; the store at batch 64, Qwen3-4B, budget 2,048: 4.9e9),
-    and its decoding template then compares a block bound computed from the program id (int64) with one
-    computed from ``kv_num_blocks`` (its dtype) in one ternary, which Triton refuses where the two differ
-    ("Ternary expression with dynamic condition has inconsistent types int64 and int32", the H200, torch 2.11,
-    2026-12-04). Block masks of the kernel's own index dtype make the two agree."""
+    elements (``TritonScheduling.can_use_32bit_indexing``; the store at batch 64, Qwen3-4B, budget 2,048: 4.9e9).
+    Its decoding template (torch 2.11) then mixes the two arrays' dtypes with the program id's in two places:
+    - it bounds a split's last block by one computed from ``kv_num_blocks`` and one from the program id (int64)
+      in a single ternary: int32 ``kv_num_blocks`` fail ("Ternary expression with dynamic condition has
+      inconsistent types int64 and int32", the H200, 2026-12-04);
+    - its KV loop carries an offset that starts as an int32 zero and grows by block jumps read from
+      ``kv_indices``: int64 ones fail ("Loop-carried variable kv_offset has initial type int32 but is re-assigned
+      to int64", the H100, 2026-12-07).
+    int64 ``kv_num_blocks`` with int32 ``kv_indices`` satisfy both."""
     return torch.int64 if store_elements > torch.iinfo(torch.int32).max else torch.int32
 
 
@@ -250,11 +254,11 @@ class PoolStore:
         # the compiled step's block masks, one per layer: its ring pages, then its pool pages
         self.bm_dtype = block_index_dtype(B * self.NS * D)
         nb = -(-(self.RP + self.NPP - 1) // 4) * 4  # rows a multiple of 16 bytes: every layer's view stays aligned
-        self.bm_idx = torch.zeros(L, B, 1, 1, nb, dtype=self.bm_dtype, device=device)
+        self.bm_idx = torch.zeros(L, B, 1, 1, nb, dtype=torch.int32, device=device)  # kv_indices: int32 always (block_index_dtype)
         self._bm_num = torch.zeros(L, -(-B // 4) * 4, dtype=self.bm_dtype, device=device)  # rows of 16 bytes: aligned views
         self.bm_num = [self._bm_num[i, :B].view(B, 1, 1) for i in range(L)]  # kv_num_blocks (B, 1, 1) of each layer
         ring_pages = torch.arange(L, device=device)[:, None] * self.RP + torch.arange(self.RP, device=device)  # (L, RP)
-        self.bm_idx[:, :, 0, 0, : self.RP] = ring_pages.to(self.bm_dtype)[:, None]
+        self.bm_idx[:, :, 0, 0, : self.RP] = ring_pages.to(torch.int32)[:, None]
         self.reset()
 
     # --- bookkeeping ------------------------------------------------------------------------------
@@ -336,7 +340,7 @@ class PoolStore:
             return
         npp = self.NPP - 1
         self._bm_num[:, : self.B] = (self.RP + (self.count + self.page - 1) // self.page).t().to(self.bm_dtype)
-        self.bm_idx[:, :, 0, 0, self.RP : self.RP + npp] = (self.PS0 // self.page + self.ptab[:, :, :npp]).transpose(0, 1).to(self.bm_dtype)
+        self.bm_idx[:, :, 0, 0, self.RP : self.RP + npp] = (self.PS0 // self.page + self.ptab[:, :, :npp]).transpose(0, 1).to(torch.int32)
 
     # --- the competition -----------------------------------------------------------------------------
     def leaver_slots(self, j: Tensor) -> Tensor:
