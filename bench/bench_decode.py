@@ -34,7 +34,9 @@ invocation:
   ``--steps`` timed steps, the peak memory since that prompt began; the largest of ``--batches`` at
   ``--batch-context`` (cache filled at random, :func:`kvpop.benchmarking.fill_cache`). With it the bounded
   engine's whole-prompt prefill at ``--batch-context`` (``bounded_prefill_s``) and the goals of issue 33
-  against the bounded rows of the same run (``pooled_goals``).
+  against the bounded rows of the same run (``pooled_goals``). At ``--batch-context`` both engines prefill
+  another prompt of that length first (``prefill_first_s``, ``bounded_prefill_first_s``: their compiles and,
+  with ``--chunk-graphs``, a CUDA graph per layer and entry width met), then the timed one.
 
 * ``--parts goals`` (in the default): issue 15's goals table from the rows above plus two scripts
   run in fresh processes after them: ``bench_ttft.py`` (cold, warm and eager time to the first
@@ -354,7 +356,7 @@ def pooled_rows(args, model, kvpop_mlp, done, *, contexts, budget, batch, wbytes
     vocab = model.config.vocab_size
     layout = CacheLayout(budget, 4, 256)
     eng = DecodeEngine(model, kvpop_mlp, layout=layout, batch_size=1, chunk=args.chunk, compile_mode=modes[0])
-    grow(eng, 1024, vocab, 0)  # compiled pieces warm: the prefill timed next is the prompt's, not the compiler's
+    bounded_first = grow(eng, args.batch_context, vocab, args.batch_context + 1)  # another prompt first: the compiles are not the prompt's
     eng.reset()
     bounded_pre = grow(eng, args.batch_context, vocab, args.batch_context)
     del eng
@@ -362,19 +364,24 @@ def pooled_rows(args, model, kvpop_mlp, done, *, contexts, budget, batch, wbytes
     pols = {name: pooled_policy(name, model, kvpop_mlp, dev) for name in args.pooled_policies.split(",")}
     graphs = {"chunk_graphs": True} if args.chunk_graphs else {}
     for name, pol in pols.items():  # every policy's batch-1 rows first: a batch row that fails ends nothing before it
-        extra = {"policy": name, "bounded_prefill_s": round(bounded_pre, 2), "bounded_prefill_context": args.batch_context, **graphs}
+        extra = {"policy": name, "bounded_prefill_s": round(bounded_pre, 2), "bounded_prefill_first_s": round(bounded_first, 2),
+                 "bounded_prefill_context": args.batch_context, **graphs}
         eng = DecodeEngine(model, pol, layout=layout, batch_size=1, chunk=args.chunk, compile_mode=modes[0], chunk_graphs=args.chunk_graphs)
         for ctx in contexts:
+            first = {}
+            if ctx == args.batch_context:  # the goal's prompt after another of its length, as the bounded engine's: its
+                eng.reset()  # compiles and chunk graphs (one per layer and width met) are the engine's first prompt's cost
+                first = {"prefill_first_s": round(grow(eng, ctx, vocab, ctx + 1), 2)}
             eng.reset()
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             pre = grow(eng, ctx, vocab, ctx)
             timed = time_steps(eng, args.steps, args.warmup)
             done(row("pooled", B=1, ctx=ctx, budget=budget, timed=timed, eng=eng, floor_bytes=wbytes + min(ctx, eng.slots) * per_tok, bw=bw,
-                     base_bytes=base, dev=dev, prefill_s=pre, extra={**extra, "prefill_s": round(pre, 2)}))
+                     base_bytes=base, dev=dev, prefill_s=pre, extra={**extra, "prefill_s": round(pre, 2), **first}))
         del eng
         torch.cuda.empty_cache() if dev.type == "cuda" else None
-    for name, pol in pols.items():
+    for name, pol in pols.items() if batch > 1 else ():  # --batches 1: the batch-1 rows only
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         eng = None

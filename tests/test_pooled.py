@@ -145,6 +145,47 @@ def test_chunk_layers_on_static_buffers_equal_the_one_pool_cache(model, name, pr
         DecodeEngine(model, make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16), layout=LAYOUT, batch_size=2, chunk_graphs=True)
 
 
+@pytest.mark.parametrize("name", ["dbtrimkv", "one_pool_ties", "kvpop_pool"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_chunks_flex_attention_equals_the_one_pool_cache(model, name, graphs, tie_policy, monkeypatch):
+    """The prefill chunk's FlexAttention (the CUDA path, :func:`kvpop.decode.engine.chunk_attention_flex`: the
+    visibility rule as a mask_mod, run eagerly here) in place of its SDPA twin in every chunk: the reference's
+    logits, whole chunks on the plain path and on static buffers (entries padded per head), a last partial one,
+    the delayed rule's shorter chunks (no static buffers). The two executors agree on a chunk's raw output too."""
+    import kvpop.decode.engine as engine
+
+    calls, sdpa = [], engine.chunk_attention_sdpa
+
+    def flex(*args):
+        calls.append(args[0].shape[2])
+        return engine.chunk_attention_flex(*args)
+
+    monkeypatch.setattr(engine, "chunk_attention_sdpa", flex)
+    policy = make(name, tie_policy)
+    x = ids()
+    ref = teacher_forced_logits(model, policy, x, layout=LAYOUT, prefill=1)
+    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, page=4, chunk_graphs=graphs and eng_static(policy))
+    got = engine_logits(eng, x, 100)
+    assert (got - ref[:, 99:]).abs().max() < 1e-4
+    assert len(calls) >= 2 * len(eng.layers) and max(calls) == eng.pool_chunk and min(calls) < eng.pool_chunk
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 5, 8, generator=g), *torch.randn(2, 2, 2, 40, 8, generator=g))  # (B, H, C, D); (B, Hk, N, D)
+    lo = torch.randint(0, 30, (2, 2, 40), generator=g)
+    lo[..., -5:] = torch.arange(30, 35)  # the chunk's own tokens at positions 30..34: each query sees itself
+    hi = torch.where(torch.rand(2, 2, 40, generator=g) < 0.3, torch.randint(31, 36, (2, 2, 40), generator=g), NEVER)
+    qpos = torch.arange(30, 35)
+    want = torch.nn.functional.scaled_dot_product_attention(  # every query head over its KV head's visible places
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), scale=0.3,
+        attn_mask=((lo[:, :, None] <= qpos[:, None]) & (qpos[:, None] < hi[:, :, None])).repeat_interleave(2, 1))
+    for attend in (engine.chunk_attention_flex, sdpa):
+        assert (attend(q, k, v, lo, hi, qpos, 0.3) - want).abs().max() < 1e-5
+
+
+def eng_static(policy) -> bool:
+    """Whether the engine runs ``policy``'s full chunks on static buffers (not a delayed rule's)."""
+    return policy.read_delay(WINDOW) is None
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_the_engine_holds_the_reference_entries(model, name, tie_policy):
     """After a chunked prefill and after steps, every layer and head holds the positions OnePoolCache holds,

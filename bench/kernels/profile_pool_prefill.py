@@ -33,6 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
 from kvpop.benchmarking import OpCount, default_out, pooled_policy, qwen3_4b_config, random_ids, sync
+from kvpop.decode import engine
 from kvpop.decode.engine import DecodeEngine
 from kvpop.geometry import CacheLayout
 from kvpop.policies import make_policy
@@ -70,6 +71,8 @@ def main() -> None:
     ap.add_argument("--replay", action="store_true", help="the chunk's competitions replayed query by query (the closed form's twin)")
     ap.add_argument("--chunk-graphs", action="store_true", help="each whole chunk's layers as CUDA graphs (DecodeEngine(chunk_graphs=True), "
                     "bench_decode.py --chunk-graphs)")
+    ap.add_argument("--chunk-attention", choices=("flex", "sdpa"), default="flex",
+                    help="the compiled engine's chunk attention (kvpop.decode.engine.POOL_CHUNK_ATTENTION; the uncompiled engine's: sdpa)")
     ap.add_argument("--timeline", action="store_true", help="time the prefill to --context chunk by chunk (graphs captured in each), "
                     "then whole again")
     args = ap.parse_args()
@@ -88,6 +91,7 @@ def main() -> None:
     policy = pooled_policy(args.policy, model, scorer, dev)
     budget, window = (2048, 256) if not args.small else (96, 32)
     context = args.context if not args.small else min(args.context, 256)
+    engine.POOL_CHUNK_ATTENTION = args.chunk_attention
     eng = DecodeEngine(model, policy, layout=CacheLayout(budget, 4, window), batch_size=1, chunk_graphs=args.chunk_graphs)
     eng.pool_closed_form = not args.replay
     seed = context if args.timeline else 0  # bench_decode.py's prompt of that length
@@ -124,7 +128,8 @@ def main() -> None:
                        for e in avg if e.key.startswith("kvpop.prefill.")}  # per chunk
     host = avg.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70)
     device = avg.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70) if dev.type == "cuda" else ""
-    head = (f"{args.policy} ({'replayed' if args.replay else 'one pass'}{', chunk graphs' if args.chunk_graphs else ''}): {chunk_s:.3f} s per "
+    head = (f"{args.policy} ({'replayed' if args.replay else 'one pass'}{', chunk graphs' if args.chunk_graphs else ''}, "
+            f"{args.chunk_attention if eng.compiled else 'sdpa'} attention): {chunk_s:.3f} s per "
             f"{window}-token chunk after {context} tokens (the prefill to there: {warm_s:.1f} s, {context / window:.0f} chunks"
             + (f"; the first time {extra['first_s']:.1f} s, {extra['graphs_captured']} graphs captured)" if args.timeline else ")"))
     print(head + "\n" + host + "\n" + device)
@@ -137,7 +142,8 @@ def main() -> None:
     model_name = "qwen3-small" if args.small else "Qwen3-4B's layers and heads at width 256, head dim 16" if args.narrow else "Qwen3-4B architecture"
     write_result(out, {"what": f"one prefill chunk of the pooled engine ({args.policy}) under the profiler, host and device",
                        "model": model_name + " (random weights)", "policy": args.policy,
-                       "one_pass": not args.replay, "chunk_graphs": args.chunk_graphs, "budget": budget, "window": window, "context": context,
+                       "one_pass": not args.replay, "chunk_graphs": args.chunk_graphs, "chunk_attention": args.chunk_attention if eng.compiled else "sdpa",
+                       "budget": budget, "window": window, "context": context,
                        "chunks": args.chunks,
                        "s_per_chunk": round(chunk_s, 4), "prefill_to_context_s": round(warm_s, 2), "summary": head,
                        "table_host": host, "table_device": device, **extra})

@@ -5,15 +5,16 @@
 #   bash scripts/device/run.sh bash scripts/device/engine.sh twins decode
 #   POOLED=dbtrimkv DECODE_PARTS=pooled bash scripts/device/run.sh bash scripts/device/engine.sh decode
 # Parts, in the order given:
-#   twins   tests/test_gpu.py's pool, chunked and chunk-graph twins (the compiled pooled engine == OnePoolCache, ...)
-#   decode  bench/bench_decode.py: DECODE_PARTS (default b1,batch,pooled) at budget 2,048, batch 64, no dense rows, the
+#   twins   tests/test_gpu.py's pool, chunked and chunk-graph twins (the compiled pooled engine == OnePoolCache, ...; TWINS_K: another -k)
+#   decode  bench/bench_decode.py: DECODE_PARTS (default b1,batch,pooled) at budget 2,048, batch BATCHES (64; 1: none), no dense rows, the
 #           pooled policies POOLED (default kvpop_mlp,dbtrimkv) with chunk graphs (GRAPHS=0: without), contexts CONTEXTS
 #   profile bench/kernels/profile_decode.py at batch 1, 4K: the bounded step (kvpop_mlp) and the pooled one (PROFILE_POLICY, default
 #           dbtrimkv), and the pooled one with its selection sorted (--sorted), then with each FlexAttention split of SPLITS
 #           (e.g. "32 64": --split-kv), every kernel listed
 #   step    bench/bench_pool_step.py --graphs --delays 64 (train.pool_graphs, issue 32)
 #   prefill bench/kernels/profile_pool_prefill.py --chunk-graphs --timeline at PREFILL_CONTEXT (default 32768) for each of
-#           PREFILL_POLICIES (default "dbtrimkv kvpop_mlp"): every chunk's seconds and graphs, the phases, the kernels
+#           PREFILL_POLICIES (default "dbtrimkv kvpop_mlp"), PREFILL_ARGS more (e.g. "--chunk-attention sdpa"): every chunk's
+#           seconds and graphs, the phases, the kernels
 # LIMIT (default 570) is the call's seconds from this script's start; each part gets what is left less 15 s.
 # At most 8 files come back from a call's $OUT: the profile part with two SPLITS writes 8 with gpu.txt and parts.txt, so run it alone.
 # The issue's whole command (every part of bench_decode.py, over 10 minutes) runs across calls with scripts/device/bg.sh:
@@ -36,11 +37,11 @@ for part in "${parts[@]}"; do
   [ "$s" -gt 30 ] || { echo "engine.sh: no time left for $part" | tee -a "$OUT/parts.txt"; continue; }
   p0=$(date +%s)
   case $part in
-    twins) timeout "$s" python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k "pool or chunked" > "$OUT/twins.log" 2>&1 ;;
+    twins) timeout "$s" python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k "${TWINS_K:-pool or chunked}" > "$OUT/twins.log" 2>&1 ;;
     decode)
       g=--chunk-graphs
       [ "${GRAPHS:-1}" = 0 ] && g=
-      timeout "$s" python3 bench/bench_decode.py --parts "${DECODE_PARTS:-b1,batch,pooled}" --budgets 2048 --batches 64 \
+      timeout "$s" python3 bench/bench_decode.py --parts "${DECODE_PARTS:-b1,batch,pooled}" --budgets 2048 --batches "${BATCHES:-64}" \
         --contexts "${CONTEXTS:-4096,32768,131072}" --dense-modes none --eager-new 0 --pooled-policies "${POOLED:-kvpop_mlp,dbtrimkv}" $g \
         --out "$OUT/decode${TAG:-}.json" > "$OUT/decode${TAG:-}.log" 2>&1 ;;
     profile)
@@ -57,7 +58,7 @@ for part in "${parts[@]}"; do
     prefill)
       for pol in ${PREFILL_POLICIES:-dbtrimkv kvpop_mlp}; do
         [ "$(left)" -gt 60 ] && timeout "$(left)" python3 bench/kernels/profile_pool_prefill.py --policy "$pol" --context "${PREFILL_CONTEXT:-32768}" \
-          --chunk-graphs --timeline --out "$OUT/prefill_$pol${TAG:-}.json" >> "$OUT/prefill${TAG:-}.log" 2>&1
+          --chunk-graphs --timeline ${PREFILL_ARGS:-} --out "$OUT/prefill_$pol${TAG:-}.json" >> "$OUT/prefill${TAG:-}.log" 2>&1
       done ;;
   esac
   rc=$?

@@ -130,6 +130,11 @@ POOL_LIST_STEPS = 8  # the pooled step's candidate list serves this many steps p
 #: (B x Hk)``: each part writes a partial output of every query head, read back by the combining kernel). Read when the
 #: step compiles (``bench/kernels/profile_decode.py --split-kv``)
 POOL_SPLIT_KV: int | None = None
+#: the pooled prefill chunk's attention on CUDA (:meth:`DecodeEngine._pool_chunk_attend`): "flex" (FlexAttention
+#: compiled for any length, the visibility rule as a mask_mod: no mask in memory) or "sdpa" (its twin: a boolean
+#: mask of every query head's rows, G x C x (n + C) per KV head, built and read in each layer). The uncompiled engine
+#: (the CPU's, the twin) runs "sdpa".
+POOL_CHUNK_ATTENTION: Literal["flex", "sdpa"] = "flex"
 
 #: the environment variable naming the folder of compiled decode steps (default: COMPILE_CACHE_DEFAULT)
 COMPILE_CACHE_ENV = "KVPOP_COMPILE_CACHE"
@@ -204,6 +209,44 @@ def block_mask(mask_mod, kv_blocks: Tensor, Q: int, N: int, kv_indices: Tensor |
     return BlockMask.from_kv_blocks(
         kv_blocks.view(1, 1, Qb).to(torch.int32), kv_indices, BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(Q, N), compute_q_blocks=False
     )
+
+
+def chunk_attention_sdpa(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, qpos: Tensor, scale: float) -> Tensor:
+    """A pooled prefill chunk's attention: queries q (B, H, C, D) at positions qpos (C,) over k, v (B, Hk, N, D), place
+    ``x`` of KV head ``kh`` visible to a query at position ``p`` iff ``lo[b, kh, x] <= p < hi[b, kh, x]`` (lo, hi
+    (B, Hk, N)) -> (B, H, C, D). SDPA under a boolean mask, each KV head's G query heads as one head of G x C queries;
+    on CUDA not cuDNN's kernel, which plans anew for every new shape (62 ms a call on the H200, 2026-12-04). The twin
+    of :func:`chunk_attention_flex`."""
+    B, H, C, D = q.shape
+    Hk, N = k.shape[1], k.shape[2]
+    G = H // Hk
+    ok = (lo[:, :, None] <= qpos[:, None]) & (qpos[:, None] < hi[:, :, None])  # (B, Hk, C, N)
+    mask = ok[:, :, None].expand(B, Hk, G, C, N).reshape(B, Hk, G * C, N)
+    qg = q.reshape(B, Hk, G * C, D)  # query head h = kv * G + g: each KV head's queries, (g, t) major to minor
+    with sdpa_kernel(_NO_CUDNN) if q.is_cuda else nullcontext():
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # (B, Hk, G C, D)
+    return out.reshape(B, H, C, D)
+
+
+def chunk_attention_flex(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, qpos: Tensor, scale: float) -> Tensor:
+    """:func:`chunk_attention_sdpa` through FlexAttention: the visibility rule as the mask_mod (two comparisons per
+    score, no mask in memory), every block partial. CUDA: compiled once for any length (the entries' count changes
+    from layer to layer and chunk to chunk, :func:`kvpop.attention.flex_any_length`); the CPU: eagerly."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from kvpop.attention import flex_any_length
+
+    C, G, N = q.shape[2], q.shape[1] // k.shape[1], k.shape[2]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        p = qpos[q_idx]
+        return (lo[b, h // G, kv_idx] <= p) & (p < hi[b, h // G, kv_idx])
+
+    kv_blocks = torch.full((-(-C // BLOCK),), -(-N // BLOCK), dtype=torch.int32, device=q.device)  # every query block: every KV block
+    bm = block_mask(mask_mod, kv_blocks, C, N)
+    if q.is_cuda:
+        return flex_any_length(q, k, v, bm, scale)
+    return flex_attention(q, k, v, block_mask=bm, scale=scale, enable_gqa=True)
 
 
 def engine_refusal(model, policy: Policy | None) -> str | None:
@@ -966,21 +1009,17 @@ class DecodeEngine:
         ``qpos`` (1, 1, C, 1) the chunk's positions) -> (B, H, C, D).
 
         Each KV head's entries are gathered apart, (B, Hk, n, D) padded to the layer's fullest head (whole
-        pages), so that a query head reads only its own KV head's entries (GQA), as in the per-head cache.
-        SDPA under the boolean mask, each KV head's G query heads as one head of G x C queries; on CUDA not
-        cuDNN's kernel, which plans anew for every new shape (62 ms a call on the H200, 2026-12-04)."""
-        st, B, Hk, G, D = self.store, self.B, self.Hk, self.G, self.D
+        pages), so that a query head reads only its own KV head's entries (GQA), as in the per-head cache;
+        then :func:`chunk_attention_flex` in the compiled engine (CUDA; :data:`POOL_CHUNK_ATTENTION`), else its twin
+        :func:`chunk_attention_sdpa`."""
+        st, B = self.store, self.B
         C = k.shape[2]
         n = ehl.shape[-1] - C
         rows = torch.arange(B, device=self.device).view(B, 1, 1)
         hs = ehl[0, :, :, :n]  # (B, Hk, n) store slots
         ks, vs = (torch.cat([buf[rows, hs], new], 2) for buf, new in ((st.keys, k), (st.values, v)))  # (B, Hk, n + C, D)
-        ok = (ehl[1, :, :, None] <= qpos) & (qpos < ehl[2, :, :, None])  # (B, Hk, C, n + C)
-        mask = ok[:, :, None].expand(B, Hk, G, C, n + C).reshape(B, Hk, G * C, n + C)
-        qg = q.reshape(B, Hk, G * C, D)  # query head h = kv * G + g: each KV head's queries, (g, t) major to minor
-        with sdpa_kernel(_NO_CUDNN) if q.is_cuda else nullcontext():
-            out = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=mask, scale=self.scale)  # (B, Hk, G C, D)
-        return out.reshape(B, Hk * G, C, D)
+        attend = chunk_attention_flex if self.compiled and POOL_CHUNK_ATTENTION == "flex" else chunk_attention_sdpa
+        return attend(q, ks, vs, ehl[1], ehl[2], qpos.reshape(C), self.scale)
 
     def _pool_chunk_layers_static(self, x: Tensor, cos: Tensor, sin: Tensor, entries: dict) -> tuple[Tensor, Tensor]:
         """A full prefill chunk's layers on static buffers: x (B, C, hidden) -> (x, kv), the last layer's output
@@ -1294,4 +1333,4 @@ def kv_bytes_per_token(model) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim_of(cfg) * next(model.parameters()).element_size()
 
 
-__all__ = ["DecodeEngine", "engine_refusal", "kv_bytes_per_token", "pack_linears", "weight_bytes"]
+__all__ = ["DecodeEngine", "chunk_attention_flex", "chunk_attention_sdpa", "engine_refusal", "kv_bytes_per_token", "pack_linears", "weight_bytes"]
