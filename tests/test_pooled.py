@@ -148,26 +148,33 @@ def test_chunk_layers_on_static_buffers_equal_the_one_pool_cache(model, name, pr
 @pytest.mark.parametrize("name", ["dbtrimkv", "one_pool_ties", "kvpop_pool"])
 @pytest.mark.parametrize("graphs", [False, True])
 def test_the_chunks_flex_attention_equals_the_one_pool_cache(model, name, graphs, tie_policy, monkeypatch):
-    """The prefill chunk's FlexAttention (the CUDA path, :func:`kvpop.decode.engine.chunk_attention_flex`: the
-    visibility rule as a mask_mod, run eagerly here) in place of its SDPA twin in every chunk: the reference's
-    logits, whole chunks on the plain path and on static buffers (entries padded per head), a last partial one,
-    the delayed rule's shorter chunks (no static buffers). The two executors agree on a chunk's raw output too."""
+    """The prefill chunk's FlexAttention (the compiled engine's, :func:`kvpop.decode.engine.chunk_attention_flex`: the
+    visibility rule as a mask_mod, each head's padding skipped by the block mask; run eagerly here, blocks of a page)
+    in place of its SDPA twin in every chunk: the reference's logits, whole chunks on the plain path and on static
+    buffers (widths doubling), a last partial one, the delayed rule's shorter chunks (no static buffers). The two
+    executors agree on a chunk's raw output too."""
     import kvpop.decode.engine as engine
 
-    calls, sdpa = [], engine.chunk_attention_sdpa
+    calls, flex = [], engine.chunk_attention_flex
 
-    def flex(*args):
-        calls.append(args[0].shape[2])
-        return engine.chunk_attention_flex(*args)
+    def counted(*args, **kw):
+        calls.append((args[0].shape[2], kw["entries"], kw["block"]))
+        return flex(*args, **kw)
 
-    monkeypatch.setattr(engine, "chunk_attention_sdpa", flex)
+    monkeypatch.setattr(engine, "chunk_attention_flex", counted)
     policy = make(name, tie_policy)
     x = ids()
     ref = teacher_forced_logits(model, policy, x, layout=LAYOUT, prefill=1)
     eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, page=4, chunk_graphs=graphs and eng_static(policy))
+    assert eng.chunk_attention == "sdpa"  # the uncompiled engine's
+    eng.chunk_attention = "flex"
     got = engine_logits(eng, x, 100)
     assert (got - ref[:, 99:]).abs().max() < 1e-4
-    assert len(calls) >= 2 * len(eng.layers) and max(calls) == eng.pool_chunk and min(calls) < eng.pool_chunk
+    assert len(calls) >= 2 * len(eng.layers) and max(c for c, _, _ in calls) == eng.pool_chunk and min(c for c, _, _ in calls) < eng.pool_chunk
+    assert all(b == 4 and e % 4 == 0 for _, e, b in calls) and max(e for _, e, _ in calls) > 0
+    if graphs and eng_static(policy):
+        widths = set(eng._cg["ehl"])
+        assert all(w // eng.chunk_bucket & (w // eng.chunk_bucket - 1) == 0 for w in widths) and len(widths) >= 2  # bucket x 2^k
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 5, 8, generator=g), *torch.randn(2, 2, 2, 40, 8, generator=g))  # (B, H, C, D); (B, Hk, N, D)
     lo = torch.randint(0, 30, (2, 2, 40), generator=g)
@@ -177,8 +184,45 @@ def test_the_chunks_flex_attention_equals_the_one_pool_cache(model, name, graphs
     want = torch.nn.functional.scaled_dot_product_attention(  # every query head over its KV head's visible places
         q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), scale=0.3,
         attn_mask=((lo[:, :, None] <= qpos[:, None]) & (qpos[:, None] < hi[:, :, None])).repeat_interleave(2, 1))
-    for attend in (engine.chunk_attention_flex, sdpa):
+    for attend in (flex, engine.chunk_attention_sdpa):
         assert (attend(q, k, v, lo, hi, qpos, 0.3) - want).abs().max() < 1e-5
+
+
+def test_the_chunks_block_mask_visits_every_visible_place_and_skips_the_padding():
+    """:func:`kvpop.decode.engine.chunk_block_mask` (what the GPU kernel visits; eager FlexAttention on the CPU reads
+    only the mask_mod): every place a query sees lies in a block its query head visits; a head's padding blocks
+    past its entries and the chunk's blocks after the query block's own are not visited; the flex executor over
+    it equals the SDPA twin. Heads holding 0, 5, 17 and 32 of 32 entry places, blocks of 16, a chunk of 20."""
+    from kvpop.decode.engine import chunk_attention_flex, chunk_attention_sdpa, chunk_block_mask
+
+    g = torch.Generator().manual_seed(3)
+    B, Hk, G, n, C, blk, c0 = 2, 4, 2, 32, 20, 16, 40
+    qpos = torch.arange(c0, c0 + C)
+    lo = torch.full((B, Hk, n + C), NEVER)
+    hi = torch.full((B, Hk, n + C), NEVER)
+    lo[..., n:] = qpos  # the chunk's own tokens, each from its position on
+    for b in range(B):
+        for h, held in enumerate([0, 5, 17, 32]):
+            lo[b, h, :held] = torch.randint(0, c0, (held,), generator=g)
+            hi[b, h, :held] = torch.where(torch.rand(held, generator=g) < 0.3, torch.randint(c0 + 1, c0 + C, (held,), generator=g), NEVER)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        p = qpos[q_idx]
+        return (lo[b, h // G, kv_idx] <= p) & (p < hi[b, h // G, kv_idx])
+
+    bm = chunk_block_mask(mask_mod, lo, n, C, G, blk)
+    dense = bm.to_dense().bool()  # (B, H, Qb, Kb)
+    visited = dense.repeat_interleave(blk, 2).repeat_interleave(blk, 3)[:, :, :C, : n + C]  # (B, H, C, N)
+    sees = ((lo[:, :, None] <= qpos[:, None]) & (qpos[:, None] < hi[:, :, None])).repeat_interleave(G, 1)  # (B, H, C, N)
+    assert sees.any() and not (sees & ~visited).any()
+    for h, held in enumerate([0, 5, 17, 32]):
+        want = [*range(-(-held // blk)), n // blk]  # entry blocks, then the chunk's first
+        assert torch.equal(dense[:, h * G, 0].nonzero()[:, 1].unique(), torch.tensor(want)), h
+        assert dense[:, h * G, 1, n // blk + 1].all()  # query block 1 reaches the chunk's second block, query block 0 does not
+        assert not dense[:, h * G, 0, n // blk + 1].any()
+    q, k, v = (torch.randn(B, Hk * G, C, 8, generator=g), *torch.randn(2, B, Hk, n + C, 8, generator=g))
+    want = chunk_attention_sdpa(q, k, v, lo, hi, qpos, 0.3)
+    assert (chunk_attention_flex(q, k, v, lo, hi, qpos, 0.3, entries=n, block=blk) - want).abs().max() < 1e-5
 
 
 def eng_static(policy) -> bool:

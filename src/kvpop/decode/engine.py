@@ -228,25 +228,54 @@ def chunk_attention_sdpa(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor
     return out.reshape(B, H, C, D)
 
 
-def chunk_attention_flex(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, qpos: Tensor, scale: float) -> Tensor:
+def chunk_attention_flex(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, qpos: Tensor, scale: float, *, entries: int | None = None,
+                         block: int = BLOCK) -> Tensor:
     """:func:`chunk_attention_sdpa` through FlexAttention: the visibility rule as the mask_mod (two comparisons per
-    score, no mask in memory), every block partial. CUDA: compiled once for any length (the entries' count changes
-    from layer to layer and chunk to chunk, :func:`kvpop.attention.flex_any_length`); the CPU: eagerly."""
+    score, no mask in memory). CUDA: compiled once for any length (the entries' count changes from layer to layer
+    and chunk to chunk, :func:`kvpop.attention.flex_any_length`); the CPU: eagerly.
+
+    ``entries``: the places before the chunk's own ``C`` (each KV head's entries, a prefix of its row, then padding;
+    :meth:`DecodeEngine._pool_chunk_entries`): where a multiple of ``block``, :func:`chunk_block_mask` visits only each
+    head's blocks of entries and the chunk's blocks up to the query block's own; else every block, all partial."""
     from torch.nn.attention.flex_attention import flex_attention
 
     from kvpop.attention import flex_any_length
 
-    C, G, N = q.shape[2], q.shape[1] // k.shape[1], k.shape[2]
+    C, G = q.shape[2], q.shape[1] // k.shape[1]
 
     def mask_mod(b, h, q_idx, kv_idx):
         p = qpos[q_idx]
         return (lo[b, h // G, kv_idx] <= p) & (p < hi[b, h // G, kv_idx])
 
-    kv_blocks = torch.full((-(-C // BLOCK),), -(-N // BLOCK), dtype=torch.int32, device=q.device)  # every query block: every KV block
-    bm = block_mask(mask_mod, kv_blocks, C, N)
+    bm = chunk_block_mask(mask_mod, lo, entries if entries is not None and entries % block == 0 else None, C, G, block)
     if q.is_cuda:
         return flex_any_length(q, k, v, bm, scale)
     return flex_attention(q, k, v, block_mask=bm, scale=scale, enable_gqa=True)
+
+
+def chunk_block_mask(mask_mod, lo: Tensor, entries: int | None, C: int, G: int, block: int = BLOCK):
+    """The BlockMask of a pooled prefill chunk's attention (:func:`chunk_attention_flex`) over places lo (B, Hk, N):
+    ``entries`` entry places per KV head (a multiple of ``block``), then the chunk's ``C`` tokens. Query block ``i``
+    of query head ``h`` visits the blocks holding its KV head's entries (those with ``lo < NEVER``, a prefix:
+    padding skipped) and the chunk's blocks ``0 .. i`` (later ones are in its future); all partial, the mask_mod
+    decides within. ``entries`` None: every block for every query block. Built on the device, no host sync:
+    kv_num_blocks (B, H, Qb), kv_indices (B, H, Qb, Kb), H = Hk x G."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, Hk, N = lo.shape
+    dev = lo.device
+    Qb, Kb = -(-C // block), -(-N // block)
+    j = torch.arange(Kb, device=dev)
+    if entries is None:
+        num = torch.full((B, Hk, Qb), Kb, dtype=torch.int64, device=dev)
+        idx = j.expand(B, Hk, Qb, Kb)
+    else:
+        held = (lo[:, :, :entries] < NEVER).sum(-1)  # (B, Hk) each head's entries
+        ne = (-(-held // block))[:, :, None, None]  # (B, Hk, 1, 1) their blocks
+        idx = torch.where(j < ne, j, entries // block + j - ne).clamp(max=Kb - 1).expand(B, Hk, Qb, Kb)  # entries, then the chunk's
+        num = ne[..., 0] + torch.arange(1, Qb + 1, device=dev)  # (B, Hk, Qb): the chunk's blocks up to the query block's own
+    num, idx = (t.repeat_interleave(G, 1).to(torch.int32) for t in (num, idx))  # each KV head's G query heads
+    return BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(C, N), compute_q_blocks=False)
 
 
 def engine_refusal(model, policy: Policy | None) -> str | None:
@@ -440,6 +469,8 @@ class DecodeEngine:
         if chunk_graphs and (self.kind != "pooled" or self.pool_delay is not None):
             raise ValueError("chunk_graphs serves the pooled kind's prefill (a one_pool policy with static priorities, not a delayed one)")
         self.chunk_graphs = chunk_graphs
+        #: the pooled prefill chunk's attention: "flex" in the compiled engine (:data:`POOL_CHUNK_ATTENTION`), else "sdpa"
+        self.chunk_attention: Literal["flex", "sdpa"] = POOL_CHUNK_ATTENTION if self.compiled else "sdpa"
         self.chunk_bucket = 4 * self.store.page if self.store is not None else 0  # entry places of a layer's head: a multiple of this
         self._layer_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._cg: dict | None = None  # the static buffers of the chunk's layers
@@ -878,7 +909,7 @@ class DecodeEngine:
             x = self.model.model.embed_tokens(ids)
             cos, sin = self.model.model.rotary_emb(x, pos.expand(B, C))
             static = self.chunk_graphs and C == self.pool_chunk
-            entries = self._pool_chunk_entries(snap, e, pos, bucket=self.chunk_bucket if static else st.page)
+            entries = self._pool_chunk_entries(snap, e, pos, bucket=self.chunk_bucket if static else st.page, doubling=static)
         with record_function("kvpop.prefill.layers"):
             if static:  # every layer on static buffers (one CUDA graph each when compiled)
                 x, kv = self._pool_chunk_layers_static(x, cos, sin, entries)
@@ -950,15 +981,16 @@ class DecodeEngine:
         """One competition of a prefill chunk from the static buffers (compiled, CUDA-graphed)."""
         self.store.update(self._cq, self._cprio, move_kv=False, track=(self._corig, self._ce))
 
-    def _pool_chunk_entries(self, snap: tuple[Tensor, Tensor], e: Tensor | None, pos: Tensor, bucket: int) -> dict:
+    def _pool_chunk_entries(self, snap: tuple[Tensor, Tensor], e: Tensor | None, pos: Tensor, bucket: int, doubling: bool = False) -> dict:
         """What every layer's chunk attends to, for all layers at once: the entries at the chunk's start (``snap``:
         the store's tags and positions then, (B, NS) each; a slot's tag is the only mark of its owner: removals
         clear it), their eviction times e (B, NS) (None: nothing leaves in the chunk) and the chunk's positions
         pos (C,) -> ``{"ehl", "at", "width", "qpos"}``.
 
         Flat layout over ``T`` places: layer ``l``'s block ``[at[l], at[l + 1])`` holds its ``Hk`` heads, each a
-        row of ``width[l]`` entry places (the layer's fullest head, rounded up to a multiple of ``bucket``: few
-        distinct shapes for the attention), then ``C`` places for the chunk's own tokens. ``ehl`` (3, B, T) int64:
+        row of ``width[l]`` entry places (the layer's fullest head, rounded up to a multiple of ``bucket``, or with
+        ``doubling`` to ``bucket`` times a power of two: few distinct shapes, each a CUDA graph with the static
+        buffers; the attention skips a head's padding block by block), then ``C`` places for the chunk's own tokens. ``ehl`` (3, B, T) int64:
         the store slot of each entry place (garbage elsewhere), and ``lo``, ``hi``: place ``x`` is visible to a
         query at position ``p`` iff ``lo[x] <= p < hi[x]`` (an entry from its position to its eviction, a sink
         always, a chunk token from its position on, padding never), so each layer's mask is two comparisons
@@ -970,7 +1002,8 @@ class DecodeEngine:
         order = key.argsort(dim=1, stable=True)  # (B, NS) the slots by pair (slot order within one), empty slots last
         cnt = torch.zeros(B, st.F + 1, dtype=torch.int64, device=dev).scatter_add_(1, key, torch.ones_like(key))[:, : st.F]  # (B, F)
         start = cnt.cumsum(1) - cnt
-        width = (-(-cnt.view(B, L, Hk).amax(dim=(0, 2)) // bucket) * bucket).tolist()  # (L,) the one host sync
+        need = (-(-cnt.view(B, L, Hk).amax(dim=(0, 2)) // bucket)).tolist()  # (L,) buckets of the fullest head: the one host sync
+        width = [bucket * ((1 << (u - 1).bit_length()) if doubling and u else u) for u in need]
         row = [w + C for w in width]  # places per head of each layer
         at = [0]
         for w in row:
@@ -1010,7 +1043,7 @@ class DecodeEngine:
 
         Each KV head's entries are gathered apart, (B, Hk, n, D) padded to the layer's fullest head (whole
         pages), so that a query head reads only its own KV head's entries (GQA), as in the per-head cache;
-        then :func:`chunk_attention_flex` in the compiled engine (CUDA; :data:`POOL_CHUNK_ATTENTION`), else its twin
+        then :func:`chunk_attention_flex` (:attr:`chunk_attention`; the compiled engine's), else its twin
         :func:`chunk_attention_sdpa`."""
         st, B = self.store, self.B
         C = k.shape[2]
@@ -1018,8 +1051,9 @@ class DecodeEngine:
         rows = torch.arange(B, device=self.device).view(B, 1, 1)
         hs = ehl[0, :, :, :n]  # (B, Hk, n) store slots
         ks, vs = (torch.cat([buf[rows, hs], new], 2) for buf, new in ((st.keys, k), (st.values, v)))  # (B, Hk, n + C, D)
-        attend = chunk_attention_flex if self.compiled and POOL_CHUNK_ATTENTION == "flex" else chunk_attention_sdpa
-        return attend(q, ks, vs, ehl[1], ehl[2], qpos.reshape(C), self.scale)
+        if self.chunk_attention == "flex":  # blocks of FlexAttention's kernel on CUDA; of the store's pages elsewhere (the twin's tests)
+            return chunk_attention_flex(q, ks, vs, ehl[1], ehl[2], qpos.reshape(C), self.scale, entries=n, block=BLOCK if q.is_cuda else st.page)
+        return chunk_attention_sdpa(q, ks, vs, ehl[1], ehl[2], qpos.reshape(C), self.scale)
 
     def _pool_chunk_layers_static(self, x: Tensor, cos: Tensor, sin: Tensor, entries: dict) -> tuple[Tensor, Tensor]:
         """A full prefill chunk's layers on static buffers: x (B, C, hidden) -> (x, kv), the last layer's output
@@ -1333,4 +1367,5 @@ def kv_bytes_per_token(model) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim_of(cfg) * next(model.parameters()).element_size()
 
 
-__all__ = ["DecodeEngine", "chunk_attention_flex", "chunk_attention_sdpa", "engine_refusal", "kv_bytes_per_token", "pack_linears", "weight_bytes"]
+__all__ = ["DecodeEngine", "chunk_attention_flex", "chunk_attention_sdpa", "chunk_block_mask", "engine_refusal", "kv_bytes_per_token", "pack_linears",
+           "weight_bytes"]
