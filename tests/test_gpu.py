@@ -604,7 +604,8 @@ def test_compiled_pooled_engine_equals_one_pool_cache(policy_name, tiny_model, m
     per chunk, and their twin: one graph replayed per query) equal the eager engine and token-by-token OnePoolCache; two rows, a prompt
     longer than the budget (six whole chunks, then a partial one), then steps; both hold the same entries. With
     ``chunk_graphs`` each whole chunk's layers run as CUDA graphs on static buffers (one per layer and width). The step's
-    attention split into 3 parts (engine.POOL_SPLIT_KV) and the selection by sorts (pooled.RANKED_SELECTION off) too."""
+    attention split into 3 parts (engine.POOL_SPLIT_KV), the selection by sorts (pooled.RANKED_SELECTION off) and the store
+    read in row groups, each row its own (pooled.GROUP_ELEMENTS: what batch 64 of Qwen3-4B needs) too."""
     import kvpop.decode.engine
     import kvpop.decode.pooled
     from kvpop.decode import enable, teacher_forced_logits
@@ -628,15 +629,18 @@ def test_compiled_pooled_engine_equals_one_pool_cache(policy_name, tiny_model, m
     # over its candidate list (every 8 steps, PoolStore.refresh_list) and over the whole pool (list_steps=0); the
     # whole chunks' layers as CUDA graphs; (split, sorted): the step's attention in 3 parts, the sorted selection
     modes = [(False, True, 8, False, None), (True, True, 8, False, None), (True, False, 8, False, None), (True, True, 0, False, None),
-             (True, True, 8, False, "split"), (True, True, 8, False, "sorted")]
+             (True, True, 8, False, "split"), (True, True, 8, False, "sorted"), (True, True, 8, False, "grouped")]
+    group_elements = kvpop.decode.pooled.GROUP_ELEMENTS
     if base != "kvpop_pool":  # prefill chunks of window - d = 24 (192: eight whole ones); no chunk graphs for a recurrent state
         modes.append((True, True, 8, True, None))
     for compiled, closed, list_steps, graphs, variant in modes:
         monkeypatch.setattr(kvpop.decode.engine, "POOL_SPLIT_KV", 3 if variant == "split" else None)
         monkeypatch.setattr(kvpop.decode.pooled, "RANKED_SELECTION", variant != "sorted")
+        monkeypatch.setattr(kvpop.decode.pooled, "GROUP_ELEMENTS", 1 if variant == "grouped" else group_elements)
         eng = DecodeEngine(model, policy, layout=layout, batch_size=2, compile=compiled, list_steps=list_steps, chunk_graphs=graphs)
         eng.pool_closed_form = closed
         assert eng.kind == "pooled" and eng.store.page == 128 and eng.store.list_steps == list_steps
+        assert len(eng.store.groups) == (2 if variant == "grouped" else 1)
         logits = [eng.prefill(ids[:, :192]).clone(), eng.prefill(ids[:, 192:pre]).clone()]
         if graphs:
             assert len(eng._layer_graphs) >= len(eng.layers)  # every layer captured (a graph per width bucket it met)

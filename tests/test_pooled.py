@@ -484,13 +484,37 @@ def test_small_ranks_are_a_stable_sort():
         assert torch.equal(torch.empty_like(want).scatter_(1, want, torch.arange(n).expand(4, -1)), small_ranks(key))
 
 
-def test_block_masks_follow_inductors_index_dtype():
-    """int32 ``kv_num_blocks`` up to int32's range of store elements, int64 past it (the kernel's 64-bit indexing)."""
-    from kvpop.decode.pooled import block_index_dtype
+def test_row_groups_keep_each_flex_call_in_int32s_range():
+    """The compiled step reads the store in row groups of at most GROUP_ELEMENTS elements (torch 2.11's FlexAttention
+    templates do not compile with 64-bit indexing): as few as fit, near-equal, 4-row multiples where they can be."""
+    from kvpop.decode.pooled import GROUP_ELEMENTS, row_groups
 
-    assert block_index_dtype(2**31 - 1) == torch.int32
-    assert block_index_dtype(2**31) == torch.int64
-    assert block_index_dtype(64 * 598_400 * 128) == torch.int64  # Qwen3-4B, budget 2,048, batch 64
+    row = 598_400 * 128  # Qwen3-4B, budget 2,048: a row's keys
+    assert row_groups(64, row) == [(0, 24), (24, 48), (48, 64)]
+    assert row_groups(1, row) == [(0, 1)] and row_groups(28, row) == [(0, 28)] and row_groups(29, row) == [(0, 16), (16, 29)]
+    for B in range(1, 80):
+        for elems in (row, 10**9, 3 * 10**9):
+            groups = row_groups(B, elems)
+            assert groups[0][0] == 0 and groups[-1][1] == B and all(a[1] == b[0] for a, b in zip(groups, groups[1:], strict=False))
+            assert all((r1 - r0) * elems <= GROUP_ELEMENTS or r1 - r0 == 1 for r0, r1 in groups)
+            assert len(groups) == -(-B // max(1, GROUP_ELEMENTS // elems))
+
+
+@pytest.mark.parametrize("name", ["dbtrimkv", "kvpop_mlp_pool", "kvpop_pool"])
+def test_a_store_in_row_groups_equals_the_one_pool_cache(model, name, tie_policy, monkeypatch):
+    """Each row its own group (a store past GROUP_ELEMENTS, small): the keys and values the competition moves, the
+    leavers' scores and the delayed read-out go through the groups' views; the reference's logits all the same."""
+    import kvpop.decode.pooled as pooled
+
+    monkeypatch.setattr(pooled, "GROUP_ELEMENTS", 1)
+    policy = make(name, tie_policy)
+    x = ids()
+    ref = teacher_forced_logits(model, policy, x, layout=LAYOUT, prefill=1)
+    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, page=4)
+    assert eng.store.groups == [(0, 1), (1, 2)]
+    assert all(g.data_ptr() == eng.store.keys[r0].data_ptr() for g, (r0, _) in zip(eng.store.key_groups, eng.store.groups, strict=True))
+    got = engine_logits(eng, x, 30)
+    assert (got - ref[:, 29:]).abs().max() < 1e-4
 
 
 def test_a_page_holds_one_entry_per_kv_head():
@@ -499,21 +523,21 @@ def test_a_page_holds_one_entry_per_kv_head():
                   decays=True)
 
 
-@pytest.mark.parametrize("page,index_dtype", [(4, torch.int32), (128, torch.int32), (4, torch.int64)])
-def test_the_compiled_steps_attention_on_the_cpu(model, page, index_dtype, tie_policy, monkeypatch):
+@pytest.mark.parametrize("page,grouped", [(4, False), (128, False), (4, True)])
+def test_the_compiled_steps_attention_on_the_cpu(model, page, grouped, tie_policy, monkeypatch):
     """What the compiled step reads, checked on the CPU: each layer's block list (its ring pages, then its own
     pool pages, ``kv_num_blocks`` of them) covers exactly the slots of its heads' entries; and the step's
     FlexAttention form (query heads as the queries of one head over the store, the layer's block mask, the
-    tag mask_mod; run eagerly here) gives the eager gather's output, with int32 block masks and with the
-    int64 ``kv_num_blocks`` of a store past int32's range (:func:`kvpop.decode.pooled.block_index_dtype`;
-    ``kv_indices`` int32 always)."""
+    tag mask_mod; run eagerly here) gives the eager gather's output; also with the store read in row groups, one call
+    each (a store past :data:`kvpop.decode.pooled.GROUP_ELEMENTS`; here each row its own group)."""
     import kvpop.decode.pooled as pooled
 
-    monkeypatch.setattr(pooled, "block_index_dtype", lambda n: index_dtype)
+    if grouped:
+        monkeypatch.setattr(pooled, "GROUP_ELEMENTS", 1)
     policy = make("dbtrimkv", tie_policy)
     eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, page=page)
     st = eng.store
-    assert st.bm_num[0].dtype == index_dtype and st.bm_idx.dtype == torch.int32
+    assert st.bm_num[0].dtype == st.bm_idx.dtype == torch.int32 and len(st.groups) == (2 if grouped else 1)
     st.flex = True  # keep the block masks, as a compiled engine does
     x = ids(n=90, seed=5)
     engine_logits(eng, x[:, :80], 60)

@@ -781,7 +781,7 @@ class DecodeEngine:
         out = []
         for i in range(len(self.layers)):
             slots = st.ring_slots(i, j)  # (Hk, n)
-            k, v = st.keys[:, slots], st.values[:, slots]  # (B, Hk, n, D)
+            k, v = (t.view(B, *slots.shape, self.D) for t in st.read_kv(slots.reshape(1, -1).expand(B, -1)))  # (B, Hk, n, D)
             out.append(self.policy.token_scores(i, k, v, j.expand(B, -1)).double())  # (B, Hk, n)
         return torch.cat(out, 1)
 
@@ -809,14 +809,14 @@ class DecodeEngine:
         """One decoder layer of the pooled step (as :meth:`_layer`): the token enters its ring slot in
         every head of layer ``li`` (0-d int64), then the layer's H query heads attend to its ring and pool
         entries. Compiled: FlexAttention's decoding kernel over the layer's pages (``bm_num`` (B, 1, 1),
-        ``bm_idx`` (B, 1, 1, NB): :class:`kvpop.decode.pooled.PoolStore`'s block mask of the layer);
-        eager: the layer's slots gathered, SDPA under the same mask."""
+        ``bm_idx`` (B, 1, 1, NB): :class:`kvpop.decode.pooled.PoolStore`'s block mask of the layer), one call per row
+        group of the store (:data:`kvpop.decode.pooled.GROUP_ELEMENTS`: one group up to batch 28 at Qwen3-4B, budget
+        2,048); eager: the layer's slots gathered, SDPA under the same mask."""
         st, B, Hk, H, G = self.store, self.B, self.Hk, self.H, self.G
         q, k, v = self._qkv(layer, wqkv, h, cos, sin)  # (B, H, 1, D), (B, Hk, 1, D)
         bi, hi = self._bh  # (B * Hk,)
         slot = (li * st.RS + at)[hi]  # (B * Hk,)
-        st.keys.index_put_((bi, slot), k.reshape(B * Hk, -1))
-        st.values.index_put_((bi, slot), v.reshape(B * Hk, -1))
+        st.write_kv(slot.view(B, Hk), k.reshape(B, Hk, -1), v.reshape(B, Hk, -1))
         st.pos.index_put_((bi, slot), self.p.expand(B * Hk))
         st.tag.index_put_((bi, slot), li * Hk + hi)
         if self.pool_delay is not None:  # kvpop_pool: layer li's state reads the token, then token p - d is read out
@@ -824,16 +824,18 @@ class DecodeEngine:
         if self.compiled:
             from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-            tag, first = st.tag, li * Hk
+            first, opts = li * Hk, {"kernel_options": {"SPLIT_KV": POOL_SPLIT_KV}} if POOL_SPLIT_KV else {}
+            outs = []
+            for (r0, r1), kg, vg in zip(st.groups, st.key_groups, st.value_groups, strict=True):  # each group's store its own input
 
-            def mask_mod(b, hh, q_idx, kv_idx):  # the query heads are the queries of one head: pair of query q_idx
-                return tag[b, kv_idx] == first + q_idx // G
+                def mask_mod(b, hh, q_idx, kv_idx, tag=st.tag[r0:r1]):  # the query heads are the queries of one head: pair of query q_idx
+                    return tag[b, kv_idx] == first + q_idx // G
 
-            bm = BlockMask.from_kv_blocks(bm_num, bm_idx, BLOCK_SIZE=st.page, mask_mod=mask_mod, seq_lengths=(H, st.NS), compute_q_blocks=False)
-            opts = {"kernel_options": {"SPLIT_KV": POOL_SPLIT_KV}} if POOL_SPLIT_KV else {}
-            out = flex_attention(q.transpose(1, 2), st.keys.view(B, 1, st.NS, -1), st.values.view(B, 1, st.NS, -1), block_mask=bm, scale=self.scale,
-                                 **opts)
-            out = out.transpose(1, 2)  # (B, 1, H, D) -> (B, H, 1, D)
+                bm = BlockMask.from_kv_blocks(bm_num[r0:r1], bm_idx[r0:r1], BLOCK_SIZE=st.page, mask_mod=mask_mod, seq_lengths=(H, st.NS),
+                                              compute_q_blocks=False)
+                outs.append(flex_attention(q[r0:r1].transpose(1, 2), kg.view(r1 - r0, 1, st.NS, -1), vg.view(r1 - r0, 1, st.NS, -1), block_mask=bm,
+                                           scale=self.scale, **opts))
+            out = (outs[0] if len(outs) == 1 else torch.cat(outs)).transpose(1, 2)  # (B, 1, H, D) -> (B, H, 1, D)
         else:
             i = int(li)
             slots, mine = st.layer_slots(i)  # (B, N)
@@ -850,15 +852,14 @@ class DecodeEngine:
         it, into its ring slots' priorities, ``window - d`` steps before it leaves (as
         :meth:`kvpop.decode.one_pool.PoolLayer._read_out`). A ``j`` below ``sinks`` (which never compete) writes
         to the dump slot."""
-        st, B, Hk, D = self.store, self.B, self.Hk, self.D
+        st, B, Hk = self.store, self.B, self.Hk
         for buf, new in zip(state, rule.step(ri, state, k, v), strict=True):
             buf.copy_(new)
         j = self.p - self.pool_delay  # 0-d
         slot = st.ring_slots(li, j.clamp(min=0).view(1))[:, 0]  # (Hk,)
         slot = torch.where(j >= self.sinks, slot, st.dump)[self._bh[1]]  # (B * Hk,)
-        bi = self._bh[0]
-        kj, vj = st.keys[bi, slot].view(B, Hk, D), st.values[bi, slot].view(B, Hk, D)
-        st.prio.index_put_((bi, slot), rule.exit_scores(ri, state, kj, vj, j).reshape(-1).double())
+        kj, vj = st.read_kv(slot.view(B, Hk))  # (B, Hk, D) each
+        st.prio.index_put_((self._bh[0], slot), rule.exit_scores(ri, state, kj, vj, j).reshape(-1).double())
 
     def _pool_chunk_read_out(self, i: int, k: Tensor, v: Tensor, c0: int, rpos: Tensor) -> Tensor:
         """A delayed pooled rule in a prefill chunk: layer i's state reads the chunk's k, v (B, Hk, C, D) and the

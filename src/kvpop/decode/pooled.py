@@ -12,7 +12,9 @@ lowest go, as many as the candidates exceed ``P``; ties: the older token, then t
 Layout: one store per row, pages of ``page`` slots (the attention block, 128 on CUDA)
 -----------------------------------------------------------------------------------------------
 Every slot of the store holds one entry: keys and values ``(B, NS, D)``, its position, priority, pair
-``tag`` (``-1``: empty) and, in the pool, its index in its layer's list. A slot's pair says whose
+``tag`` (``-1``: empty) and, in the pool, its index in its layer's list. The compiled step touches keys and values
+only through views of row groups (:func:`row_groups`, :meth:`PoolStore.read_kv`, :meth:`PoolStore.write_kv`), each
+under int32's range of elements, which torch's FlexAttention templates need (:data:`GROUP_ELEMENTS`). A slot's pair says whose
 entry it is, so one page may hold entries of every head of *one* layer::
 
     [ layer 0's rings | layer 1's rings | ... | pool pages ............................ | dump page ]
@@ -78,21 +80,26 @@ from kvpop.selection import NEVER
 I64_MAX = torch.iinfo(torch.int64).max
 
 
-def block_index_dtype(store_elements: int) -> torch.dtype:
-    """The dtype of the compiled step's ``kv_num_blocks`` over a store of ``store_elements`` keys (B x NS x D):
-    int32, or int64 where the store is past int32's range. ``kv_indices`` stay int32 whatever the store.
+#: the most store elements (rows x NS x D keys) one FlexAttention call of the compiled step reads. Past int32's range
+#: Inductor indexes the kernel in 64 bits (``TritonScheduling.can_use_32bit_indexing``; the store at batch 64, Qwen3-4B,
+#: budget 2,048: 4.9e9), and torch 2.11's FlexAttention decoding template does not compile that way, whatever the block
+#: masks' dtypes (an H200 and an H100, 2026-12-04 and 12-07): int32 ``kv_num_blocks`` fail in a ternary that mixes them
+#: with the int64 program id, int64 ``kv_indices`` in the KV loop (``kv_offset`` starts int32 and turns int64), and with
+#: both fixed (int64 counts, int32 indices) a block pointer refuses 64-bit offsets. So the step reads the store in row
+#: groups (:func:`row_groups`), each a view of at most this many elements that the compiled step takes as its own input.
+GROUP_ELEMENTS = 2**31 - 1
 
-    Inductor indexes a FlexAttention kernel in 64 bits when any buffer it reads holds more than ``2**31 - 1``
-    elements (``TritonScheduling.can_use_32bit_indexing``; the store at batch 64, Qwen3-4B, budget 2,048: 4.9e9).
-    Its decoding template (torch 2.11) then mixes the two arrays' dtypes with the program id's in two places:
-    - it bounds a split's last block by one computed from ``kv_num_blocks`` and one from the program id (int64)
-      in a single ternary: int32 ``kv_num_blocks`` fail ("Ternary expression with dynamic condition has
-      inconsistent types int64 and int32", the H200, 2026-12-04);
-    - its KV loop carries an offset that starts as an int32 zero and grows by block jumps read from
-      ``kv_indices``: int64 ones fail ("Loop-carried variable kv_offset has initial type int32 but is re-assigned
-      to int64", the H100, 2026-12-07).
-    int64 ``kv_num_blocks`` with int32 ``kv_indices`` satisfy both."""
-    return torch.int64 if store_elements > torch.iinfo(torch.int32).max else torch.int32
+
+def row_groups(batch: int, row_elements: int, limit: int | None = None) -> list[tuple[int, int]]:
+    """Rows ``[r0, r1)`` of each group of a store whose row holds ``row_elements`` elements: as few groups as keep each
+    under ``limit`` (default :data:`GROUP_ELEMENTS`), of near-equal sizes, a multiple of 4 rows where a group holds 4 or
+    more (the block masks' rows of 4 bytes then start each group on 16 bytes, as Inductor's inputs want)."""
+    limit = GROUP_ELEMENTS if limit is None else limit
+    per = max(1, limit // row_elements)
+    size = -(-batch // -(-batch // per))  # near-equal groups
+    if per >= 4:
+        size = min(per // 4 * 4, -(-size // 4) * 4)
+    return [(r0, min(batch, r0 + size)) for r0 in range(0, batch, size)]
 
 
 def can_go(pos: Tensor, prio: Tensor, present: Tensor, arrive: Tensor | None, q0: int | Tensor, n: int, *, F: int, decays: bool) -> Tensor:
@@ -239,6 +246,10 @@ class PoolStore:
         self.ccount = torch.zeros(B, dtype=torch.int64, device=device)  # the list's length
         self.keys = torch.zeros(B, self.NS, D, dtype=dtype, device=device)
         self.values = torch.zeros(B, self.NS, D, dtype=dtype, device=device)
+        # the compiled step reads and writes keys and values only through these views of row groups (GROUP_ELEMENTS)
+        self.groups = row_groups(B, self.NS * D)
+        self.key_groups = [self.keys[r0:r1] for r0, r1 in self.groups]
+        self.value_groups = [self.values[r0:r1] for r0, r1 in self.groups]
         self.pos = torch.full((B, self.NS), -1, dtype=torch.int64, device=device)  # -1: empty
         self.tag = torch.full((B, self.NS), -1, dtype=torch.int64, device=device)  # pair layer * Hk + head, -1: empty
         self.prio = torch.zeros(B, self.NS, dtype=torch.float64, device=device)  # a pool entry's priority (log beta, dbtrimkv)
@@ -252,10 +263,9 @@ class PoolStore:
         self.pair = f  # (F,)
         self.ring_base = (f // Hk) * self.RS + (f % Hk) * self.R  # (F,) ring slot 0 of each pair
         # the compiled step's block masks, one per layer: its ring pages, then its pool pages
-        self.bm_dtype = block_index_dtype(B * self.NS * D)
         nb = -(-(self.RP + self.NPP - 1) // 4) * 4  # rows a multiple of 16 bytes: every layer's view stays aligned
-        self.bm_idx = torch.zeros(L, B, 1, 1, nb, dtype=torch.int32, device=device)  # kv_indices: int32 always (block_index_dtype)
-        self._bm_num = torch.zeros(L, -(-B // 4) * 4, dtype=self.bm_dtype, device=device)  # rows of 16 bytes: aligned views
+        self.bm_idx = torch.zeros(L, B, 1, 1, nb, dtype=torch.int32, device=device)
+        self._bm_num = torch.zeros(L, -(-B // 4) * 4, dtype=torch.int32, device=device)  # rows of 16 bytes: aligned views
         self.bm_num = [self._bm_num[i, :B].view(B, 1, 1) for i in range(L)]  # kv_num_blocks (B, 1, 1) of each layer
         ring_pages = torch.arange(L, device=device)[:, None] * self.RP + torch.arange(self.RP, device=device)  # (L, RP)
         self.bm_idx[:, :, 0, 0, : self.RP] = ring_pages.to(torch.int32)[:, None]
@@ -294,6 +304,22 @@ class PoolStore:
         bufs = (self.keys, self.values, self.pos, self.tag, self.prio, self.lidx, self.lpos, self.cand, self.ccount, self.count, self.ptab,
                 self.used, self.bm_idx, self._bm_num)
         return sum(t.numel() * t.element_size() for t in bufs)
+
+    def read_kv(self, slot: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values (B, n, D) of each row's slots slot (B, n), read group by group (:attr:`key_groups`: what the
+        compiled step may touch)."""
+        out = []
+        for bufs in (self.key_groups, self.value_groups):
+            parts = [g.gather(1, slot[r0:r1, :, None].expand(-1, -1, self.D)) for g, (r0, r1) in zip(bufs, self.groups, strict=True)]
+            out.append(parts[0] if len(parts) == 1 else torch.cat(parts))
+        return out[0], out[1]
+
+    def write_kv(self, slot: Tensor, k: Tensor, v: Tensor) -> None:
+        """Keys and values k, v (B, n, D) into each row's slots slot (B, n) (distinct within a row, but for the dump
+        slot), group by group."""
+        for bufs, val in ((self.key_groups, k), (self.value_groups, v)):
+            for g, (r0, r1) in zip(bufs, self.groups, strict=True):
+                g.scatter_(1, slot[r0:r1, :, None].expand(-1, -1, self.D), val[r0:r1])
 
     def home_slot(self, pos: Tensor | int) -> Tensor | int:
         """Ring slot of a sink or window token at position(s) pos (:meth:`CacheLayout.home_slot`)."""
@@ -339,7 +365,7 @@ class PoolStore:
         if not self.flex:
             return
         npp = self.NPP - 1
-        self._bm_num[:, : self.B] = (self.RP + (self.count + self.page - 1) // self.page).t().to(self.bm_dtype)
+        self._bm_num[:, : self.B] = (self.RP + (self.count + self.page - 1) // self.page).t().to(torch.int32)
         self.bm_idx[:, :, 0, 0, self.RP : self.RP + npp] = (self.PS0 // self.page + self.ptab[:, :, :npp]).transpose(0, 1).to(torch.int32)
 
     # --- the competition -----------------------------------------------------------------------------
@@ -450,7 +476,7 @@ class PoolStore:
             moved["lpos"] = lp_new.to(torch.int32)
             self.ccount.add_(stays.sum(1))
         if move_kv:
-            kv = [buf[rows, src] for buf in (self.keys, self.values)]  # (B, F + L F, D)
+            kv = self.read_kv(src)  # (B, F + L F, D) each
         if track is not None:
             orig, e = track
             o_src = orig.gather(1, src)
@@ -467,8 +493,7 @@ class PoolStore:
         for name, val in moved.items():
             getattr(self, name).index_put_((rows, dst), val)
         if move_kv:
-            for buf, val in zip((self.keys, self.values), kv, strict=True):
-                buf.index_put_((rows, dst), val)
+            self.write_kv(dst, *kv)
         if track is not None:
             orig.index_put_((rows, dst), o_src)
         # the dump slot stays empty
@@ -804,4 +829,4 @@ class PoolStore:
         self._sync_block_masks()
 
 
-__all__ = ["NEVER", "PoolStore", "block_index_dtype", "order_of", "select_lowest", "select_lowest_set", "small_ranks"]
+__all__ = ["GROUP_ELEMENTS", "NEVER", "PoolStore", "order_of", "row_groups", "select_lowest", "select_lowest_set", "small_ranks"]
