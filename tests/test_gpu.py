@@ -597,6 +597,31 @@ def test_compiled_engine_prefills_prompts_of_any_length_without_recompiling(poli
     assert worst < 1e-4
 
 
+def test_pooled_chunk_flex_attention_equals_its_sdpa_twin_on_cuda():
+    """The compiled engine's chunk attention (FlexAttention compiled for any length over chunk_block_mask: each head's
+    entry blocks and the chunk's causal blocks, padding skipped) against its SDPA twin, bf16, widths of 1, 3 and 4
+    blocks of entries, heads holding none, a block and one, and all of them; the chunk's 256 queries in 2 blocks."""
+    from kvpop.decode.engine import chunk_attention_flex, chunk_attention_sdpa
+
+    g = torch.Generator().manual_seed(5)
+    B, Hk, G, C, D, c0 = 2, 4, 4, 256, 64, 5000
+    qpos = torch.arange(c0, c0 + C).cuda()
+    for n in (128, 384, 512):
+        lo = torch.full((B, Hk, n + C), NEVER)
+        hi = torch.full((B, Hk, n + C), NEVER)
+        lo[..., n:] = torch.arange(c0, c0 + C)
+        for h, held in enumerate([0, 128, 129, n]):
+            held = min(held, n)
+            lo[:, h, :held] = torch.randint(0, c0, (B, held), generator=g)
+            hi[:, h, :held] = torch.where(torch.rand(B, held, generator=g) < 0.2, torch.randint(c0 + 1, c0 + C, (B, held), generator=g), NEVER)
+        lo, hi = lo.cuda(), hi.cuda()
+        q = torch.randn(B, Hk * G, C, D, generator=g).cuda().bfloat16()
+        k, v = (torch.randn(B, Hk, n + C, D, generator=g).cuda().bfloat16() for _ in range(2))
+        want = chunk_attention_sdpa(q, k, v, lo, hi, qpos, D**-0.5)
+        got = chunk_attention_flex(q, k, v, lo, hi, qpos, D**-0.5, entries=n)
+        assert _maxdiff(got, want) < 2e-2, n
+
+
 @pytest.mark.parametrize("policy_name", ["dbtrimkv", "kvpop_mlp, one pool", "kvpop_pool"])
 def test_compiled_pooled_engine_equals_one_pool_cache(policy_name, tiny_model, monkeypatch):
     """The pooled engine (kvpop.decode.pooled) on CUDA: the compiled step (FlexAttention's decoding kernel over
