@@ -145,8 +145,8 @@ def test_chunk_layers_on_static_buffers_equal_the_one_pool_cache(model, name, pr
         DecodeEngine(model, make_policy("kvpop_mlp", num_layers=2, num_kv_heads=2, head_dim=16), layout=LAYOUT, batch_size=2, chunk_graphs=True)
 
 
-@pytest.mark.parametrize("name", ["dbtrimkv", "one_pool_ties", "kvpop_pool"])
-@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize(("name", "graphs"), [("dbtrimkv", False), ("dbtrimkv", True), ("one_pool_ties", False), ("one_pool_ties", True),
+                                               ("kvpop_pool", False)])  # a delayed rule has no static buffers
 def test_the_chunks_flex_attention_equals_the_one_pool_cache(model, name, graphs, tie_policy, monkeypatch):
     """The prefill chunk's FlexAttention (the compiled engine's, :func:`kvpop.decode.engine.chunk_attention_flex`: the
     visibility rule as a mask_mod, each head's padding skipped by the block mask; run eagerly here, blocks of a page)
@@ -165,14 +165,14 @@ def test_the_chunks_flex_attention_equals_the_one_pool_cache(model, name, graphs
     policy = make(name, tie_policy)
     x = ids()
     ref = teacher_forced_logits(model, policy, x, layout=LAYOUT, prefill=1)
-    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, page=4, chunk_graphs=graphs and eng_static(policy))
+    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, page=4, chunk_graphs=graphs)
     assert eng.chunk_attention == "sdpa"  # the uncompiled engine's
     eng.chunk_attention = "flex"
     got = engine_logits(eng, x, 100)
     assert (got - ref[:, 99:]).abs().max() < 1e-4
     assert len(calls) >= 2 * len(eng.layers) and max(c for c, _, _ in calls) == eng.pool_chunk and min(c for c, _, _ in calls) < eng.pool_chunk
     assert all(b == 4 and e % 4 == 0 for _, e, b in calls) and max(e for _, e, _ in calls) > 0
-    if graphs and eng_static(policy):
+    if graphs:
         widths = set(eng._cg["ehl"])
         assert all(w // eng.chunk_bucket & (w // eng.chunk_bucket - 1) == 0 for w in widths) and len(widths) >= 2  # bucket x 2^k
     g = torch.Generator().manual_seed(0)
@@ -223,11 +223,6 @@ def test_the_chunks_block_mask_visits_every_visible_place_and_skips_the_padding(
     q, k, v = (torch.randn(B, Hk * G, C, 8, generator=g), *torch.randn(2, B, Hk, n + C, 8, generator=g))
     want = chunk_attention_sdpa(q, k, v, lo, hi, qpos, 0.3)
     assert (chunk_attention_flex(q, k, v, lo, hi, qpos, 0.3, entries=n, block=blk) - want).abs().max() < 1e-5
-
-
-def eng_static(policy) -> bool:
-    """Whether the engine runs ``policy``'s full chunks on static buffers (not a delayed rule's)."""
-    return policy.read_delay(WINDOW) is None
 
 
 @pytest.mark.parametrize("name", NAMES)
