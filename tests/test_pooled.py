@@ -125,6 +125,25 @@ def test_engine_equals_the_one_pool_cache(model, name, prefill, page, tie_policy
     assert eng.seen == S
 
 
+@pytest.mark.parametrize("name", ["dbtrimkv", "one_pool_mlp", "kvpop_mlp_pool"])
+def test_every_layers_leavers_scored_in_one_call_as_layer_by_layer(model, name, tie_policy):
+    """The engine scores a static rule's leavers of every layer with one call of the rule's all_layers view
+    (engine.STACKED_LEAVERS): bitwise the priorities of its twin, each layer's rule on its own leavers, for a step's
+    one leaver and a chunk's many (the engine == OnePoolCache tests run the stacked form)."""
+    eng = DecodeEngine(model, make(name, tie_policy), layout=LAYOUT, batch_size=2, page=4)
+    assert eng._stacked is not None
+    eng.prefill(ids(n=60))
+    with torch.no_grad():
+        for j in (torch.tensor([30]), torch.arange(20, 44)):
+            got = eng._leaver_prio(j)
+            stacked, eng._stacked = eng._stacked, None
+            want = eng._leaver_prio(j)
+            eng._stacked = stacked
+            assert got.shape == (2, eng.store.F, j.numel()) and got.dtype == torch.float64
+            assert torch.equal(got, want)
+            assert (got[:, : eng.Hk] - got[:, eng.Hk :]).abs().max() > 1e-6  # the layers score differently: the test tells them apart
+
+
 @pytest.mark.parametrize("name", ["dbtrimkv", "one_pool_ties", "kvpop_mlp_pool"])
 @pytest.mark.parametrize("prefill", [96, 100])
 def test_chunk_layers_on_static_buffers_equal_the_one_pool_cache(model, name, prefill, tie_policy):

@@ -75,7 +75,11 @@ def main() -> None:
                     help="the compiled engine's chunk attention (kvpop.decode.engine.POOL_CHUNK_ATTENTION; the uncompiled engine's: sdpa)")
     ap.add_argument("--timeline", action="store_true", help="time the prefill to --context chunk by chunk (graphs captured in each), "
                     "then whole again")
+    ap.add_argument("--decay-block", type=int, default=None, help="decaying ranks (dbtrimkv): queries per candidate list of a chunk's "
+                    "competitions (PoolStore.decay_block; default: the store's)")
     args = ap.parse_args()
+    if args.decay_block is not None and args.decay_block < 1:
+        ap.error(f"--decay-block must be >= 1, got {args.decay_block}")
     if args.chunks < 1 or args.context < 0:
         ap.error(f"--chunks must be >= 1 and --context >= 0, got {args.chunks} and {args.context}")
     if args.small and args.narrow:
@@ -94,6 +98,8 @@ def main() -> None:
     engine.POOL_CHUNK_ATTENTION = args.chunk_attention
     eng = DecodeEngine(model, policy, layout=CacheLayout(budget, 4, window), batch_size=1, chunk_graphs=args.chunk_graphs)
     eng.pool_closed_form = not args.replay
+    if args.decay_block is not None:
+        eng.store.decay_block = args.decay_block
     seed = context if args.timeline else 0  # bench_decode.py's prompt of that length
     ids = random_ids(1, context + (args.chunks + args.ops) * window, cfg.vocab_size, seed, dev)
     extra = {}
@@ -143,7 +149,7 @@ def main() -> None:
     write_result(out, {"what": f"one prefill chunk of the pooled engine ({args.policy}) under the profiler, host and device",
                        "model": model_name + " (random weights)", "policy": args.policy,
                        "one_pass": not args.replay, "chunk_graphs": args.chunk_graphs, "chunk_attention": args.chunk_attention if eng.compiled else "sdpa",
-                       "budget": budget, "window": window, "context": context,
+                       "budget": budget, "window": window, "context": context, "decay_block": eng.store.decay_block if eng.store.decays else None,
                        "chunks": args.chunks,
                        "s_per_chunk": round(chunk_s, 4), "prefill_to_context_s": round(warm_s, 2), "summary": head,
                        "table_host": host, "table_device": device, **extra})

@@ -14,7 +14,8 @@
 #   step    bench/bench_pool_step.py --graphs --delays 64 (train.pool_graphs, issue 32)
 #   prefill bench/kernels/profile_pool_prefill.py --chunk-graphs --timeline at PREFILL_CONTEXT (default 32768) for each of
 #           PREFILL_POLICIES (default "dbtrimkv kvpop_mlp"), PREFILL_ARGS more (e.g. "--chunk-attention sdpa"): every chunk's
-#           seconds and graphs, the phases, the kernels
+#           seconds and graphs, the phases, the kernels; DECAY_BLOCKS (e.g. "8 16"): each policy once per --decay-block (dbtrimkv's
+#           candidate lists), files prefill_POLICY_bN.json; TIMELINE="" (set, empty): without --timeline (the profiled chunks alone)
 # LIMIT (default 570) is the call's seconds from this script's start; each part gets what is left less 15 s.
 # At most 8 files come back from a call's $OUT: the profile part with two SPLITS writes 8 with gpu.txt and parts.txt, so run it alone.
 # The issue's whole command (every part of bench_decode.py, over 10 minutes) runs across calls with scripts/device/bg.sh:
@@ -57,8 +58,12 @@ for part in "${parts[@]}"; do
     step) timeout "$s" python3 bench/bench_pool_step.py --graphs --delays 64 --out "$OUT/pool_step.json" > "$OUT/pool_step.log" 2>&1 ;;
     prefill)
       for pol in ${PREFILL_POLICIES:-dbtrimkv kvpop_mlp}; do
-        [ "$(left)" -gt 60 ] && timeout "$(left)" python3 bench/kernels/profile_pool_prefill.py --policy "$pol" --context "${PREFILL_CONTEXT:-32768}" \
-          --chunk-graphs --timeline ${PREFILL_ARGS:-} --out "$OUT/prefill_$pol${TAG:-}.json" >> "$OUT/prefill${TAG:-}.log" 2>&1
+        for db in ${DECAY_BLOCKS:--}; do  # "-": the store's own decay_block
+          a=() && sfx=
+          [ "$db" = - ] || { a=(--decay-block "$db") && sfx=_b$db; }
+          [ "$(left)" -gt 60 ] && timeout "$(left)" python3 bench/kernels/profile_pool_prefill.py --policy "$pol" --context "${PREFILL_CONTEXT:-32768}" \
+            --chunk-graphs ${TIMELINE---timeline} "${a[@]}" ${PREFILL_ARGS:-} --out "$OUT/prefill_$pol$sfx${TAG:-}.json" >> "$OUT/prefill${TAG:-}.log" 2>&1
+        done
       done ;;
   esac
   rc=$?

@@ -135,6 +135,10 @@ POOL_SPLIT_KV: int | None = None
 #: mask of every query head's rows, G x C x (n + C) per KV head, built and read in each layer). The uncompiled engine
 #: (the CPU's, the twin) runs "sdpa".
 POOL_CHUNK_ATTENTION: Literal["flex", "sdpa"] = "flex"
+#: a static pooled rule's leavers (the step's ``F``, a prefill chunk's ``F x C``) scored by one call of the rule's
+#: :meth:`~kvpop.policies.Policy.all_layers` view, where it has one (True), or layer by layer (False: the twin; ``L``
+#: small networks a step, each some kernels the compiled step cannot fuse across layers). Read when an engine is built.
+STACKED_LEAVERS = True
 
 #: the environment variable naming the folder of compiled decode steps (default: COMPILE_CACHE_DEFAULT)
 COMPILE_CACHE_ENV = "KVPOP_COMPILE_CACHE"
@@ -373,6 +377,9 @@ class DecodeEngine:
         # d < window (Policy.read_delay); its prefill chunks are window - d tokens (kvpop.policies.kvpop_pool)
         self.pool_delay = self.policy.read_delay(self.window) if self.kind == "pooled" else None
         self.pool_chunk = self.window - (self.pool_delay or 0)  # the pooled prefill's whole chunk
+        # a static pooled rule scores the leavers of every layer in one call (Policy.all_layers: each layer's network stacked,
+        # copies taken now, as the projections below are packed now); None: layer by layer (the twin, and rules without that view)
+        self._stacked = self.policy.all_layers() if self.kind == "pooled" and self.pool_delay is None and STACKED_LEAVERS else None
         # (weight, bias) of each layer's q/k/v and gate/up projections, packed into one matrix each
         # (after every check above: a refused engine leaves the model as it was)
         self._wqkv = [pack_linears(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj) for l in self.layers]
@@ -778,6 +785,10 @@ class DecodeEngine:
         st, B = self.store, self.B
         if self.pool_delay is not None:
             return st.prio[:, st.pair_slots(j)]  # (B, F, n)
+        if self._stacked is not None:  # every layer's leavers in one call: pair f = layer * Hk + head is head f of the stacked view
+            slots = st.pair_slots(j)  # (F, n)
+            k, v = (t.view(B, *slots.shape, self.D) for t in st.read_kv(slots.reshape(1, -1).expand(B, -1)))  # (B, F, n, D)
+            return self._stacked.token_scores(0, k, v, j.expand(B, -1)).double()  # (B, F, n)
         out = []
         for i in range(len(self.layers)):
             slots = st.ring_slots(i, j)  # (Hk, n)
