@@ -620,3 +620,43 @@ def test_the_compiled_steps_control_flow_on_the_cpu(tiny_model, name, tie_policy
             assert (got - ref[:, t]).abs().max() < 1e-4, t
     finally:
         eng.compiled = False
+
+
+@pytest.mark.parametrize("name", ["dbtrimkv", "dbtrimkv_tied"])
+def test_the_compiled_decaying_query_equals_the_eager_one(model, name, tie_policy, monkeypatch):
+    """A decaying prefill chunk's query body compiled by Inductor (pooled.COMPILED_QUERIES, the CUDA graph's body;
+    here the CPU's code of the same graph): chunk after chunk, the same eviction times and pool as the eager body,
+    with every decision a tie in ``dbtrimkv_tied``."""
+    import copy
+
+    from kvpop.decode.pooled import PoolStore
+
+    policy = make(name, tie_policy)
+    x = ids(n=110, seed=9)
+    eng = DecodeEngine(model, policy, layout=LAYOUT, batch_size=2, page=4)
+    st = eng.store
+    st.decay_block = 5
+    eng.prefill(x[:, : SINKS + WINDOW + 20])
+    torch._dynamo.reset()
+    compiled = torch.compile(PoolStore._decaying_query, fullgraph=True)  # as the store compiles it: lists of any length
+    calls = []
+
+    def body(self, b):
+        calls.append(b["pos"].shape)
+        return compiled(self, b)
+
+    evicted = 0
+    for c0 in range(SINKS + WINDOW + 20, 110, WINDOW):
+        c1 = min(c0 + WINDOW, 110)
+        prio = eng._leaver_prio(torch.arange(c0 - WINDOW, c1 - WINDOW))
+        twin = copy.deepcopy(st)
+        want = twin.compete_decaying(c0, prio)
+        with monkeypatch.context() as m:
+            m.setattr(PoolStore, "_decaying_query", body)
+            got = st.compete_decaying(c0, prio)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), c0
+        assert pool_entries(st, got[0]) == pool_entries(twin, want[0])
+        evicted += int((got[1] < NEVER).sum())
+        st.__dict__.update(twin.__dict__)
+        eng.prefill(x[:, c0:c1])
+    assert evicted > 0 and len(set(calls)) > 1  # lists of several lengths

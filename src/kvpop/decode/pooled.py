@@ -195,6 +195,11 @@ def select_lowest_set(score: Tensor, tie: Tensor, n: int) -> Tensor:
 #: --sorted`` measures both)
 RANKED_SELECTION = True
 
+#: a decaying prefill chunk's query (:meth:`PoolStore._decaying_query`) compiled (torch.compile) inside its CUDA graph (True):
+#: its some 30 elementwise operations, gathers and scatters fused into a few kernels around the two ``topk``, where eagerly
+#: each is a kernel of its own; False: the eager body, its twin (tests/test_pooled.py, tests/test_gpu.py)
+COMPILED_QUERIES = True
+
 
 class PoolStore:
     """The rings and the pool of a ``pooled`` :class:`kvpop.decode.DecodeEngine` (module docstring).
@@ -235,6 +240,7 @@ class PoolStore:
         self.list_steps = T if T and self.C < self.NP else 0  # a list as long as the pool saves nothing
         self.list_left = 0  # steps the list still serves (host); 0: refresh before the next step
         self._query_graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, dict[str, Tensor]]] = {}  # compete_decaying's loops
+        self._query_fn = None  # the compiled query body of those loops (COMPILED_QUERIES), made at its first use
         self.decay_block = decay_block  # compete_decaying's queries per candidate list
         #: the last prefill chunk's candidate lists, (listed, of) each (a diagnostic, bench_pool_prefill.py): the static closed
         #: form's one (pool entries listed, of the pool's slots; every leaver is listed too), decaying ranks' one per block
@@ -672,7 +678,8 @@ class PoolStore:
         first -> each candidate's eviction time (B, S) (``NEVER``: it stays).
 
         On CUDA the ``n`` queries run as one CUDA graph per list shape ``(S, n)``, captured once per store and
-        replayed (the loop launches some 60 kernels a query); eager elsewhere, the same loop body."""
+        replayed, each query the body compiled (:data:`COMPILED_QUERIES`; eagerly it launches some 60 kernels a query);
+        eager elsewhere, the same loop body."""
         B, S, dev = count.shape[0], cand["pos"].shape[1], self.device
         consts = {"inf": torch.tensor(float("inf"), dtype=torch.float64, device=dev), "vi": torch.arange(self.F, device=dev)}
         if dev.type != "cuda":
@@ -683,6 +690,11 @@ class PoolStore:
             return bufs["e"][:, :S]
         key = (B, S, n)
         if key not in self._query_graphs:
+            query = type(self)._decaying_query
+            if COMPILED_QUERIES:
+                if self._query_fn is None:
+                    self._query_fn = torch.compile(query, fullgraph=True)  # a second list length makes it dynamic: one more compile
+                query = self._query_fn
             bufs = {name: torch.empty_like(t) for name, t in cand.items()}
             bufs.update(consts, count=torch.empty_like(count), q=torch.zeros((), dtype=torch.int64, device=dev),
                         e=torch.empty(B, S + 1, dtype=torch.int64, device=dev))
@@ -691,12 +703,12 @@ class PoolStore:
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
-                self._decaying_query(bufs)
+                query(self, bufs)  # compiles (a new list shape: once)
             torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 for _ in range(n):
-                    self._decaying_query(bufs)
+                    query(self, bufs)
             self._query_graphs[key] = (graph, bufs)
         graph, bufs = self._query_graphs[key]
         for name, t in cand.items():
