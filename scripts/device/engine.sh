@@ -8,8 +8,9 @@
 #   twins   tests/test_gpu.py's pool, chunked and chunk-graph twins (the compiled pooled engine == OnePoolCache, ...; TWINS_K: another -k)
 #   decode  bench/bench_decode.py: DECODE_PARTS (default b1,batch,pooled) at budget 2,048, batch BATCHES (64; 1: none), no dense rows, the
 #           pooled policies POOLED (default kvpop_mlp,dbtrimkv) with chunk graphs (GRAPHS=0: without), contexts CONTEXTS
-#   profile bench/kernels/profile_decode.py at batch 1, 4K: the bounded step (kvpop_mlp) and the pooled one (PROFILE_POLICY, default
-#           dbtrimkv), and the pooled one with its selection sorted (--sorted), then with each FlexAttention split of SPLITS
+#   profile bench/kernels/profile_decode.py at batch 1, 4K: the bounded step (kvpop_mlp) and the pooled one of each of PROFILE_POLICIES
+#           (default PROFILE_POLICY, default dbtrimkv; several: profile_pooled_POLICY.json; kvpop_mlp_one_pool: OnePool(kvpop_mlp)),
+#           the first with its selection sorted (--sorted; SORTED=0: not), then with each FlexAttention split of SPLITS
 #           (e.g. "32 64": --split-kv), every kernel listed
 #   step    bench/bench_pool_step.py --graphs --delays 64 (train.pool_graphs, issue 32)
 #   prefill bench/kernels/profile_pool_prefill.py --chunk-graphs --timeline at PREFILL_CONTEXT (default 32768) for each of
@@ -46,13 +47,17 @@ for part in "${parts[@]}"; do
         --contexts "${CONTEXTS:-4096,32768,131072}" --dense-modes none --eager-new 0 --pooled-policies "${POOLED:-kvpop_mlp,dbtrimkv}" $g \
         --out "$OUT/decode${TAG:-}.json" > "$OUT/decode${TAG:-}.log" 2>&1 ;;
     profile)
-      timeout "$s" python3 bench/kernels/profile_decode.py --out "$OUT/profile_bounded${TAG:-}.json" > "$OUT/profile${TAG:-}.log" 2>&1 &&
-        timeout "$(left)" python3 bench/kernels/profile_decode.py --policy "${PROFILE_POLICY:-dbtrimkv}" --out "$OUT/profile_pooled${TAG:-}.json" \
-          >> "$OUT/profile${TAG:-}.log" 2>&1 &&
-        timeout "$(left)" python3 bench/kernels/profile_decode.py --policy "${PROFILE_POLICY:-dbtrimkv}" --sorted --out "$OUT/profile_sorted${TAG:-}.json" \
+      pols=(${PROFILE_POLICIES:-${PROFILE_POLICY:-dbtrimkv}})
+      timeout "$s" python3 bench/kernels/profile_decode.py --out "$OUT/profile_bounded${TAG:-}.json" > "$OUT/profile${TAG:-}.log" 2>&1
+      for pol in "${pols[@]}"; do
+        sfx=$([ ${#pols[@]} -gt 1 ] && echo "_$pol")
+        [ "$(left)" -gt 60 ] && timeout "$(left)" python3 bench/kernels/profile_decode.py --policy "$pol" --out "$OUT/profile_pooled$sfx${TAG:-}.json" \
           >> "$OUT/profile${TAG:-}.log" 2>&1
+      done
+      [ "${SORTED:-1}" = 1 ] && [ "$(left)" -gt 60 ] && timeout "$(left)" python3 bench/kernels/profile_decode.py --policy "${pols[0]}" --sorted \
+        --out "$OUT/profile_sorted${TAG:-}.json" >> "$OUT/profile${TAG:-}.log" 2>&1
       for n in ${SPLITS:-}; do
-        [ "$(left)" -gt 60 ] && timeout "$(left)" python3 bench/kernels/profile_decode.py --policy "${PROFILE_POLICY:-dbtrimkv}" --split-kv "$n" \
+        [ "$(left)" -gt 60 ] && timeout "$(left)" python3 bench/kernels/profile_decode.py --policy "${pols[0]}" --split-kv "$n" \
           --out "$OUT/profile_split$n${TAG:-}.json" >> "$OUT/profile${TAG:-}.log" 2>&1
       done ;;
     step) timeout "$s" python3 bench/bench_pool_step.py --graphs --delays 64 --out "$OUT/pool_step.json" > "$OUT/pool_step.log" 2>&1 ;;
