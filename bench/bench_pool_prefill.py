@@ -64,10 +64,13 @@ def time_competitions(eng: DecodeEngine) -> tuple[float, float]:
 
 def chunk_list(st) -> tuple[int, int, str]:
     """The last chunk's candidate list: ``(listed, of, what)``: a static rule's pool entries of the pool's slots
-    (its leavers all listed), decaying ranks' longest list of one block, of the candidates present in it."""
-    m, of = max(st.chunk_lists)
+    (its leavers all listed), decaying ranks' longest list of one block, of the candidates of the chunk's list present in it."""
     if st.decays:
-        return m, of, f"candidates present (the longest of {len(st.chunk_lists)} blocks of {st.decay_block} queries)"
+        (m0, total), blocks = st.chunk_lists[0], st.chunk_lists[1:]
+        m, of = max(blocks)
+        return m, of, (f"candidates present of the chunk's list (the longest of {len(blocks)} blocks of {st.decay_block} queries; "
+                       f"the chunk's list: {m0} of {total} candidates)")
+    m, of = max(st.chunk_lists)
     return m, of, "pool slots, and every leaver"
 
 

@@ -372,7 +372,7 @@ def test_closed_form_competitions_equal_the_replay(model, name, page, long_range
     st = eng.store
     st.decay_block = 5  # the decaying chunk: several candidate lists in a chunk
     eng.prefill(x[:, : SINKS + WINDOW])  # nothing has left the windows yet
-    evicted, pruned, blocks = 0, False, False
+    evicted, pruned, blocks, chunk_pruned = 0, False, False, False
     c0 = SINKS + WINDOW
     for size in itertools.cycle([1, 2, 5, WINDOW, 3, WINDOW, 1, 2, WINDOW, 4, 7, WINDOW, WINDOW]):
         c1 = min(c0 + size, n)
@@ -387,7 +387,9 @@ def test_closed_form_competitions_equal_the_replay(model, name, page, long_range
         before = copy.deepcopy(st)
         got_orig, got_e = (st.compete_decaying if st.decays else st.compete_static)(c0, prio)
         pruned |= st.decays or st.chunk_lists[0][0] < int((before.tag[:, st.PS0 :] >= 0).sum(1).min())  # the list left pool entries out
-        blocks |= st.decays and len(st.chunk_lists) > 1 and any(m < h for m, h in st.chunk_lists)  # blocks whose lists left some out
+        if st.decays:  # the chunk's list, then its blocks' out of it
+            chunk_pruned |= st.chunk_lists[0][0] < st.chunk_lists[0][1]  # the chunk's list left candidates out
+            blocks |= len(st.chunk_lists) > 2 and any(m < h for m, h in st.chunk_lists[1:])  # blocks whose lists left some out
         assert torch.equal(got_e[:, : st.dump], e[:, : st.dump]), c0  # the replay writes its no-ops' times to the dump slot
         assert pool_entries(st, got_orig) == pool_entries(twin, orig), c0
         assert torch.equal(st.count.sum(1), twin.count.sum(1))
@@ -399,7 +401,7 @@ def test_closed_form_competitions_equal_the_replay(model, name, page, long_range
         check_lists(st)
         c0 = c1
     assert evicted > 0 and c0 == n
-    assert pruned and (blocks or not st.decays)
+    assert pruned and ((blocks and chunk_pruned) or not st.decays)
 
 
 @pytest.mark.parametrize("name", ["dbtrimkv", "one_pool_ties", "kvpop_mlp_pool"])
@@ -660,3 +662,17 @@ def test_the_compiled_decaying_query_equals_the_eager_one(model, name, tie_polic
         st.__dict__.update(twin.__dict__)
         eng.prefill(x[:, c0:c1])
     assert evicted > 0 and len(set(calls)) > 1  # lists of several lengths
+
+
+def test_listed_first_is_the_sorted_places():
+    """listed_first (a decaying prefill block's list: running counts and a scatter) against its definition, the first m
+    of where(can, place, N + place) sorted: lists shorter and longer than m, none and all listed, m up to N."""
+    from kvpop.decode.pooled import listed_first
+
+    g = torch.Generator().manual_seed(21)
+    for N, share in [(1, 0.5), (7, 0.0), (7, 1.0), (50, 0.1), (50, 0.6), (300, 0.3)]:
+        can = torch.rand(3, N, generator=g) < share
+        ar = torch.arange(N)
+        for m in sorted({1, N // 2 or 1, N}):
+            want = torch.where(can, ar, N + ar).sort(dim=1).values[:, :m]
+            assert torch.equal(listed_first(can, m), want), (N, share, m)

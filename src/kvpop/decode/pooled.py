@@ -129,12 +129,18 @@ def can_go(pos: Tensor, prio: Tensor, present: Tensor, arrive: Tensor | None, q0
     return present & (lo <= tau)
 
 
-def _listed_first(can: Tensor, m: int) -> Tensor:
+def listed_first(can: Tensor, m: int) -> Tensor:
     """The places of a list can (B, N) bool, first ``m`` of them: (B, m) int64, the listed in order, then the
-    unlisted as ``N + place`` (distinct: ``% N`` names them) where a row lists fewer than ``m``."""
-    N = can.shape[1]
+    unlisted as ``N + place`` (distinct: ``% N`` names them) where a row lists fewer than ``m``: the first ``m`` of
+    ``where(can, place, N + place)`` sorted, by two running counts and one scatter (a decaying prefill block's list out
+    of the pool's ~600K places, where a sort of them all is a radix sort of eight passes; tests/test_pooled.py)."""
+    B, N = can.shape
     ar = torch.arange(N, device=can.device)
-    return torch.where(can, ar, N + ar).sort(dim=1).values[:, :m]
+    c = can.long()
+    listed = c.cumsum(1)  # (B, N) listed places up to each, itself included
+    place = torch.where(can, listed - 1, listed[:, -1:] + ar - listed)  # (B, N) each place's rank in the sorted order
+    out = torch.zeros(B, m + 1, dtype=torch.int64, device=can.device)  # column m: those beyond the first m
+    return out.scatter_(1, place.clamp(max=m), torch.where(can, ar, N + ar).expand(B, N))[:, :m]
 
 
 def select_lowest(score: Tensor, tie: Tensor, n: int) -> Tensor:
@@ -243,8 +249,8 @@ class PoolStore:
         self._query_fn = None  # the compiled query body of those loops (COMPILED_QUERIES), made at its first use
         self.decay_block = decay_block  # compete_decaying's queries per candidate list
         #: the last prefill chunk's candidate lists, (listed, of) each (a diagnostic, bench_pool_prefill.py): the static closed
-        #: form's one (pool entries listed, of the pool's slots; every leaver is listed too), decaying ranks' one per block
-        #: (candidates listed, of those present in it)
+        #: form's one (pool entries listed, of the pool's slots; every leaver is listed too); decaying ranks' chunk list (candidates
+        #: listed, of all), then one per block (candidates listed, of those of the chunk's list present in it)
         self.chunk_lists: list[tuple[int, int]] = []
         self.listed = False  # the next step's candidates: the list (True) or the whole pool
         nc = self.C if self.list_steps else 0
@@ -650,26 +656,39 @@ class PoolStore:
         key, lb, valid, pos = c["key"], c["score"], c["valid"], c["pos"]
         B, N = key.shape
         arrive = torch.cat([torch.full((B, NP), q0, dtype=torch.int64, device=dev), pos[:, NP:] + self.window], 1)  # (B, N) first query
-        e = torch.full((B, N), NEVER, dtype=torch.int64, device=dev)  # eviction times by candidate
+        # the chunk's own list first (the candidates that can go at some query of it; the others stay through it), and each
+        # block's out of it: a block's tau is at most the chunk's (of the F + F n lowest highest ranks present at q0, at most
+        # F (qb - q0) are gone by qb, and each rank's highest over the block is at most its highest over the chunk), and every
+        # candidate left out has its lowest rank, so its highest over any block, above the chunk's tau: the same block lists
+        # as out of all N candidates, each block's pass over the chunk's list instead of the whole pool
+        can0 = can_go(pos, lb, valid, arrive, q0, n, F=F, decays=True)  # (B, N)
+        m0, total = (int(x) for x in torch.stack([can0.sum(1).max(), valid.sum(1).max()]).tolist())  # one host sync per chunk
+        self.chunk_lists = [(m0, total)]  # the chunk's list, then (listed, present) per block (chunk_lists)
+        sub = listed_first(can0, max(1, m0))  # (B, M) the chunk's list: places among the N candidates, then padding
+        inlist = sub < N
+        sub = sub % N
+        pos, lb, key, arrive = (t.gather(1, sub) for t in (pos, lb, key, arrive))  # (B, M) each
+        M = sub.shape[1]
+        e_sub = torch.full((B, M), NEVER, dtype=torch.int64, device=dev)  # eviction times by place in the chunk's list
         count = self.count.sum(1)  # (B,) the pool's entries before the block's first query
-        self.chunk_lists = []  # (listed, present) per block (chunk_lists)
         for qb in range(q0, q0 + n, self.decay_block):
             nb = min(self.decay_block, q0 + n - qb)
-            here = valid & (e == NEVER) & (arrive < qb + nb)  # (B, N) present at some query of the block
-            can = can_go(pos, lb, here, arrive, qb, nb, F=F, decays=True)  # (B, N)
+            here = inlist & (e_sub == NEVER) & (arrive < qb + nb)  # (B, M) present at some query of the block
+            can = can_go(pos, lb, here, arrive, qb, nb, F=F, decays=True)  # (B, M)
             m, present = (int(x) for x in torch.stack([can.sum(1).max(), here.sum(1).max()]).tolist())  # one host sync per block
             self.chunk_lists.append((m, present))
             if dev.type == "cuda":  # the list padded to a power of two: few shapes, each block's query loop a CUDA graph (_decaying_queries)
-                m = min(N, max(1024, 1 << max(0, m - 1).bit_length()))
-            pick = _listed_first(can, m)  # (B, m) the listed, then padding (unlisted ones: distinct)
-            listed = pick < N
-            pick = pick % N
+                m = min(M, max(1024, 1 << max(0, m - 1).bit_length()))
+            pick = listed_first(can, m)  # (B, m) the listed, then padding (unlisted ones: distinct)
+            listed = pick < M
+            pick = pick % M
             cand = {"pos": pos.gather(1, pick), "lb": lb.gather(1, pick), "key": key.gather(1, pick), "arrive": arrive.gather(1, pick),
                     "listed": listed}
             e_b = self._decaying_queries(qb, nb, cand, count)  # (B, m)
             gone = listed & (e_b < NEVER)
-            e.scatter_(1, pick, torch.where(gone, e_b, e.gather(1, pick)))  # pick is distinct per row
+            e_sub.scatter_(1, pick, torch.where(gone, e_b, e_sub.gather(1, pick)))  # pick is distinct per row
             count = count + F * nb - gone.sum(1)  # every query's F leavers enter, the gone leave
+        e = torch.full((B, N), NEVER, dtype=torch.int64, device=dev).scatter_(1, sub, torch.where(inlist, e_sub, NEVER))  # sub: distinct
         return self._relayout(c, torch.where(valid, e, NEVER))
 
     def _decaying_queries(self, q0: int, n: int, cand: dict[str, Tensor], count: Tensor) -> Tensor:
