@@ -648,8 +648,9 @@ class PoolStore:
         the block's first query, a candidate whose lowest rank is above ``tau`` keeps ``F`` of them strictly below
         it at every query of the block, and stays. Each query's selection over the list (:func:`select_lowest`,
         the ranks and ties of :meth:`update`) then takes what the whole pool's would (tests/test_pooled.py: the
-        replay's times). Shorter blocks, shorter lists; each block costs a pass over all candidates and a host
-        synchronization (the list's length)."""
+        replay's times). The blocks' lists come out of the chunk's own (the same argument over the whole chunk: one
+        pass over all candidates). Shorter blocks, shorter lists; each block costs a pass over the chunk's list and a
+        host synchronization (the list's length)."""
         F, NP, dev = self.F, self.NP, self.device
         n = prio.shape[2]
         c = self._candidates(q0, prio)
