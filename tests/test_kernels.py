@@ -182,11 +182,13 @@ def wavelet(block: int) -> str:
 BLOCKS = pytest.mark.parametrize("block", [16, 4096])  # 16: smaller than a row (the carried prefix counts across blocks); 4096: one block
 
 
+@pytest.mark.parametrize("split", [False, True])
 @BLOCKS
-def test_wavelet_kernels_answer_as_the_tensor_twin(block):
+def test_wavelet_kernels_answer_as_the_tensor_twin(block, split):
     """kvpop.kernels.order (build + query) against kvpop.order.prefix_kth_smallest_reference, on the
-    same random cases as tests/test_order.py (duplicates, empty and full prefixes, ranks out of range)."""
-    out = run_interpreted(wavelet(block) + textwrap.dedent("""
+    same random cases as tests/test_order.py (duplicates, empty and full prefixes, ranks out of range); the levels
+    built by one program per sequence and by a grid over blocks (``split``: up to 17 blocks of 16)."""
+    out = run_interpreted(wavelet(block) + f"split = {split}\n" + textwrap.dedent("""
     cases = 0
     for N, n, m, vmax in [(3, 1, 4, 0), (2, 37, 50, 5), (4, 64, 64, 63), (2, 100, 33, 1000), (1, 257, 300, 256), (2, 0, 5, 0)]:
         values = torch.randint(0, vmax + 1, (N, n), generator=g)
@@ -195,7 +197,7 @@ def test_wavelet_kernels_answer_as_the_tensor_twin(block):
         kth = torch.where(torch.rand(N, m, generator=g) < 0.5, inside, torch.randint(-1, n + 3, (N, m), generator=g))
         bits = max(1, vmax.bit_length())
         want = prefix_kth_smallest_reference(values, prefix, kth, bits=bits)
-        got = ko.wavelet_kth_smallest(values, prefix, kth, bits)
+        got = ko.wavelet_kth_smallest(values, prefix, kth, bits, split=split)
         assert torch.equal(got, want), (N, n, m, vmax, (got != want).sum())
         cases += 1
     print("OK", cases)
@@ -255,6 +257,9 @@ GPU_KERNELS = [
     ("order", "_build_kernel", dict(values_ptr="*i64", buf_ptr="*i32", zeros_ptr="*i32", n="i32", bits="i32"), [{"BLOCK": 4096}]),
     ("order", "_query_kernel", dict(zeros_ptr="*i32", prefix_ptr="*i64", kth_ptr="*i64", out_ptr="*i64", n="i32", m="i32", bits="i32"),
      [{"BQ": 1024}]),
+    ("order", "_level_count_kernel", dict(buf_ptr="*i32", cnt_ptr="*i32", n="i32", src_half="i32", level="i32", nblk="i32"), [{"BLOCK": 4096}]),
+    ("order", "_level_write_kernel", dict(buf_ptr="*i32", cnt_ptr="*i32", zeros_ptr="*i32", n="i32", src_half="i32", level="i32", bits="i32",
+                                          nblk="i32"), [{"BLOCK": 4096, "NB": 64}]),
     ("blockmask", "_block_lists_kernel",
      dict(d_min_ptr="*i64", d_max_ptr="*i64", e_min_ptr="*i64", e_max_ptr="*i64", kv_num_ptr="*i32", kv_idx_ptr="*i32",
           full_num_ptr="*i32", full_idx_ptr="*i32", Hk="i32", nb="i32", S="i32", block_size="i32", group="i32"), [{"NB": 128}]),

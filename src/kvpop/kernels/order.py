@@ -12,6 +12,13 @@ the selection spends its time launching kernels (BENCHMARKS.md, the training ste
 * ``_query_kernel``, one program per (sequence, block of queries): every query descends the levels
   with two lookups in ``zeros`` per level, as the twin does.
 
+A few long sequences (the pooled prefill's closed form: one sequence of ``F (2 x window + 1)`` values, about
+148K at Qwen3-4B) leave all but one SM idle under ``_build_kernel``, which walks its blocks one after another
+(2.6 ms a chunk on an H100). There the levels are built by a grid over (sequence, block) instead, two launches a
+level: ``_level_count_kernel`` counts each block's zero bits, ``_level_write_kernel`` reads the counts of the
+blocks before its own (a sum over at most a few hundred numbers) and writes its block's prefix counts and
+partition (:func:`split_build`).
+
 Integers only, the twin's recurrences step for step, so the answers are equal (CPU under Triton's
 interpreter and a GPU test).
 
@@ -61,6 +68,37 @@ def _build_kernel(values_ptr, buf_ptr, zeros_ptr, n, bits, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _level_count_kernel(buf_ptr, cnt_ptr, n, src_half, level, nblk, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)  # the sequence
+    b = tl.program_id(1)  # its block
+    j = b * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(buf_ptr + i * 2 * n + src_half * n + j, mask=j < n, other=0)
+    zero = tl.where(j < n, 1 - ((x >> level) & 1), 0)
+    tl.store(cnt_ptr + i * nblk + b, tl.sum(zero, 0))
+
+
+@triton.jit
+def _level_write_kernel(buf_ptr, cnt_ptr, zeros_ptr, n, src_half, level, bits, nblk, BLOCK: tl.constexpr, NB: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    blk = tl.arange(0, NB)
+    cnt = tl.load(cnt_ptr + i * nblk + blk, mask=blk < nblk, other=0)
+    carry = tl.sum(tl.where(blk < b, cnt, 0), 0)  # zero bits in the blocks before this one
+    n_zeros = tl.sum(cnt, 0)
+    j = b * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(buf_ptr + i * 2 * n + src_half * n + j, mask=j < n, other=0)
+    zero = tl.where(j < n, 1 - ((x >> level) & 1), 0)
+    upto = carry + tl.cumsum(zero, 0)  # zero bits in [0, j]
+    zrow = zeros_ptr + (i * bits + level) * (n + 1)
+    tl.store(zrow + 1 + j, upto, mask=j < n)
+    if b == 0:
+        tl.store(zrow, 0)
+    before = upto - zero  # zero bits in [0, j)
+    dest = tl.where(zero == 1, before, n_zeros + j - before)
+    tl.store(buf_ptr + i * 2 * n + (1 - src_half) * n + dest, x, mask=j < n)
+
+
+@triton.jit
 def _query_kernel(zeros_ptr, prefix_ptr, kth_ptr, out_ptr, n, m, bits, BQ: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     q = tl.program_id(1) * BQ + tl.arange(0, BQ)
@@ -92,12 +130,22 @@ def launch_config(n: int) -> dict[str, int]:
     return {"BLOCK": min(triton.next_power_of_2(max(n, 16)), 4096), "BQ": 1024, "num_warps": 8}
 
 
-def wavelet_kth_smallest(values: torch.Tensor, prefix: torch.Tensor, kth: torch.Tensor, bits: int) -> torch.Tensor:
-    """:func:`kvpop.order.prefix_kth_smallest_reference`'s answers in two launches.
+def split_build(N: int, n: int, block: int) -> bool:
+    """Whether ``N`` sequences of ``n`` values build their levels by a grid over blocks (two launches a level) rather
+    than one program per sequence: few sequences (fewer than 32, so that one program each leaves most of a GPU idle)
+    of at least 16 blocks each (64K values: the pooled prefill's, not a training row's of at most 16K tokens, whose
+    selection keeps its one launch)."""
+    return N < 32 and n >= 16 * block
+
+
+def wavelet_kth_smallest(values: torch.Tensor, prefix: torch.Tensor, kth: torch.Tensor, bits: int, *, split: bool | None = None) -> torch.Tensor:
+    """:func:`kvpop.order.prefix_kth_smallest_reference`'s answers in two launches (or ``2 x bits + 1`` where the
+    levels are built by a grid over blocks).
 
     Args:
         values: (N, n) non-negative integers below ``2 ** bits`` (and below 2**31).
         prefix: (N, m) prefix lengths in [0, n]; kth: (N, m) 1-based ranks.
+        split: build the levels by blocks (True) or one program per sequence (False); None: :func:`split_build`.
 
     Returns:
         (N, m) int64, -1 for invalid queries (``kth < 1`` or ``kth > prefix``).
@@ -111,7 +159,16 @@ def wavelet_kth_smallest(values: torch.Tensor, prefix: torch.Tensor, kth: torch.
     out = torch.empty(N, m, dtype=torch.int64, device=dev)
     if N == 0 or m == 0:
         return out
-    if n:
+    if n and (split_build(N, n, cfg["BLOCK"]) if split is None else split):
+        nblk = triton.cdiv(n, cfg["BLOCK"])
+        cnt = torch.empty(N, nblk, dtype=torch.int32, device=dev)
+        buf[:, 0].copy_(values)
+        for it in range(bits):  # most significant bit first, as _build_kernel
+            level, half = bits - 1 - it, it % 2
+            _level_count_kernel[(N, nblk)](buf, cnt, n, half, level, nblk, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
+            _level_write_kernel[(N, nblk)](buf, cnt, zeros, n, half, level, bits, nblk, BLOCK=cfg["BLOCK"], NB=triton.next_power_of_2(nblk),
+                                           num_warps=cfg["num_warps"])
+    elif n:
         _build_kernel[(N,)](values.to(torch.int64).contiguous(), buf, zeros, n, bits, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
     else:
         zeros.zero_()
