@@ -118,3 +118,20 @@ def test_cuda_matches_cpu(monkeypatch, kernels):
     gpu = prefix_kth_smallest(values.cuda(), prefix.cuda(), kth.cuda())
     assert torch.equal(gpu.cpu(), cpu)
     assert torch.equal(cpu, brute_force(values, prefix, kth))
+
+
+@CUDA
+@pytest.mark.parametrize("split", [False, True])
+def test_cuda_kernels_build_by_blocks_as_by_sequence(split):
+    """On CUDA the wavelet levels built by a grid over blocks (kvpop.kernels.order.split_build: few long sequences, the
+    pooled prefill's) and by one program per sequence give the tensor twin's answers, on rows of about 148K values
+    (its size at Qwen3-4B) and a short one."""
+    from kvpop.kernels.order import wavelet_kth_smallest
+    from kvpop.order import prefix_kth_smallest_reference
+
+    for N, n, vmax in [(1, 148_000, 147_999), (2, 70_000, 500), (3, 100, 7)]:
+        values, prefix, kth = random_case(N, n, 2000, vmax, seed=n)
+        bits = max(1, vmax.bit_length())
+        want = prefix_kth_smallest_reference(values, prefix, kth, bits=bits)
+        got = wavelet_kth_smallest(values.cuda(), prefix.cuda(), kth.cuda(), bits, split=split)
+        assert torch.equal(got.cpu(), want), (N, n, split)

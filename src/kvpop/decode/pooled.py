@@ -125,7 +125,7 @@ def can_go(pos: Tensor, prio: Tensor, present: Tensor, arrive: Tensor | None, q0
         lo = hi = prio.double()
     lo, hi = torch.where(present, lo, inf), torch.where(present if arrive is None else present & (arrive <= q0), hi, inf)
     k = F + F * n
-    tau = hi.topk(k, dim=1, largest=False).values[:, -1:] if k <= N else inf.expand(B, 1)  # (B, 1)
+    tau = hi.topk(k, dim=1, largest=False, sorted=False).values.amax(1, keepdim=True) if k <= N else inf.expand(B, 1)  # (B, 1) the k-th
     return present & (lo <= tau)
 
 
