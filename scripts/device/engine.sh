@@ -5,7 +5,8 @@
 #   bash scripts/device/run.sh bash scripts/device/engine.sh twins decode
 #   POOLED=dbtrimkv DECODE_PARTS=pooled bash scripts/device/run.sh bash scripts/device/engine.sh decode
 # Parts, in the order given:
-#   twins   tests/test_gpu.py's pool, chunked and chunk-graph twins (the compiled pooled engine == OnePoolCache, ...; TWINS_K: another -k)
+#   twins   tests/test_gpu.py's pool, chunked and chunk-graph twins (the compiled pooled engine == OnePoolCache, ...; TWINS_K: another -k,
+#           TWINS_FILES: other test files, e.g. "tests/test_gpu.py tests/test_order.py")
 #   decode  bench/bench_decode.py: DECODE_PARTS (default b1,batch,pooled) at budget 2,048, batch BATCHES (64; 1: none), no dense rows, the
 #           pooled policies POOLED (default kvpop_mlp,dbtrimkv) with chunk graphs (GRAPHS=0: without), contexts CONTEXTS
 #   profile bench/kernels/profile_decode.py at batch 1, 4K: the bounded step (kvpop_mlp) and the pooled one of each of PROFILE_POLICIES
@@ -39,7 +40,7 @@ for part in "${parts[@]}"; do
   [ "$s" -gt 30 ] || { echo "engine.sh: no time left for $part" | tee -a "$OUT/parts.txt"; continue; }
   p0=$(date +%s)
   case $part in
-    twins) timeout "$s" python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k "${TWINS_K:-pool or chunked}" > "$OUT/twins.log" 2>&1 ;;
+    twins) timeout "$s" python3 -m pytest -q -x -p no:cacheprovider ${TWINS_FILES:-tests/test_gpu.py} -k "${TWINS_K:-pool or chunked}" > "$OUT/twins.log" 2>&1 ;;
     decode)
       g=--chunk-graphs
       [ "${GRAPHS:-1}" = 0 ] && g=
