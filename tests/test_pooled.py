@@ -242,6 +242,10 @@ def test_the_chunks_block_mask_visits_every_visible_place_and_skips_the_padding(
     q, k, v = (torch.randn(B, Hk * G, C, 8, generator=g), *torch.randn(2, B, Hk, n + C, 8, generator=g))
     want = chunk_attention_sdpa(q, k, v, lo, hi, qpos, 0.3)
     assert (chunk_attention_flex(q, k, v, lo, hi, qpos, 0.3, entries=n, block=blk) - want).abs().max() < 1e-5
+    # entry places not a whole number of blocks: every block for every query block (engine.block_mask's, broadcast)
+    full = chunk_block_mask(mask_mod, lo, None, C, G, blk).to_dense().bool()
+    assert full.all() and full.shape[-2:] == (-(-C // blk), -(-(n + C) // blk))
+    assert (chunk_attention_flex(q, k, v, lo, hi, qpos, 0.3, entries=n - 1, block=blk) - want).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -201,17 +201,18 @@ def slot_mask_mod(kv_pos: Tensor, q_pos0: Tensor | int, group: int, sinks: int =
     return mask_mod
 
 
-def block_mask(mask_mod, kv_blocks: Tensor, Q: int, N: int, kv_indices: Tensor | None = None):
+def block_mask(mask_mod, kv_blocks: Tensor, Q: int, N: int, kv_indices: Tensor | None = None, block: int = BLOCK):
     """A forward-only BlockMask whose query block ``i`` visits KV blocks ``[0, kv_blocks[i])``, all
     as partial blocks (the mask_mod decides per element): kv_blocks (Qb,) int32; ``kv_indices``
-    the int32 row ``arange(Kb)`` (any shape holding just it, e.g. (1, 1, 1, Kb)), if already at hand."""
+    the int32 row ``arange(Kb)`` (any shape holding just it, e.g. (1, 1, 1, Kb)), if already at hand;
+    blocks of ``block`` queries and keys (FlexAttention's on CUDA)."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    Qb, Kb = kv_blocks.shape[0], -(-N // BLOCK)
+    Qb, Kb = kv_blocks.shape[0], -(-N // block)
     row = torch.arange(Kb, device=kv_blocks.device, dtype=torch.int32) if kv_indices is None else kv_indices.reshape(Kb)
     kv_indices = row.expand(1, 1, Qb, Kb)  # (1, 1, Qb, Kb): one layout whatever the caller had (compiled code guards on strides)
     return BlockMask.from_kv_blocks(
-        kv_blocks.view(1, 1, Qb).to(torch.int32), kv_indices, BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(Q, N), compute_q_blocks=False
+        kv_blocks.view(1, 1, Qb).to(torch.int32), kv_indices, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(Q, N), compute_q_blocks=False
     )
 
 
@@ -262,22 +263,20 @@ def chunk_block_mask(mask_mod, lo: Tensor, entries: int | None, C: int, G: int, 
     ``entries`` entry places per KV head (a multiple of ``block``), then the chunk's ``C`` tokens. Query block ``i``
     of query head ``h`` visits the blocks holding its KV head's entries (those with ``lo < NEVER``, a prefix:
     padding skipped) and the chunk's blocks ``0 .. i`` (later ones are in its future); all partial, the mask_mod
-    decides within. ``entries`` None: every block for every query block. Built on the device, no host sync:
-    kv_num_blocks (B, H, Qb), kv_indices (B, H, Qb, Kb), H = Hk x G."""
+    decides within. ``entries`` None: every block for every query block (:func:`block_mask`, broadcast over rows and
+    heads). Built on the device, no host sync: kv_num_blocks (B, H, Qb), kv_indices (B, H, Qb, Kb), H = Hk x G."""
     from torch.nn.attention.flex_attention import BlockMask
 
     B, Hk, N = lo.shape
     dev = lo.device
     Qb, Kb = -(-C // block), -(-N // block)
-    j = torch.arange(Kb, device=dev)
     if entries is None:
-        num = torch.full((B, Hk, Qb), Kb, dtype=torch.int64, device=dev)
-        idx = j.expand(B, Hk, Qb, Kb)
-    else:
-        held = (lo[:, :, :entries] < NEVER).sum(-1)  # (B, Hk) each head's entries
-        ne = (-(-held // block))[:, :, None, None]  # (B, Hk, 1, 1) their blocks
-        idx = torch.where(j < ne, j, entries // block + j - ne).clamp(max=Kb - 1).expand(B, Hk, Qb, Kb)  # entries, then the chunk's
-        num = ne[..., 0] + torch.arange(1, Qb + 1, device=dev)  # (B, Hk, Qb): the chunk's blocks up to the query block's own
+        return block_mask(mask_mod, torch.full((Qb,), Kb, dtype=torch.int32, device=dev), C, N, block=block)
+    j = torch.arange(Kb, device=dev)
+    held = (lo[:, :, :entries] < NEVER).sum(-1)  # (B, Hk) each head's entries
+    ne = (-(-held // block))[:, :, None, None]  # (B, Hk, 1, 1) their blocks
+    idx = torch.where(j < ne, j, entries // block + j - ne).clamp(max=Kb - 1).expand(B, Hk, Qb, Kb)  # entries, then the chunk's
+    num = ne[..., 0] + torch.arange(1, Qb + 1, device=dev)  # (B, Hk, Qb): the chunk's blocks up to the query block's own
     num, idx = (t.repeat_interleave(G, 1).to(torch.int32) for t in (num, idx))  # each KV head's G query heads
     return BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(C, N), compute_q_blocks=False)
 
