@@ -665,6 +665,8 @@ class PoolStore:
         can0 = can_go(pos, lb, valid, arrive, q0, n, F=F, decays=True)  # (B, N)
         m0, total = (int(x) for x in torch.stack([can0.sum(1).max(), valid.sum(1).max()]).tolist())  # one host sync per chunk
         self.chunk_lists = [(m0, total)]  # the chunk's list, then (listed, present) per block (chunk_lists)
+        if dev.type == "cuda":  # padded to a power of two, as the blocks' lists below: few shapes, so few CUDA graphs of their queries
+            m0 = min(N, max(1024, 1 << max(0, m0 - 1).bit_length()))
         sub = listed_first(can0, max(1, m0))  # (B, M) the chunk's list: places among the N candidates, then padding
         inlist = sub < N
         sub = sub % N
