@@ -12,7 +12,8 @@
 #   profile bench/kernels/profile_decode.py at batch 1, 4K: the bounded step (kvpop_mlp) and the pooled one of each of PROFILE_POLICIES
 #           (default PROFILE_POLICY, default dbtrimkv; several: profile_pooled_POLICY.json; kvpop_mlp_one_pool: OnePool(kvpop_mlp)),
 #           the first with its selection sorted (--sorted; SORTED=0: not), then with each FlexAttention split of SPLITS
-#           (e.g. "32 64": --split-kv), every kernel listed
+#           (e.g. "32 64": --split-kv), every kernel listed (here: bench/kernels/compare_profiles.py A.json B.json groups them and
+#           prints where the difference goes)
 #   step    bench/bench_pool_step.py --graphs --delays 64 (train.pool_graphs, issue 32)
 #   prefill bench/kernels/profile_pool_prefill.py --chunk-graphs --timeline at PREFILL_CONTEXT (default 32768) for each of
 #           PREFILL_POLICIES (default "dbtrimkv kvpop_mlp"), PREFILL_ARGS more (e.g. "--chunk-attention sdpa"): every chunk's
