@@ -680,3 +680,15 @@ def test_listed_first_is_the_sorted_places():
         for m in sorted({1, N // 2 or 1, N}):
             want = torch.where(can, ar, N + ar).sort(dim=1).values[:, :m]
             assert torch.equal(listed_first(can, m), want), (N, share, m)
+    with pytest.raises(ValueError, match="the first m of 7 places, got m = 8"):
+        listed_first(torch.ones(1, 7, dtype=torch.bool), 8)
+
+
+def test_list_width_pads_to_few_shapes_on_cuda_only():
+    """pooled.list_width: a list's length as it is on the CPU (at least 1), on CUDA a power of two from 1024, capped."""
+    from kvpop.decode.pooled import list_width
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [list_width(m, 10_000, cpu) for m in (0, 1, 3000)] == [1, 1, 3000]
+    assert [list_width(m, 100_000, cuda) for m in (0, 1, 1024, 1025, 3000, 70_000)] == [1024, 1024, 1024, 2048, 4096, 100_000]
+    assert list_width(5, 300, cuda) == 300

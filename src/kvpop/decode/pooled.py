@@ -129,12 +129,23 @@ def can_go(pos: Tensor, prio: Tensor, present: Tensor, arrive: Tensor | None, q0
     return present & (lo <= tau)
 
 
+def list_width(m: int, limit: int, device: torch.device) -> int:
+    """The places a candidate list of ``m`` entries takes out of ``limit``: on CUDA ``m`` padded to a power of two (at
+    least 1024, at most ``limit``), so that few list shapes occur, each a CUDA graph of the decaying queries and a
+    compile of their body (:meth:`PoolStore._decaying_queries`); elsewhere ``m`` itself (at least 1)."""
+    if device.type == "cuda":
+        return min(limit, max(1024, 1 << max(0, m - 1).bit_length()))
+    return max(1, m)
+
+
 def listed_first(can: Tensor, m: int) -> Tensor:
     """The places of a list can (B, N) bool, first ``m`` of them: (B, m) int64, the listed in order, then the
     unlisted as ``N + place`` (distinct: ``% N`` names them) where a row lists fewer than ``m``: the first ``m`` of
     ``where(can, place, N + place)`` sorted, by two running counts and one scatter (a decaying prefill block's list out
     of the pool's ~600K places, where a sort of them all is a radix sort of eight passes; tests/test_pooled.py)."""
     B, N = can.shape
+    if not 0 <= m <= N:
+        raise ValueError(f"listed_first: the first m of {N} places, got m = {m}")
     ar = torch.arange(N, device=can.device)
     c = can.long()
     listed = c.cumsum(1)  # (B, N) listed places up to each, itself included
@@ -527,11 +538,10 @@ class PoolStore:
         the list, the leavers and the virtual entries is the whole pool's (tests/test_pooled.py)."""
         B, NP, PS0, dev = self.B, self.NP, self.PS0, self.device
         can = self.can_go(q0, self.list_steps)  # (B, NP)
-        rank = can.cumsum(1) - 1  # (B, NP)
         n = can.sum(1)  # (B,)
-        self.cand.fill_(self.dump)
-        self.cand.scatter_(1, torch.where(can & (rank < self.C0), rank, self.C), (PS0 + torch.arange(NP, device=dev)).expand(B, -1))
-        self.cand[:, self.C] = self.dump
+        pick = listed_first(can, self.C0)  # (B, C0) pool places, the listed first (C0 < NP: list_steps)
+        self.cand.fill_(self.dump)  # the places past the listed, and those the step's leavers take later
+        self.cand[:, : self.C0] = torch.where(pick < NP, PS0 + pick, self.dump)
         self.ccount.copy_(n.clamp(max=self.C0))
         self.lpos.fill_(-1)
         self.lpos.scatter_(1, self.cand[:, : self.C], torch.arange(self.C, dtype=torch.int32, device=dev).expand(B, -1))
@@ -665,9 +675,7 @@ class PoolStore:
         can0 = can_go(pos, lb, valid, arrive, q0, n, F=F, decays=True)  # (B, N)
         m0, total = (int(x) for x in torch.stack([can0.sum(1).max(), valid.sum(1).max()]).tolist())  # one host sync per chunk
         self.chunk_lists = [(m0, total)]  # the chunk's list, then (listed, present) per block (chunk_lists)
-        if dev.type == "cuda":  # padded to a power of two, as the blocks' lists below: few shapes, so few CUDA graphs of their queries
-            m0 = min(N, max(1024, 1 << max(0, m0 - 1).bit_length()))
-        sub = listed_first(can0, max(1, m0))  # (B, M) the chunk's list: places among the N candidates, then padding
+        sub = listed_first(can0, list_width(m0, N, dev))  # (B, M) the chunk's list: places among the N candidates, then padding
         inlist = sub < N
         sub = sub % N
         pos, lb, key, arrive = (t.gather(1, sub) for t in (pos, lb, key, arrive))  # (B, M) each
@@ -680,9 +688,7 @@ class PoolStore:
             can = can_go(pos, lb, here, arrive, qb, nb, F=F, decays=True)  # (B, M)
             m, present = (int(x) for x in torch.stack([can.sum(1).max(), here.sum(1).max()]).tolist())  # one host sync per block
             self.chunk_lists.append((m, present))
-            if dev.type == "cuda":  # the list padded to a power of two: few shapes, each block's query loop a CUDA graph (_decaying_queries)
-                m = min(M, max(1024, 1 << max(0, m - 1).bit_length()))
-            pick = listed_first(can, m)  # (B, m) the listed, then padding (unlisted ones: distinct)
+            pick = listed_first(can, list_width(m, M, dev))  # (B, m) the listed, then padding (unlisted ones: distinct)
             listed = pick < M
             pick = pick % M
             cand = {"pos": pos.gather(1, pick), "lb": lb.gather(1, pick), "key": key.gather(1, pick), "arrive": arrive.gather(1, pick),
