@@ -47,3 +47,8 @@ def test_a_file_without_a_kernel_list_is_refused_by_name(tmp_path):
     bad.write_text(json.dumps({"what": "an older profile", "ms_per_step": 4.0, "table": "..."}))
     out = run(good, bad)
     assert out.returncode != 0 and "old.json" in out.stderr and "kernels" in out.stderr
+    for broken, why in ((tmp_path / "missing.json", "No such file"), (tmp_path / "torn.json", "cannot read")):
+        if broken.name == "torn.json":
+            broken.write_text('{"kernels": [')
+        out = run(good, broken)
+        assert out.returncode != 0 and broken.name in out.stderr and why in out.stderr and "Traceback" not in out.stderr

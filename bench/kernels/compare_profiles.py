@@ -35,8 +35,11 @@ def group_of(name: str) -> str:
 
 
 def load(path: Path) -> dict:
-    data = json.loads(path.read_text())
-    if not isinstance(data.get("kernels"), list) or "ms_per_step" not in data:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{path}: cannot read a profile_decode.py result ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("kernels"), list) or "ms_per_step" not in data:
         raise SystemExit(f"{path}: not a profile_decode.py result with a kernel list (its 'kernels' and 'ms_per_step')")
     return data
 
